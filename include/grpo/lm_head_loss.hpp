@@ -1,0 +1,147 @@
+// The fused LM-head GRPO kernel: hidden x W -> log-sum-exp -> loss and its
+// gradients, streaming over vocabulary tiles; the [N, V] logits never exist.
+//
+//   grpo::LmHeadShape shape{.batch = 1, .seq_len = 8192, .hidden = 4096,
+//                           .vocab = 151936, .dtype = grpo::DType::bf16};
+//   grpo::LmHeadLossPlan plan(shape, config);          // validates, creates oneDNN primitives
+//   std::vector<std::byte> ws(plan.workspace_size());  // or let execute allocate it
+//   plan.execute({hidden, weight, {}, batch},
+//                {.tokens = {logp}, .dhidden = dh, .dweight = dw, .metrics = &m},
+//                ws);
+//
+// Ownership: views are borrowed for the duration of the call only.
+// Thread safety: a plan is immutable after construction; concurrent execute()
+// calls on one plan need distinct workspaces (or none) and distinct outputs.
+// Threads: execute() runs in the caller's tbb::task_arena, uses at most
+// LmHeadOptions::max_threads of them, and runs every oneDNN call
+// single-threaded inside its task, so oneDNN's OpenMP runtime never adds
+// threads of its own. Results are bitwise identical for any thread count.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "grpo/logits_loss.hpp"
+#include "grpo/loss_config.hpp"
+#include "grpo/types.hpp"
+
+namespace grpo {
+
+enum class WeightLayout : std::uint8_t {
+  vocab_major,   // [V, H], PyTorch / HF lm_head.weight
+  hidden_major,  // [H, V], JAX / Flax kernel
+};
+
+const char* to_string(WeightLayout layout);
+
+struct LmHeadShape {
+  std::int64_t batch = 0;    // B
+  std::int64_t seq_len = 0;  // T; N = B * T token rows
+  std::int64_t hidden = 0;   // H
+  std::int64_t vocab = 0;    // V
+  DType dtype = DType::f32;  // of hidden and weight; bf16 GEMMs accumulate in f32
+  WeightLayout layout = WeightLayout::vocab_major;
+  bool has_bias = false;     // bias [V], f32 or bf16
+};
+
+struct LmHeadOptions {
+  // 0 = chosen by the plan from the workspace budget; otherwise rows per
+  // token block (rounded to the GEMM row quantum) / columns per vocab tile.
+  std::int64_t token_block = 0;
+  std::int64_t vocab_tile = 0;
+  // Upper bound on the workspace, whatever N is.
+  std::size_t workspace_budget = std::size_t{256} << 20;
+  int max_threads = 0;  // 0 = the current task_arena's concurrency
+  bool forward_only = false;
+  DType dweight_dtype = DType::f32;
+  DType dhidden_dtype = DType::f32;
+  // false: dweight / dbias are overwritten; true: the step adds into them.
+  bool accumulate_weight_grads = false;
+  Allocator* allocator = nullptr;  // nullptr = default_allocator()
+};
+
+struct LmHeadInputs {
+  MatrixView hidden;  // [N, H]
+  MatrixView weight;  // [V, H] or [H, V] per LmHeadShape::layout
+  VectorView bias;    // [V] or empty
+  BatchInputs batch;
+};
+
+struct LmHeadOutputs {
+  TokenOutputs tokens;
+  MutMatrixView dhidden;     // [N, H], dtype = options.dhidden_dtype; empty when forward_only
+  MutMatrixView dweight;     // weight's layout, dtype = options.dweight_dtype; empty when forward_only
+  std::span<float> dbias;    // [V] when has_bias and not forward_only
+  Metrics* metrics = nullptr;
+};
+
+// The schedule a plan chose (see LmHeadLossPlan::describe()).
+struct LmHeadSchedule {
+  std::int64_t token_block = 0;
+  std::int64_t vocab_tile = 0;
+  int threads = 0;
+  bool recompute_logits = false;  // sequence-level IS whose sequences span blocks
+  std::size_t workspace_bytes = 0;
+};
+
+class LmHeadLossPlan {
+ public:
+  LmHeadLossPlan(const LmHeadShape& shape, const LossConfig& config, const LmHeadOptions& options = {});
+  ~LmHeadLossPlan();
+  LmHeadLossPlan(LmHeadLossPlan&&) noexcept;
+  LmHeadLossPlan& operator=(LmHeadLossPlan&&) noexcept;
+
+  std::size_t workspace_size() const;
+  const LmHeadSchedule& schedule() const;
+  // One line: token block, vocab tile, threads, GEMM passes, workspace bytes.
+  std::string describe() const;
+
+  // Validates every argument (shapes, ids, finiteness), then computes.
+  // workspace: empty = allocated through options.allocator for this call;
+  // otherwise at least workspace_size() bytes, 64-byte aligned.
+  void execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
+               std::span<std::byte> workspace = {}) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The unfused comparison: full logits by one oneDNN matmul, then LogitsBaseline,
+// then dhidden and dweight by two matmuls on the materialized dlogits.
+// bf16 inputs produce bf16 logits and dlogits (the "bf16 logits" baseline)
+// unless logits_dtype says f32.
+struct LmHeadBaselineOptions {
+  DType logits_dtype = DType::f32;
+  int max_threads = 0;
+  bool forward_only = false;
+  DType dweight_dtype = DType::f32;
+  DType dhidden_dtype = DType::f32;
+  bool accumulate_weight_grads = false;
+  Allocator* allocator = nullptr;
+};
+
+class LmHeadBaseline {
+ public:
+  LmHeadBaseline(const LmHeadShape& shape, const LossConfig& config, const LmHeadBaselineOptions& options = {});
+  ~LmHeadBaseline();
+  LmHeadBaseline(LmHeadBaseline&&) noexcept;
+  LmHeadBaseline& operator=(LmHeadBaseline&&) noexcept;
+
+  void execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const;
+  // The three bare GEMMs of a step at this shape (logits, dhidden, dweight),
+  // with no loss work: the roofline the fused kernel is measured against.
+  // Allocates and frees its [N, V] operand inside the call.
+  void run_bare_gemms(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace grpo

@@ -1,0 +1,77 @@
+// The GRPO loss configuration and the per-batch tensors, shared by the
+// logits-level kernel, the fused LM-head kernel and the unfused baselines.
+// The math is ../shared/SPEC.md; docs/semantics in README.md says where the
+// spec was silent and what this library chose.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "grpo/types.hpp"
+
+namespace grpo {
+
+enum class LossType : std::uint8_t { grpo, bnpo, dr_grpo, dapo, cispo, sapo };
+enum class IsLevel : std::uint8_t { token, sequence };
+
+const char* to_string(LossType type);
+const char* to_string(IsLevel level);
+
+struct LossConfig {
+  LossType loss_type = LossType::grpo;
+  // token: r per token; sequence: GSPO, one ratio per sequence.
+  IsLevel importance_sampling_level = IsLevel::token;
+  float epsilon_low = 0.2F;
+  // For cispo this is the cap of the detached ratio (min(r, epsilon_high)).
+  float epsilon_high = 0.2F;
+  // Two-sided clipping: r~ = min(r, delta). Must exceed 1 + epsilon_high.
+  std::optional<float> delta;
+  // KL (k3) coefficient; ref_logp is required when beta != 0.
+  float beta = 0.0F;
+  // Multiply the k3 KL by the (non-detached) importance ratio.
+  bool kl_bias_correction = false;
+  float temperature = 1.0F;
+  // false: logp = x_y - LSE(x), x = z / tau (TRL, Liger).
+  // true:  logp = (z_y - LSE(z)) / tau (MLLM-JAX); p = softmax(z).
+  bool temperature_on_logp = false;
+  // dr_grpo normalizer: sum m l / (B * max_completion_length). Required (> 0) for dr_grpo.
+  std::int64_t max_completion_length = 0;
+  // dapo / cispo normalizer: the global valid-token count, from the caller. Required (> 0) there.
+  double num_items_in_batch = 0.0;
+  // sapo temperatures: k = tau_pos when A > 0, tau_neg otherwise.
+  float sapo_tau_pos = 1.0F;
+  float sapo_tau_neg = 1.05F;
+};
+
+// The per-token tensors of one micro-batch of B sequences of T tokens (N = B * T rows).
+// Spans are contiguous float32/int32 arrays; an empty span means "absent".
+struct BatchInputs {
+  std::span<const std::int32_t> ids;      // [N] chosen token; never read on masked rows
+  std::span<const float> mask;            // [N], each 0 or 1
+  std::span<const float> advantages;      // [B] (per sequence) or [N] (per token)
+  std::span<const float> old_logp;        // [N] or empty (on-policy: r = 1, gradient flows)
+  std::span<const float> ref_logp;        // [N], required when beta != 0
+  std::span<const float> is_weight;       // [N], [B] or empty; no gradient flows into it
+};
+
+// Per-token outputs. logp is always written (trainers keep it as next epoch's
+// old_logp; 0 on masked rows). entropy and kl are written when non-empty.
+struct TokenOutputs {
+  std::span<float> logp;     // [N], required
+  std::span<float> entropy;  // [N] or empty
+  std::span<float> kl;       // [N] or empty (0 when beta == 0)
+};
+
+// Masked means over valid rows (0 when no row is valid).
+struct Metrics {
+  double loss = 0.0;
+  double clip_ratio_low = 0.0;
+  double clip_ratio_high = 0.0;
+  double clip_ratio_region = 0.0;
+  double kl_mean = 0.0;
+  double entropy_mean = 0.0;
+  std::int64_t num_valid = 0;
+};
+
+}  // namespace grpo

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs the Debian packages grpo builds, tests and benchmarks with.
+# Idempotent: packages already present are not touched, and apt-get update
+# runs only when something is missing.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config
+  libdnnl-dev        # oneDNN 2.6.3 (OpenMP CPU runtime): matmuls
+  libtbb-dev         # oneTBB 2021.8: task parallelism
+  libxsimd-dev       # xsimd 8.1: SIMD wrappers for the stage kernels
+  libbenchmark-dev   # Google Benchmark 1.7: microbench
+  libgtest-dev       # GoogleTest 1.12: tests
+  libyaml-cpp-dev    # yaml-cpp 0.7: microbench / gradcheck configs
+  libcli11-dev       # CLI11 2.1: command-line flags of the tools
+  clang-format clang-tidy
+)
+if [[ "${GRPO_WITH_FUZZ:-0}" == 1 ]]; then
+  packages+=(clang libclang-rt-14-dev)  # libFuzzer + sanitizer runtimes for clang
+fi
+if [[ "${GRPO_WITH_PLOT:-0}" == 1 ]]; then
+  packages+=(python3-matplotlib)         # scripts/plot_scaling.py
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]})); then
+  echo "install_deps: installing ${missing[*]}" >&2
+  sudo_cmd=()
+  if [[ $(id -u) -ne 0 ]]; then sudo_cmd=(sudo); fi
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -q
+  "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "install_deps: all packages present" >&2
+fi

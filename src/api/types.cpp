@@ -1,0 +1,71 @@
+// Error, allocators and the to_string helpers of the public vocabulary.
+#include <new>
+
+#include "grpo/lm_head_loss.hpp"
+#include "grpo/loss_config.hpp"
+#include "grpo/types.hpp"
+
+namespace grpo {
+
+const char* to_string(DType dtype) { return dtype == DType::f32 ? "f32" : "bf16"; }
+std::size_t size_of(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+
+const char* to_string(LossType type) {
+  switch (type) {
+    case LossType::grpo: return "grpo";
+    case LossType::bnpo: return "bnpo";
+    case LossType::dr_grpo: return "dr_grpo";
+    case LossType::dapo: return "dapo";
+    case LossType::cispo: return "cispo";
+    case LossType::sapo: return "sapo";
+  }
+  return "?";
+}
+
+const char* to_string(IsLevel level) { return level == IsLevel::token ? "token" : "sequence"; }
+
+const char* to_string(WeightLayout layout) {
+  return layout == WeightLayout::vocab_major ? "vocab_major" : "hidden_major";
+}
+
+Error::Error(std::string argument, const std::string& message)
+    : std::invalid_argument("grpo: invalid argument '" + argument + "': " + message),
+      argument_(std::move(argument)) {}
+
+namespace {
+
+class DefaultAllocator final : public Allocator {
+ public:
+  void* allocate(std::size_t bytes, std::size_t alignment) override {
+    return ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{alignment});
+  }
+  void deallocate(void* ptr, std::size_t /*bytes*/, std::size_t alignment) override {
+    ::operator delete(ptr, std::align_val_t{alignment});
+  }
+};
+
+}  // namespace
+
+Allocator& default_allocator() {
+  // Stateless: a function-local instance holds no data, only a vtable.
+  static DefaultAllocator instance;
+  return instance;
+}
+
+void* TrackingAllocator::allocate(std::size_t bytes, std::size_t alignment) {
+  void* ptr = upstream_.allocate(bytes, alignment);
+  const std::size_t live = live_.fetch_add(bytes) + bytes;
+  std::size_t peak = peak_.load();
+  while (live > peak && !peak_.compare_exchange_weak(peak, live)) {
+  }
+  count_.fetch_add(1);
+  return ptr;
+}
+
+void TrackingAllocator::deallocate(void* ptr, std::size_t bytes, std::size_t alignment) {
+  if (ptr == nullptr) return;
+  upstream_.deallocate(ptr, bytes, alignment);
+  live_.fetch_sub(bytes);
+}
+
+}  // namespace grpo

@@ -1,0 +1,91 @@
+// The SIMD stage kernels: row statistics (online log-sum-exp + entropy
+// accumulator), the dlogits row, and the finiteness scans. Each stage has a
+// scalar implementation (stage_kernels_scalar.cpp: the fallback and the
+// per-stage comparison target) and an AVX-512 one (stage_kernels_avx512.cpp,
+// the only file compiled with -mavx512*), selected once at run time.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace grpo::kernels {
+
+// Storage types a row segment can have. f16 only appears in the fused
+// driver's block buffer, holding x - max (see row_stats_store).
+enum class Elem : std::uint8_t { f32, bf16, f16 };
+
+// Softmax statistics of x over a row or a segment of one:
+//   max = M = max_v x_v (-inf when every x_v is -inf or n == 0)
+//   sum = S = sum_v exp(x_v - M)
+//   dot = D = sum_v exp(x_v - M) * (x_v - M)      (entries with x_v = -inf add 0)
+// Then LSE = M + log S, entropy = log S - D / S, E_p[x] = M + D / S.
+struct RowStats {
+  float max = -std::numeric_limits<float>::infinity();
+  float sum = 0.0F;
+  float dot = 0.0F;
+};
+
+// The online update: the statistics of the concatenation of two segments.
+// Merging in a fixed order (segment 0, 1, 2, ...) gives results independent
+// of how the segments were scheduled.
+inline RowStats merge(const RowStats& a, const RowStats& b) {
+  if (b.max == -std::numeric_limits<float>::infinity()) return a;
+  if (a.max == -std::numeric_limits<float>::infinity()) return b;
+  const float m = a.max > b.max ? a.max : b.max;
+  const float da = a.max - m;  // <= 0
+  const float db = b.max - m;  // <= 0
+  const float ea = std::exp(da);
+  const float eb = std::exp(db);
+  // sum e^(x-m) (x-m) = e^(a.max-m) * (D_a + (a.max-m) S_a), same for b.
+  return {m, ea * a.sum + eb * b.sum, ea * (a.dot + da * a.sum) + eb * (b.dot + db * b.sum)};
+}
+
+struct StageKernels {
+  const char* name;
+
+  // Statistics of x_v = z_v * scale, v in [0, n). z is f32 or bf16 (Elem::f16 not
+  // accepted). Long rows are processed in segments of kSegment elements merged
+  // online in order, so one pass over memory suffices.
+  RowStats (*row_stats)(const void* z, Elem z_type, std::int64_t n, float scale);
+
+  // Statistics of x_v = z_v * scale for an f32 GEMM tile row (n <= a few thousand,
+  // cache resident), and stores u_v = x_v - stats.max into out (f32 or f16).
+  // f16 is safe for u because |error(u)| <= 2^-11 |u| and the entries that matter
+  // for p (u near 0) are the ones stored most precisely.
+  RowStats (*row_stats_store)(const float* z, std::int64_t n, float scale, void* out, Elem out_type);
+
+  // One row of dlogits: x_v = in_v * in_scale + in_shift, p_v = exp(x_v - lse),
+  //   g_v = a * ([v == target] - p_v)      (target < 0 or >= n: no one-hot in this row)
+  // written to out (f32 or bf16, round to nearest even). out may alias in exactly
+  // (same pointer) when the element sizes match. When dbias is non-null, also
+  // dbias[v] += g_v (f32), added in the order rows are processed.
+  void (*dlogits_row)(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
+                      float a, std::int64_t target, void* out, Elem out_type, float* dbias);
+
+  // True when every element is finite (no NaN, no +-inf).
+  bool (*all_finite)(const void* data, Elem type, std::int64_t n);
+  // True when no element is NaN or +inf (-inf allowed: banned tokens in a bias).
+  bool (*no_nan_or_pos_inf)(const void* data, Elem type, std::int64_t n);
+
+  // Conversions of contiguous runs.
+  void (*f32_to_bf16)(const float* in, std::uint16_t* out, std::int64_t n);
+  void (*bf16_to_f32)(const std::uint16_t* in, float* out, std::int64_t n);
+};
+
+// Segment length of row_stats over long rows: 2048 f32 = 8 KiB stays in L1
+// between the max pass and the exp pass over the same segment.
+inline constexpr std::int64_t kSegment = 2048;
+
+const StageKernels& scalar_kernels();
+// nullptr when the CPU (or the build) lacks AVX-512F/BW/DQ/VL.
+const StageKernels* avx512_kernels();
+// The dispatched set: AVX-512 when available, else scalar. GRPO_SIMD=scalar in
+// the environment forces the scalar path (read once).
+const StageKernels& kernels();
+
+// Scalar element conversions shared by both paths and by the drivers.
+float bf16_to_float(std::uint16_t v);
+std::uint16_t float_to_bf16(float v);  // round to nearest even; NaN stays NaN
+
+}  // namespace grpo::kernels

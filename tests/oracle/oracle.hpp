@@ -1,0 +1,70 @@
+// The double-precision oracle: the truth every fast path is compared with.
+// Full logits in double, plain loops, no tiling, no SIMD, nothing shared with
+// src/ except the public LossConfig type. It is itself checked against
+// central finite differences (test_oracle_fd.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "grpo/loss_config.hpp"
+
+namespace grpo::oracle {
+
+// One problem at the logits level. Absent optional tensors are empty vectors.
+struct Problem {
+  std::int64_t batch = 0;    // B
+  std::int64_t seq_len = 0;  // T
+  std::int64_t vocab = 0;    // V
+  std::vector<double> logits;      // [N * V], row-major; may hold -inf
+  std::vector<std::int32_t> ids;   // [N]
+  std::vector<double> mask;        // [N], 0 or 1
+  std::vector<double> advantages;  // [B] or [N]
+  std::vector<double> old_logp;    // [N] or empty (on-policy)
+  std::vector<double> ref_logp;    // [N] or empty
+  std::vector<double> is_weight;   // [N], [B] or empty
+  LossConfig config;
+};
+
+struct Result {
+  double loss = 0.0;
+  std::vector<double> logp;     // [N], 0 on masked rows
+  std::vector<double> entropy;  // [N], every row
+  std::vector<double> kl;       // [N], 0 on masked rows or when beta == 0
+  std::vector<double> dlogits;  // [N * V]
+  double clip_ratio_low = 0.0;
+  double clip_ratio_high = 0.0;
+  double clip_ratio_region = 0.0;
+  double kl_mean = 0.0;
+  double entropy_mean = 0.0;
+  std::int64_t num_valid = 0;
+};
+
+// Loss, per-token values, metrics and dlogits.
+Result evaluate(const Problem& problem);
+
+// The scalar loss alone (what finite differences differentiate).
+double loss_only(const Problem& problem);
+
+// The LM head on top: logits = hidden * W^T + bias, all in double.
+struct LmHeadProblem {
+  Problem head;                 // head.logits is ignored (computed from below)
+  std::int64_t hidden_size = 0; // H
+  std::vector<double> hidden;   // [N * H]
+  std::vector<double> weight;   // [V * H] (vocab-major, whatever the layout under test)
+  std::vector<double> bias;     // [V] or empty
+};
+
+struct LmHeadResult {
+  Result head;                   // head.dlogits filled as well
+  std::vector<double> dhidden;   // [N * H]
+  std::vector<double> dweight;   // [V * H], vocab-major
+  std::vector<double> dbias;     // [V] (empty without bias)
+};
+
+LmHeadResult evaluate_lm_head(const LmHeadProblem& problem);
+
+// Logits of an LM-head problem (hidden * W^T + bias), for building a Problem.
+std::vector<double> lm_head_logits(const LmHeadProblem& problem);
+
+}  // namespace grpo::oracle
