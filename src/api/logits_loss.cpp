@@ -1,0 +1,98 @@
+// The logits-level entry points: validate, then hand over to the driver
+// (fused) or the unfused baseline.
+#include "grpo/logits_loss.hpp"
+
+#include "api/buffer.hpp"
+#include "api/validate.hpp"
+#include "baseline/unfused_logits.hpp"
+#include "driver/logits_driver.hpp"
+#include "driver/parallel.hpp"
+
+namespace grpo {
+
+struct LogitsLossPlan::Impl {
+  LogitsShape shape;
+  LossConfig config;
+  ExecOptions options;
+};
+
+struct LogitsBaseline::Impl {
+  LogitsShape shape;
+  LossConfig config;
+  ExecOptions options;
+};
+
+namespace {
+
+void validate_shape(const LogitsShape& shape) {
+  detail::validate_positive(shape.batch, "shape.batch");
+  detail::validate_positive(shape.seq_len, "shape.seq_len");
+  detail::validate_positive(shape.vocab, "shape.vocab");
+  if (shape.vocab > (std::int64_t{1} << 31) - 1) throw Error("shape.vocab", "exceeds the int32 id range");
+  if (shape.logits_dtype != DType::f32 && shape.logits_dtype != DType::bf16) {
+    throw Error("shape.logits_dtype", "must be f32 or bf16");
+  }
+}
+
+void validate_call(const LogitsShape& shape, const LossConfig& config, const MatrixView& logits,
+                   const BatchInputs& batch, const LogitsOutputs& outputs) {
+  const std::int64_t rows = shape.batch * shape.seq_len;
+  detail::validate_matrix(logits, "logits", rows, shape.vocab, shape.logits_dtype);
+  detail::validate_batch(config, shape.batch, shape.seq_len, shape.vocab, batch);
+  detail::validate_token_outputs(outputs.tokens, rows);
+  const detail::ByteRange in_range = detail::byte_range(logits);
+  const auto span_range = [](std::span<float> s) { return detail::byte_range(s.data(), s.size_bytes()); };
+  detail::check_no_overlap(span_range(outputs.tokens.logp), "logp", in_range, "logits");
+  detail::check_no_overlap(span_range(outputs.tokens.entropy), "entropy", in_range, "logits");
+  detail::check_no_overlap(span_range(outputs.tokens.kl), "kl", in_range, "logits");
+  if (outputs.dlogits.empty()) return;
+  detail::validate_matrix(outputs.dlogits, "dlogits", rows, shape.vocab);
+  const detail::ByteRange out_range = detail::byte_range(outputs.dlogits.as_const());
+  const bool in_place = outputs.dlogits.data == logits.data && outputs.dlogits.ld == logits.ld &&
+                        outputs.dlogits.dtype == logits.dtype;
+  if (!in_place) detail::check_no_overlap(out_range, "dlogits", in_range, "logits (in place needs the same view)");
+  detail::check_no_overlap(span_range(outputs.tokens.logp), "logp", out_range, "dlogits");
+  detail::check_no_overlap(span_range(outputs.tokens.entropy), "entropy", out_range, "dlogits");
+  detail::check_no_overlap(span_range(outputs.tokens.kl), "kl", out_range, "dlogits");
+}
+
+}  // namespace
+
+LogitsLossPlan::LogitsLossPlan(const LogitsShape& shape, const LossConfig& config, const ExecOptions& options) {
+  validate_shape(shape);
+  detail::validate_config(config);
+  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  impl_ = std::make_unique<Impl>(Impl{shape, config, options});
+}
+
+LogitsLossPlan::~LogitsLossPlan() = default;
+LogitsLossPlan::LogitsLossPlan(LogitsLossPlan&&) noexcept = default;
+LogitsLossPlan& LogitsLossPlan::operator=(LogitsLossPlan&&) noexcept = default;
+
+const LogitsShape& LogitsLossPlan::shape() const { return impl_->shape; }
+const LossConfig& LogitsLossPlan::config() const { return impl_->config; }
+
+void LogitsLossPlan::execute(const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) const {
+  validate_call(impl_->shape, impl_->config, logits, batch, outputs);
+  detail::run_logits_loss(impl_->shape, impl_->config, detail::resolve_threads(impl_->options.max_threads),
+                          detail::resolve(impl_->options.allocator), logits, batch, outputs);
+}
+
+LogitsBaseline::LogitsBaseline(const LogitsShape& shape, const LossConfig& config, const ExecOptions& options) {
+  validate_shape(shape);
+  detail::validate_config(config);
+  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  impl_ = std::make_unique<Impl>(Impl{shape, config, options});
+}
+
+LogitsBaseline::~LogitsBaseline() = default;
+LogitsBaseline::LogitsBaseline(LogitsBaseline&&) noexcept = default;
+LogitsBaseline& LogitsBaseline::operator=(LogitsBaseline&&) noexcept = default;
+
+void LogitsBaseline::execute(const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) const {
+  validate_call(impl_->shape, impl_->config, logits, batch, outputs);
+  detail::run_unfused_logits(impl_->shape, impl_->config, detail::resolve_threads(impl_->options.max_threads),
+                             detail::resolve(impl_->options.allocator), logits, batch, outputs);
+}
+
+}  // namespace grpo

@@ -1,0 +1,89 @@
+#include "baseline/unfused_logits.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include <tbb/parallel_for.h>
+
+#include "api/buffer.hpp"
+#include "driver/loss_accumulator.hpp"
+#include "driver/parallel.hpp"
+#include "driver/row_math.hpp"
+#include "kernels/eltwise.hpp"
+
+namespace grpo::detail {
+namespace {
+
+template <class F>
+void for_rows(int threads, std::int64_t rows, F&& f) {
+  run_with_threads(threads, [&] {
+    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, rows, 1), [&](const auto& range) {
+      for (std::int64_t r = range.begin(); r != range.end(); ++r) f(r);
+    });
+  });
+}
+
+}  // namespace
+
+void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int threads, Allocator& allocator,
+                        const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) {
+  const std::int64_t rows = shape.batch * shape.seq_len;
+  const std::int64_t vocab = shape.vocab;
+  const std::size_t full = static_cast<std::size_t>(rows) * static_cast<std::size_t>(vocab);
+  const kernels::EltwiseKernels& k = kernels::eltwise();
+  const Temperature temp(config);
+  const kernels::Elem in_type = elem_of(logits.dtype);
+  const std::size_t in_size = size_of(logits.dtype);
+  const auto* base = static_cast<const std::byte*>(logits.data);
+  auto row_ptr = [&](std::int64_t r) { return base + static_cast<std::size_t>(r * logits.ld) * in_size; };
+
+  // The materialized arrays an eager framework keeps alive for backward.
+  Buffer log_softmax(allocator, full * sizeof(float));
+  Buffer softmax(allocator, full * sizeof(float));
+  Buffer per_row(allocator, static_cast<std::size_t>(rows) * 3 * sizeof(float));
+  float* lse = per_row.as<float>();
+  float* logp = lse + rows;
+  float* entropy = logp + rows;
+  auto full_row = [&](const Buffer& b, std::int64_t r) { return b.as<float>() + r * vocab; };
+
+  // log_softmax(z / tau): max pass, sum-exp pass, write pass.
+  for_rows(threads, rows, [&](std::int64_t r) {
+    const float m = k.max(row_ptr(r), in_type, vocab) * temp.scale;
+    const float finite_m = std::isfinite(m) ? m : 0.0F;
+    const float s = k.sum_exp(row_ptr(r), in_type, vocab, temp.scale, -finite_m);
+    lse[r] = finite_m + std::log(s);
+    if (!std::isfinite(m)) lse[r] = m;  // NaN / +inf / all -inf: refused below
+    k.affine(row_ptr(r), in_type, vocab, temp.scale, -lse[r], full_row(log_softmax, r));
+  });
+  // softmax = exp(log_softmax); entropy = -sum p log p; gather.
+  for_rows(threads, rows, [&](std::int64_t r) {
+    k.exp(full_row(log_softmax, r), vocab, full_row(softmax, r));
+    entropy[r] = -k.dot_p_logp(full_row(softmax, r), full_row(log_softmax, r), vocab);
+    logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * temp.post : 0.0F;
+  });
+  for (std::int64_t r = 0; r < rows; ++r) check_row(lse[r], logp[r], batch.mask[r] != 0.0F, r, "logits");
+
+  Buffer coef_buffer(allocator, static_cast<std::size_t>(rows) * sizeof(float));
+  float* coef = coef_buffer.as<float>();
+  LossAccumulator acc(config, shape.batch, shape.seq_len, batch);
+  acc.add_rows(0, rows, logp, entropy, coef, outputs.tokens.kl);
+  std::memcpy(outputs.tokens.logp.data(), logp, static_cast<std::size_t>(rows) * sizeof(float));
+  if (!outputs.tokens.entropy.empty()) {
+    std::memcpy(outputs.tokens.entropy.data(), entropy, static_cast<std::size_t>(rows) * sizeof(float));
+  }
+  if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
+  if (outputs.dlogits.empty()) return;
+
+  // dlogits = c / tau * (onehot - softmax), every row (an eager framework does
+  // not skip rows whose coefficient is zero).
+  const kernels::Elem out_type = elem_of(outputs.dlogits.dtype);
+  const std::size_t out_size = size_of(outputs.dlogits.dtype);
+  auto* out_base = static_cast<std::byte*>(outputs.dlogits.data);
+  for_rows(threads, rows, [&](std::int64_t r) {
+    const std::int64_t target = batch.mask[r] != 0.0F ? batch.ids[r] : -1;
+    k.onehot_minus(full_row(softmax, r), vocab, coef[r] * temp.grad_scale, target,
+                   out_base + static_cast<std::size_t>(r * outputs.dlogits.ld) * out_size, out_type);
+  });
+}
+
+}  // namespace grpo::detail

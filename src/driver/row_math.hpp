@@ -1,0 +1,67 @@
+// Scalar per-row glue shared by the logits-level and LM-head drivers: the
+// temperature conventions, the chosen logit, and turning RowStats into
+// LSE / logp / entropy.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "grpo/loss_config.hpp"
+#include "grpo/types.hpp"
+#include "kernels/stage_kernels.hpp"
+
+namespace grpo::detail {
+
+inline kernels::Elem elem_of(DType dtype) { return dtype == DType::f32 ? kernels::Elem::f32 : kernels::Elem::bf16; }
+
+// x = z * scale is what the softmax sees; logp = (x_y - LSE(x)) * post;
+// dlogits = c * grad_scale * (onehot - p) (= c / tau in both conventions).
+struct Temperature {
+  explicit Temperature(const LossConfig& c)
+      : scale(c.temperature_on_logp ? 1.0F : 1.0F / c.temperature),
+        post(c.temperature_on_logp ? 1.0F / c.temperature : 1.0F),
+        grad_scale(1.0F / c.temperature) {}
+  float scale;
+  float post;
+  float grad_scale;
+};
+
+inline float load_scaled(const void* row, kernels::Elem type, std::int64_t index, float scale) {
+  if (type == kernels::Elem::f32) return static_cast<const float*>(row)[index] * scale;
+  return kernels::bf16_to_float(static_cast<const std::uint16_t*>(row)[index]) * scale;
+}
+
+struct RowResult {
+  float lse = 0.0F;
+  float logp = 0.0F;
+  float entropy = 0.0F;
+};
+
+// target_x: the chosen token's x (ignored when !valid).
+inline RowResult finish_row(const kernels::RowStats& st, float target_x, bool valid, const Temperature& t) {
+  RowResult res;
+  const float log_s = std::log(st.sum);
+  res.lse = st.max + log_s;
+  res.entropy = log_s - st.dot / st.sum;
+  res.logp = valid ? (target_x - res.lse) * t.post : 0.0F;
+  return res;
+}
+
+// Refuses rows whose statistics show NaN / +inf input, an all -inf row, or a
+// valid row whose chosen token has logit -inf.
+inline void check_row(float lse, float logp, bool valid, std::int64_t row, const char* argument) {
+  if (std::isnan(lse) || lse == std::numeric_limits<float>::infinity()) {
+    throw Error(argument, "row " + std::to_string(row) + " contains NaN or +inf logits");
+  }
+  if (lse == -std::numeric_limits<float>::infinity()) {
+    throw Error(argument, "row " + std::to_string(row) + " has every logit -inf");
+  }
+  if (valid && !std::isfinite(logp)) {
+    throw Error("ids", "row " + std::to_string(row) + " chose a token whose logit is -inf");
+  }
+}
+
+}  // namespace grpo::detail

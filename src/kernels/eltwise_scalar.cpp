@@ -1,0 +1,68 @@
+// Scalar eltwise ops: the fallback, and the comparison target of the AVX-512 ones.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/eltwise.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+float load(const void* z, Elem type, std::int64_t i) {
+  return type == Elem::f32 ? static_cast<const float*>(z)[i] : bf16_to_float(static_cast<const std::uint16_t*>(z)[i]);
+}
+
+float max_scalar(const void* z, Elem type, std::int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) m = std::fmax(m, load(z, type, i));
+  return m;
+}
+
+float sum_exp_scalar(const void* z, Elem type, std::int64_t n, float scale, float shift) {
+  float s = 0.0F;
+  for (std::int64_t i = 0; i < n; ++i) s += std::exp(load(z, type, i) * scale + shift);
+  return s;
+}
+
+void affine_scalar(const void* z, Elem type, std::int64_t n, float scale, float shift, float* out) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = load(z, type, i) * scale + shift;
+}
+
+void exp_scalar(const float* in, std::int64_t n, float* out) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = std::exp(in[i]);
+}
+
+float dot_scalar(const float* p, const float* logp, std::int64_t n) {
+  float s = 0.0F;
+  for (std::int64_t i = 0; i < n; ++i) s += p[i] == 0.0F ? 0.0F : p[i] * logp[i];
+  return s;
+}
+
+void onehot_minus_scalar(const float* p, std::int64_t n, float a, std::int64_t target, void* out, Elem out_type) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float g = a * ((i == target ? 1.0F : 0.0F) - p[i]);
+    if (out_type == Elem::f32) {
+      static_cast<float*>(out)[i] = g;
+    } else {
+      static_cast<std::uint16_t*>(out)[i] = float_to_bf16(g);
+    }
+  }
+}
+
+}  // namespace
+
+const EltwiseKernels& scalar_eltwise() {
+  static const EltwiseKernels k{"scalar",     max_scalar, sum_exp_scalar, affine_scalar, exp_scalar, dot_scalar,
+                                onehot_minus_scalar};
+  return k;
+}
+
+const EltwiseKernels& eltwise() {
+  static const EltwiseKernels& chosen = [] () -> const EltwiseKernels& {
+    const EltwiseKernels* simd = avx512_eltwise();
+    return simd != nullptr && std::strcmp(kernels().name, "scalar") != 0 ? *simd : scalar_eltwise();
+  }();
+  return chosen;
+}
+
+}  // namespace grpo::kernels
