@@ -44,7 +44,13 @@ struct LmHeadShape {
   std::int64_t vocab = 0;    // V
   DType dtype = DType::f32;  // of hidden and weight; bf16 GEMMs accumulate in f32
   WeightLayout layout = WeightLayout::vocab_major;
-  bool has_bias = false;     // bias [V], f32 or bf16
+  bool has_bias = false;     // bias [V]
+  DType bias_dtype = DType::f32;
+  // Row strides (elements) of the views execute() will get; 0 = dense. They are
+  // part of the plan because the oneDNN primitives are created for them.
+  std::int64_t hidden_ld = 0;
+  std::int64_t weight_ld = 0;
+  std::int64_t dweight_ld = 0;
 };
 
 struct LmHeadOptions {
@@ -132,11 +138,20 @@ class LmHeadBaseline {
   LmHeadBaseline(LmHeadBaseline&&) noexcept;
   LmHeadBaseline& operator=(LmHeadBaseline&&) noexcept;
 
+  // dhidden must be dense (ld == hidden): the baseline writes it with one GEMM.
   void execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const;
-  // The three bare GEMMs of a step at this shape (logits, dhidden, dweight),
+
+  // The three bare GEMMs of a step at this shape (logits, dhidden, dweight)
   // with no loss work: the roofline the fused kernel is measured against.
-  // Allocates and frees its [N, V] operand inside the call.
-  void run_bare_gemms(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const;
+  // Allocates its [N, V] operands before timing and frees them after; returns
+  // the seconds each GEMM took.
+  struct GemmTimes {
+    double logits_s = 0.0;
+    double dhidden_s = 0.0;
+    double dweight_s = 0.0;
+    double total() const { return logits_s + dhidden_s + dweight_s; }
+  };
+  GemmTimes run_bare_gemms(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const;
 
   struct Impl;
 

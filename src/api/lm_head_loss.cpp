@@ -1,0 +1,148 @@
+// The LM-head entry points: plan creation (validate, schedule, primitives) and
+// execution (validate the call, find the workspace, run the driver).
+#include "grpo/lm_head_loss.hpp"
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "api/buffer.hpp"
+#include "api/lm_head_validate.hpp"
+#include "api/validate.hpp"
+#include "baseline/unfused_lm_head.hpp"
+#include "driver/lm_head_plan.hpp"
+#include "driver/parallel.hpp"
+
+namespace grpo {
+
+namespace detail {
+
+void validate_lm_head_shape(const LmHeadShape& s) {
+  validate_positive(s.batch, "shape.batch");
+  validate_positive(s.seq_len, "shape.seq_len");
+  validate_positive(s.hidden, "shape.hidden");
+  validate_positive(s.vocab, "shape.vocab");
+  if (s.vocab > (std::int64_t{1} << 31) - 1) throw Error("shape.vocab", "exceeds the int32 id range");
+  if (s.dtype != DType::f32 && s.dtype != DType::bf16) throw Error("shape.dtype", "must be f32 or bf16");
+  if (s.layout != WeightLayout::vocab_major && s.layout != WeightLayout::hidden_major) {
+    throw Error("shape.layout", "unknown weight layout");
+  }
+  const std::int64_t weight_cols = s.layout == WeightLayout::vocab_major ? s.hidden : s.vocab;
+  if (s.hidden_ld != 0 && s.hidden_ld < s.hidden) throw Error("shape.hidden_ld", "is smaller than hidden");
+  if (s.weight_ld != 0 && s.weight_ld < weight_cols) throw Error("shape.weight_ld", "is smaller than the weight's row");
+  if (s.dweight_ld != 0 && s.dweight_ld < weight_cols) throw Error("shape.dweight_ld", "is smaller than the weight's row");
+}
+
+LmHeadShape resolve_lds(LmHeadShape s) {
+  const std::int64_t weight_cols = s.layout == WeightLayout::vocab_major ? s.hidden : s.vocab;
+  if (s.hidden_ld == 0) s.hidden_ld = s.hidden;
+  if (s.weight_ld == 0) s.weight_ld = weight_cols;
+  if (s.dweight_ld == 0) s.dweight_ld = weight_cols;
+  return s;
+}
+
+void validate_grad_dtypes(const LmHeadShape& s, DType dweight, DType dhidden) {
+  if (dweight == DType::bf16 && s.dtype != DType::bf16) {
+    throw Error("options.dweight_dtype", "bf16 gradients need bf16 inputs (oneDNN has no f32 x f32 -> bf16 matmul)");
+  }
+  if (dweight != DType::f32 && dweight != DType::bf16) throw Error("options.dweight_dtype", "must be f32 or bf16");
+  if (dhidden != DType::f32 && dhidden != DType::bf16) throw Error("options.dhidden_dtype", "must be f32 or bf16");
+}
+
+}  // namespace detail
+
+struct LmHeadLossPlan::Impl {
+  std::unique_ptr<detail::LmHeadPlanData> data;
+  detail::LmHeadCallSpec call;
+};
+
+LmHeadLossPlan::LmHeadLossPlan(const LmHeadShape& shape, const LossConfig& config, const LmHeadOptions& options) {
+  detail::validate_lm_head_shape(shape);
+  detail::validate_config(config);
+  detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
+  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
+  if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
+  auto impl = std::make_unique<Impl>();
+  impl->data = detail::build_lm_head_plan(shape, config, options);
+  impl->call = {impl->data->shape, config, options.forward_only, options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype, false, impl->data->schedule.threads};
+  impl_ = std::move(impl);
+}
+
+LmHeadLossPlan::~LmHeadLossPlan() = default;
+LmHeadLossPlan::LmHeadLossPlan(LmHeadLossPlan&&) noexcept = default;
+LmHeadLossPlan& LmHeadLossPlan::operator=(LmHeadLossPlan&&) noexcept = default;
+
+std::size_t LmHeadLossPlan::workspace_size() const { return impl_->data->layout.total; }
+const LmHeadSchedule& LmHeadLossPlan::schedule() const { return impl_->data->schedule; }
+
+std::string LmHeadLossPlan::describe() const {
+  const detail::LmHeadPlanData& d = *impl_->data;
+  const LmHeadSchedule& s = d.schedule;
+  const int passes = d.options.forward_only ? 1 : (s.recompute_logits ? 4 : 3);
+  std::ostringstream os;
+  os << "fused lm-head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
+     << " tiles) hidden_chunk=" << detail::kHiddenChunk << " threads=" << s.threads << " gemm_passes=" << passes
+     << (s.recompute_logits ? " (logits recomputed: sequence-level IS)" : "") << " workspace=" << s.workspace_bytes
+     << "B forward_gemm=" << d.forward.full.full->implementation();
+  return os.str();
+}
+
+void LmHeadLossPlan::execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
+                             std::span<std::byte> workspace) const {
+  detail::validate_lm_head_call(impl_->call, inputs, outputs);
+  const std::size_t need = workspace_size();
+  detail::Buffer owned;
+  std::byte* ws = workspace.data();
+  if (workspace.empty()) {
+    owned = detail::Buffer(detail::resolve(impl_->data->options.allocator), need);
+    ws = owned.as();
+  } else {
+    if (workspace.size() < need) {
+      throw Error("workspace", "has " + std::to_string(workspace.size()) + " bytes, the plan needs " + std::to_string(need));
+    }
+    if (reinterpret_cast<std::uintptr_t>(workspace.data()) % detail::kAlignment != 0) {
+      throw Error("workspace", "must be 64-byte aligned");
+    }
+  }
+  detail::run_lm_head(*impl_->data, inputs, outputs, ws);
+}
+
+struct LmHeadBaseline::Impl {
+  std::unique_ptr<detail::LmHeadBaselineData> data;
+  detail::LmHeadCallSpec call;
+};
+
+LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& config,
+                               const LmHeadBaselineOptions& options) {
+  detail::validate_lm_head_shape(shape);
+  detail::validate_config(config);
+  detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
+  if (options.logits_dtype == DType::bf16 && shape.dtype != DType::bf16) {
+    throw Error("options.logits_dtype", "bf16 logits need bf16 inputs");
+  }
+  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  auto impl = std::make_unique<Impl>();
+  impl->data = detail::build_lm_head_baseline(detail::resolve_lds(shape), config, options);
+  impl->call = {impl->data->shape, config, options.forward_only, options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype, true, impl->data->threads};
+  impl_ = std::move(impl);
+}
+
+LmHeadBaseline::~LmHeadBaseline() = default;
+LmHeadBaseline::LmHeadBaseline(LmHeadBaseline&&) noexcept = default;
+LmHeadBaseline& LmHeadBaseline::operator=(LmHeadBaseline&&) noexcept = default;
+
+void LmHeadBaseline::execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const {
+  detail::validate_lm_head_call(impl_->call, inputs, outputs);
+  detail::run_lm_head_baseline(*impl_->data, inputs, outputs);
+}
+
+LmHeadBaseline::GemmTimes LmHeadBaseline::run_bare_gemms(const LmHeadInputs& inputs,
+                                                         const LmHeadOutputs& outputs) const {
+  detail::validate_lm_head_call(impl_->call, inputs, outputs);
+  return detail::run_bare_gemms(*impl_->data, inputs, outputs);
+}
+
+}  // namespace grpo

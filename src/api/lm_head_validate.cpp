@@ -1,0 +1,135 @@
+// Validation of an LM-head call (fused and baseline share it): shapes, the
+// strides the plan was built for, dtypes, aliasing, ids, and a finiteness scan
+// of hidden, weight and bias. Everything here runs before any output is written.
+#include "api/lm_head_validate.hpp"
+
+#include <atomic>
+#include <limits>
+#include <string>
+
+#include <tbb/parallel_for.h>
+
+#include "api/validate.hpp"
+#include "driver/parallel.hpp"
+#include "kernels/stage_kernels.hpp"
+
+namespace grpo::detail {
+namespace {
+
+kernels::Elem elem(DType d) { return d == DType::f32 ? kernels::Elem::f32 : kernels::Elem::bf16; }
+
+// The first row of a matrix holding a NaN or an infinity, or -1.
+std::int64_t first_non_finite_row(const MatrixView& m, int threads) {
+  const kernels::StageKernels& k = kernels::kernels();
+  std::atomic<std::int64_t> first{std::numeric_limits<std::int64_t>::max()};
+  const std::size_t row_bytes = static_cast<std::size_t>(m.ld) * size_of(m.dtype);
+  run_with_threads(threads, [&] {
+    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, m.rows, 64), [&](const auto& range) {
+      for (std::int64_t r = range.begin(); r != range.end(); ++r) {
+        const auto* row = static_cast<const std::byte*>(m.data) + static_cast<std::size_t>(r) * row_bytes;
+        if (!k.all_finite(row, elem(m.dtype), m.cols)) {
+          std::int64_t seen = first.load();
+          while (r < seen && !first.compare_exchange_weak(seen, r)) {
+          }
+          return;
+        }
+      }
+    });
+  });
+  const std::int64_t r = first.load();
+  return r == std::numeric_limits<std::int64_t>::max() ? -1 : r;
+}
+
+void check_ld(std::int64_t got, std::int64_t planned, const char* name) {
+  if (got != planned) {
+    throw Error(name, "ld " + std::to_string(got) + " differs from the " + std::to_string(planned) +
+                          " the plan was built for (LmHeadShape::*_ld)");
+  }
+}
+
+ByteRange span_range(std::span<float> s) { return byte_range(s.data(), s.size_bytes()); }
+
+}  // namespace
+
+void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, const LmHeadOutputs& out) {
+  const LmHeadShape& s = spec.shape;
+  const std::int64_t rows = s.batch * s.seq_len;
+  const bool vocab_major = s.layout == WeightLayout::vocab_major;
+  validate_matrix(in.hidden, "hidden", rows, s.hidden, s.dtype);
+  check_ld(in.hidden.ld, s.hidden_ld, "hidden");
+  validate_matrix(in.weight, "weight", vocab_major ? s.vocab : s.hidden, vocab_major ? s.hidden : s.vocab, s.dtype);
+  check_ld(in.weight.ld, s.weight_ld, "weight");
+  if (s.has_bias) {
+    if (in.bias.empty()) throw Error("bias", "is required: the plan was built with has_bias");
+    if (in.bias.size != s.vocab) {
+      throw Error("bias", "has " + std::to_string(in.bias.size) + " elements, expected " + std::to_string(s.vocab));
+    }
+    if (in.bias.dtype != DType::f32 && in.bias.dtype != DType::bf16) throw Error("bias", "must be f32 or bf16");
+    if (in.bias.dtype != spec.bias_dtype) throw Error("bias", "dtype differs from the plan's bias dtype");
+  } else if (!in.bias.empty()) {
+    throw Error("bias", "was given but the plan was built without has_bias");
+  }
+  validate_batch(spec.config, s.batch, s.seq_len, s.vocab, in.batch);
+  validate_token_outputs(out.tokens, rows);
+
+  const ByteRange inputs[] = {byte_range(in.hidden), byte_range(in.weight),
+                              byte_range(in.bias.data, static_cast<std::size_t>(in.bias.size) *
+                                                           (in.bias.empty() ? 0 : size_of(in.bias.dtype)))};
+  const char* input_names[] = {"hidden", "weight", "bias"};
+  std::vector<std::pair<ByteRange, const char*>> outputs = {
+      {span_range(out.tokens.logp), "logp"}, {span_range(out.tokens.entropy), "entropy"}, {span_range(out.tokens.kl), "kl"}};
+
+  if (spec.forward_only) {
+    if (!out.dhidden.empty()) throw Error("dhidden", "was given but the plan is forward-only");
+    if (!out.dweight.empty()) throw Error("dweight", "was given but the plan is forward-only");
+    if (!out.dbias.empty()) throw Error("dbias", "was given but the plan is forward-only");
+  } else {
+    validate_matrix(out.dhidden, "dhidden", rows, s.hidden, spec.dhidden_dtype);
+    if (spec.dhidden_dense && out.dhidden.ld != s.hidden) throw Error("dhidden", "must be dense (ld == hidden)");
+    validate_matrix(out.dweight, "dweight", vocab_major ? s.vocab : s.hidden, vocab_major ? s.hidden : s.vocab,
+                    spec.dweight_dtype);
+    check_ld(out.dweight.ld, s.dweight_ld, "dweight");
+    if (s.has_bias) {
+      if (out.dbias.size() != static_cast<std::size_t>(s.vocab)) {
+        throw Error("dbias", "has " + std::to_string(out.dbias.size()) + " elements, expected " + std::to_string(s.vocab));
+      }
+    } else if (!out.dbias.empty()) {
+      throw Error("dbias", "was given but the plan was built without has_bias");
+    }
+    outputs.push_back({byte_range(out.dhidden.as_const()), "dhidden"});
+    outputs.push_back({byte_range(out.dweight.as_const()), "dweight"});
+    outputs.push_back({span_range(out.dbias), "dbias"});
+  }
+  for (std::size_t a = 0; a < outputs.size(); ++a) {
+    for (std::size_t i = 0; i < 3; ++i) check_no_overlap(outputs[a].first, outputs[a].second, inputs[i], input_names[i]);
+    for (std::size_t b = a + 1; b < outputs.size(); ++b) {
+      check_no_overlap(outputs[b].first, outputs[b].second, outputs[a].first, outputs[a].second);
+    }
+  }
+
+  // Values: bias may hold -inf (banned tokens) but not NaN / +inf, and a valid
+  // row's chosen token must not be banned.
+  const kernels::StageKernels& k = kernels::kernels();
+  if (s.has_bias) {
+    if (!k.no_nan_or_pos_inf(in.bias.data, elem(in.bias.dtype), in.bias.size)) {
+      throw Error("bias", "contains NaN or +inf");
+    }
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (in.batch.mask[r] == 0.0F) continue;
+      const std::int32_t id = in.batch.ids[r];
+      const float b = in.bias.dtype == DType::f32 ? static_cast<const float*>(in.bias.data)[id]
+                                                  : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[id]);
+      if (b == -std::numeric_limits<float>::infinity()) {
+        throw Error("ids", "row " + std::to_string(r) + " chose token " + std::to_string(id) + " whose bias is -inf");
+      }
+    }
+  }
+  if (const std::int64_t r = first_non_finite_row(in.hidden, spec.threads); r >= 0) {
+    throw Error("hidden", "row " + std::to_string(r) + " contains NaN or inf");
+  }
+  if (const std::int64_t r = first_non_finite_row(in.weight, spec.threads); r >= 0) {
+    throw Error("weight", "row " + std::to_string(r) + " contains NaN or inf");
+  }
+}
+
+}  // namespace grpo::detail

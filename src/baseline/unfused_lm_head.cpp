@@ -1,0 +1,142 @@
+#include "baseline/unfused_lm_head.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "api/buffer.hpp"
+#include "baseline/unfused_logits.hpp"
+#include "driver/parallel.hpp"
+#include "kernels/stage_kernels.hpp"
+
+namespace grpo::detail {
+namespace {
+
+using kernels::Gemm;
+using kernels::GemmOperand;
+using kernels::GemmSpec;
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct FullBuffers {
+  Buffer logits;
+  Buffer dlogits;
+  Buffer scratch;
+};
+
+FullBuffers allocate(const LmHeadBaselineData& d, Allocator& a) {
+  const auto elems = static_cast<std::size_t>(d.shape.batch * d.shape.seq_len) * static_cast<std::size_t>(d.shape.vocab);
+  return {Buffer(a, elems * size_of(d.options.logits_dtype)), Buffer(a, elems * size_of(d.dlogits_dtype)),
+          Buffer(a, d.max_scratchpad)};
+}
+
+void run_backward_gemms(const LmHeadBaselineData& d, const LmHeadInputs& in, const LmHeadOutputs& out,
+                        const void* dlogits, void* scratch, double* dh_s, double* dw_s) {
+  const bool vm = d.shape.layout == WeightLayout::vocab_major;
+  auto t0 = std::chrono::steady_clock::now();
+  d.dhidden->run(dlogits, in.weight.data, out.dhidden.data, nullptr, scratch);
+  if (dh_s != nullptr) *dh_s = seconds_since(t0);
+  t0 = std::chrono::steady_clock::now();
+  if (vm) {
+    d.dweight->run(dlogits, in.hidden.data, out.dweight.data, nullptr, scratch);
+  } else {
+    d.dweight->run(in.hidden.data, dlogits, out.dweight.data, nullptr, scratch);
+  }
+  if (dw_s != nullptr) *dw_s = seconds_since(t0);
+}
+
+}  // namespace
+
+std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& shape, const LossConfig& config,
+                                                           const LmHeadBaselineOptions& options) {
+  auto d = std::make_unique<LmHeadBaselineData>();
+  d->shape = shape;
+  d->config = config;
+  d->options = options;
+  d->threads = resolve_threads(options.max_threads);
+  d->dlogits_dtype = shape.dtype;
+  d->engine = std::make_unique<kernels::GemmEngine>();
+  const LmHeadShape& s = d->shape;
+  const std::int64_t n = s.batch * s.seq_len;
+  const bool vm = s.layout == WeightLayout::vocab_major;
+  GemmSpec logits;
+  logits.a = {s.dtype, n, s.hidden, s.hidden_ld, 1};
+  logits.b = vm ? GemmOperand{s.dtype, s.hidden, s.vocab, 1, s.weight_ld} : GemmOperand{s.dtype, s.hidden, s.vocab, s.weight_ld, 1};
+  logits.c = {options.logits_dtype, n, s.vocab, s.vocab, 1};
+  logits.has_bias = s.has_bias;
+  logits.bias_dtype = s.bias_dtype;
+  logits.threads = d->threads;
+  d->logits = std::make_unique<Gemm>(*d->engine, logits);
+  std::size_t scratch = d->logits->scratchpad_bytes();
+  if (!options.forward_only) {
+    GemmSpec dh;
+    dh.a = {d->dlogits_dtype, n, s.vocab, s.vocab, 1};
+    dh.b = vm ? GemmOperand{s.dtype, s.vocab, s.hidden, s.weight_ld, 1} : GemmOperand{s.dtype, s.vocab, s.hidden, 1, s.weight_ld};
+    dh.c = {options.dhidden_dtype, n, s.hidden, s.hidden, 1};
+    dh.threads = d->threads;
+    d->dhidden = std::make_unique<Gemm>(*d->engine, dh);
+    GemmSpec dw;
+    if (vm) {
+      dw.a = {d->dlogits_dtype, s.vocab, n, 1, s.vocab};
+      dw.b = {s.dtype, n, s.hidden, s.hidden_ld, 1};
+      dw.c = {options.dweight_dtype, s.vocab, s.hidden, s.dweight_ld, 1};
+    } else {
+      dw.a = {s.dtype, s.hidden, n, 1, s.hidden_ld};
+      dw.b = {d->dlogits_dtype, n, s.vocab, s.vocab, 1};
+      dw.c = {options.dweight_dtype, s.hidden, s.vocab, s.dweight_ld, 1};
+    }
+    dw.accumulate = options.accumulate_weight_grads;
+    dw.threads = d->threads;
+    d->dweight = std::make_unique<Gemm>(*d->engine, dw);
+    scratch = std::max({scratch, d->dhidden->scratchpad_bytes(), d->dweight->scratchpad_bytes()});
+  }
+  d->max_scratchpad = scratch;
+  return d;
+}
+
+void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, const LmHeadOutputs& out) {
+  Allocator& alloc = resolve(d.options.allocator);
+  const LmHeadShape& s = d.shape;
+  const std::int64_t n = s.batch * s.seq_len;
+  FullBuffers b = allocate(d, alloc);
+  if (d.options.forward_only) b.dlogits.reset();
+  d.logits->run(in.hidden.data, in.weight.data, b.logits.as(), in.bias.data, b.scratch.as());
+  LogitsShape ls{s.batch, s.seq_len, s.vocab, d.options.logits_dtype};
+  LogitsOutputs lo;
+  lo.tokens = out.tokens;
+  lo.metrics = out.metrics;
+  if (!d.options.forward_only) lo.dlogits = {b.dlogits.as(), d.dlogits_dtype, n, s.vocab, s.vocab};
+  run_unfused_logits(ls, d.config, d.threads, alloc, {b.logits.as(), d.options.logits_dtype, n, s.vocab, s.vocab},
+                     in.batch, lo);
+  if (d.options.forward_only) return;
+  run_backward_gemms(d, in, out, b.dlogits.as(), b.scratch.as(), nullptr, nullptr);
+  if (!out.dbias.empty()) {
+    // dbias = column sums of dlogits, accumulated row by row in f32.
+    if (!d.options.accumulate_weight_grads) std::fill(out.dbias.begin(), out.dbias.end(), 0.0F);
+    for (std::int64_t r = 0; r < n; ++r) {
+      for (std::int64_t v = 0; v < s.vocab; ++v) {
+        const std::size_t at = static_cast<std::size_t>(r * s.vocab + v);
+        out.dbias[v] += d.dlogits_dtype == DType::f32 ? b.dlogits.as<float>()[at]
+                                                      : kernels::bf16_to_float(b.dlogits.as<std::uint16_t>()[at]);
+      }
+    }
+  }
+}
+
+LmHeadBaseline::GemmTimes run_bare_gemms(const LmHeadBaselineData& d, const LmHeadInputs& in,
+                                         const LmHeadOutputs& out) {
+  FullBuffers b = allocate(d, resolve(d.options.allocator));
+  // Operands are touched before timing so page faults are not counted.
+  std::memset(b.logits.as(), 0, b.logits.size());
+  std::memset(b.dlogits.as(), 0, b.dlogits.size());
+  LmHeadBaseline::GemmTimes t;
+  const auto t0 = std::chrono::steady_clock::now();
+  d.logits->run(in.hidden.data, in.weight.data, b.logits.as(), in.bias.data, b.scratch.as());
+  t.logits_s = seconds_since(t0);
+  if (!d.options.forward_only) run_backward_gemms(d, in, out, b.dlogits.as(), b.scratch.as(), &t.dhidden_s, &t.dweight_s);
+  return t;
+}
+
+}  // namespace grpo::detail

@@ -1,0 +1,35 @@
+// The unfused LM-head baseline: full logits by one oneDNN matmul, the unfused
+// logits-level baseline on them, then dhidden and dweight by two matmuls on
+// the materialized dlogits. Every matmul runs with oneDNN's own OpenMP team
+// (the caller's thread cap), as a framework's matmul would.
+#pragma once
+
+#include <memory>
+
+#include "grpo/lm_head_loss.hpp"
+#include "kernels/gemm.hpp"
+
+namespace grpo::detail {
+
+struct LmHeadBaselineData {
+  LmHeadShape shape;  // *_ld resolved
+  LossConfig config;
+  LmHeadBaselineOptions options;
+  int threads = 1;
+  DType dlogits_dtype = DType::f32;  // = input dtype: the backward GEMMs' operand type
+  std::unique_ptr<kernels::GemmEngine> engine;
+  std::unique_ptr<kernels::Gemm> logits;
+  std::unique_ptr<kernels::Gemm> dhidden;
+  std::unique_ptr<kernels::Gemm> dweight;
+  std::size_t max_scratchpad = 0;
+};
+
+std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& shape, const LossConfig& config,
+                                                           const LmHeadBaselineOptions& options);
+
+void run_lm_head_baseline(const LmHeadBaselineData& data, const LmHeadInputs& inputs, const LmHeadOutputs& outputs);
+
+LmHeadBaseline::GemmTimes run_bare_gemms(const LmHeadBaselineData& data, const LmHeadInputs& inputs,
+                                         const LmHeadOutputs& outputs);
+
+}  // namespace grpo::detail

@@ -1,0 +1,86 @@
+// What an LM-head plan holds: the schedule (token block, vocab tile, hidden
+// chunk, threads), the oneDNN GEMMs for every block/tile shape the schedule
+// produces, and the workspace layout. Built once by build_lm_head_plan();
+// read-only afterwards.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "grpo/lm_head_loss.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/stage_kernels.hpp"
+
+namespace grpo::detail {
+
+// Active rows of a block are padded with zero rows to a multiple of this, so
+// the backward GEMMs come in ceil(block / 32) shapes that the plan creates up
+// front. Zero rows add exact zeros. 32 = two AVX-512 rows of 16 f32 lanes, the
+// M blocking of oneDNN's avx512 kernels.
+inline constexpr std::int64_t kRowQuantum = 32;
+// Columns of dhidden per backward task: 4096 / 256 = 16 tasks at the headline
+// shape, enough to balance 2-8 threads; each is a K = V GEMM that streams its
+// column slice of W once (measured 760-830 GFLOP/s bf16 on 2 cores).
+inline constexpr std::int64_t kHiddenChunk = 256;
+// Default vocab tile: a [block, 2048] f32 GEMM tile (2 MiB at a 256-row block)
+// is consumed by the row-statistics stage while still in L2/L3.
+inline constexpr std::int64_t kDefaultVocabTile = 2048;
+
+// A value with a "full" and a "remainder" variant (last block, last tile, last chunk).
+template <class T>
+struct FullAndLast {
+  T full;
+  T last;
+  const T& pick(bool is_last) const { return is_last ? last : full; }
+};
+
+struct WorkspaceLayout {
+  std::size_t block = 0;        // [block_rows_alloc, V] stored logits, then dlogits in place
+  std::size_t tile_stats = 0;   // [block_rows_alloc, tiles] RowStats
+  std::size_t rows = 0;         // per block row: target x, lse, logp, entropy, coef (floats), active index (int64)
+  std::size_t hidden_act = 0;   // [block_rows_alloc, H] active hidden rows (input dtype)
+  std::size_t dhidden_act = 0;  // [block_rows_alloc, H] f32
+  std::size_t coef_all = 0;     // [N] coefficients + [N] entropies, recompute schedule only
+  std::size_t slots = 0;        // per slot: GEMM tile [block, tile] f32 + oneDNN scratchpad
+  std::size_t slot_bytes = 0;
+  std::size_t tile_bytes = 0;   // GEMM tile part of one slot
+  std::size_t total = 0;
+};
+
+struct LmHeadPlanData {
+  LmHeadShape shape;
+  LossConfig config;
+  LmHeadOptions options;
+  LmHeadSchedule schedule;
+  std::int64_t rows = 0;             // N
+  std::int64_t block_rows_alloc = 0; // token_block rounded up to kRowQuantum
+  std::int64_t tiles = 0;            // ceil(V / vocab_tile)
+  std::int64_t hidden_chunks = 0;    // ceil(H / kHiddenChunk)
+  kernels::Elem store_type = kernels::Elem::f32;  // block buffer before backward
+  DType dlogits_dtype = DType::f32;  // block buffer during backward (= GEMM dtype)
+  WorkspaceLayout layout;
+
+  std::unique_ptr<kernels::GemmEngine> engine;
+  // Forward logits tile: [block or last block] x [tile or last tile].
+  FullAndLast<FullAndLast<std::unique_ptr<kernels::Gemm>>> forward;
+  // Backward, indexed by padded active rows / kRowQuantum - 1.
+  // dweight tile: [tile kind][overwrite=0 / accumulate=1].
+  std::vector<FullAndLast<std::array<std::unique_ptr<kernels::Gemm>, 2>>> dweight;
+  // dhidden chunk: [chunk kind].
+  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden;
+  std::size_t max_scratchpad = 0;
+};
+
+// Chooses the schedule, creates the GEMMs, lays out the workspace.
+// Throws grpo::Error for shapes/options it cannot serve.
+std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, const LossConfig& config,
+                                                   const LmHeadOptions& options);
+
+// Runs one step. Arguments already validated.
+void run_lm_head(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
+                 std::byte* workspace);
+
+}  // namespace grpo::detail

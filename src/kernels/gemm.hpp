@@ -1,0 +1,78 @@
+// oneDNN matmul wrappers. A Gemm is created once, in a plan, for one exact
+// problem (shapes, strides, dtypes, accumulate or not) and then only executed.
+// Scratchpads are user-managed: the caller passes scratchpad_bytes() of its
+// own memory, so every byte oneDNN's primitives need is in the plan's
+// workspace, and concurrent executions never share one.
+//
+// Threads: the Debian oneDNN uses the OpenMP runtime. A Gemm records the
+// OpenMP thread count it is built for (1 for calls made inside TBB tasks,
+// the caller's cap for whole-matrix calls) and sets exactly that count on the
+// calling thread around primitive creation and execution, restoring the
+// previous value after; so a call from a TBB worker never starts a team of
+// its own beside the TBB threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "grpo/types.hpp"
+
+namespace dnnl {
+struct engine;
+}
+
+namespace grpo::kernels {
+
+// A 2-D operand: element (i, j) at data + (i * row_stride + j * col_stride) elements.
+struct GemmOperand {
+  DType dtype = DType::f32;
+  std::int64_t rows = 0;
+  std::int64_t cols = 0;
+  std::int64_t row_stride = 0;
+  std::int64_t col_stride = 1;
+};
+
+struct GemmSpec {
+  GemmOperand a;  // [M, K]
+  GemmOperand b;  // [K, N]
+  GemmOperand c;  // [M, N]
+  bool accumulate = false;  // c += a * b, else c = a * b
+  bool has_bias = false;    // c += bias[j], bias is [1, N] contiguous
+  DType bias_dtype = DType::f32;
+  int threads = 1;          // OpenMP threads oneDNN may use inside the call
+};
+
+// The CPU engine; plans own one each (no process-wide engine).
+class GemmEngine {
+ public:
+  GemmEngine();
+  ~GemmEngine();
+  GemmEngine(const GemmEngine&) = delete;
+  GemmEngine& operator=(const GemmEngine&) = delete;
+  const dnnl::engine& get() const;
+
+ private:
+  std::unique_ptr<dnnl::engine> engine_;
+};
+
+class Gemm {
+ public:
+  Gemm(const GemmEngine& engine, const GemmSpec& spec);
+  ~Gemm();
+  Gemm(Gemm&&) noexcept;
+  Gemm& operator=(Gemm&&) noexcept;
+
+  const GemmSpec& spec() const;
+  std::size_t scratchpad_bytes() const;
+  // oneDNN's implementation name (e.g. "brg:avx512_core_bf16"), for describe().
+  const char* implementation() const;
+  // scratchpad: scratchpad_bytes() bytes, 64-byte aligned (may be null when 0).
+  void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace grpo::kernels
