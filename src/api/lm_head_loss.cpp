@@ -119,6 +119,9 @@ LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& confi
   detail::validate_lm_head_shape(shape);
   detail::validate_config(config);
   detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
+  if (options.dhidden_dtype == DType::bf16 && shape.dtype != DType::bf16) {
+    throw Error("options.dhidden_dtype", "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)");
+  }
   if (options.logits_dtype == DType::bf16 && shape.dtype != DType::bf16) {
     throw Error("options.logits_dtype", "bf16 logits need bf16 inputs");
   }

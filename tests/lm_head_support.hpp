@@ -1,0 +1,190 @@
+// LM-head test fixtures: host tensors in the library's layouts and dtypes, the
+// oracle problem on exactly the same (rounded) values, and a runner for the
+// fused plan and the baseline.
+#pragma once
+
+#include <cstring>
+
+#include "test_support.hpp"
+
+namespace grpo::test {
+
+struct HeadCase {
+  BatchSpec spec;
+  std::int64_t hidden = 16;
+  DType dtype = DType::f32;
+  WeightLayout layout = WeightLayout::vocab_major;
+  bool bias = false;
+  bool banned = false;      // bias -inf on some tokens
+  bool accumulate = false;  // dweight / dbias += (initial values nonzero)
+  std::int64_t token_block = 32;
+  std::int64_t vocab_tile = 64;
+  DType dweight_dtype = DType::f32;
+  DType dhidden_dtype = DType::f32;
+  bool baseline = false;
+  DType baseline_logits = DType::f32;
+};
+
+inline std::string case_name(const HeadCase& c) {
+  return describe(c.spec) + " H=" + std::to_string(c.hidden) + " dtype=" + to_string(c.dtype) +
+         " layout=" + to_string(c.layout) + (c.bias ? " bias" : "") + (c.banned ? " banned" : "") +
+         (c.accumulate ? " accumulate" : "") + " block=" + std::to_string(c.token_block) +
+         " tile=" + std::to_string(c.vocab_tile) + " dW=" + to_string(c.dweight_dtype) +
+         " dh=" + to_string(c.dhidden_dtype) + (c.baseline ? " baseline" : " fused");
+}
+
+inline void PrintTo(const HeadCase& c, std::ostream* os) { *os << case_name(c); }
+
+// Stores doubles in a dtype; returns the values actually stored (as doubles).
+inline std::vector<double> store(const std::vector<double>& v, DType dtype, std::vector<std::byte>& out) {
+  out.assign(v.size() * size_of(dtype), std::byte{0});
+  std::vector<double> actual(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const auto f = static_cast<float>(v[i]);
+    if (dtype == DType::f32) {
+      std::memcpy(out.data() + 4 * i, &f, 4);
+      actual[i] = f;
+    } else {
+      const std::uint16_t b = kernels::float_to_bf16(f);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+      actual[i] = kernels::bf16_to_float(b);
+    }
+  }
+  return actual;
+}
+
+struct HeadProblem {
+  oracle::LmHeadProblem oracle;
+  HostBatch batch;
+  std::vector<std::byte> hidden, weight, bias;  // library layouts / dtypes
+  std::vector<double> dweight_init, dbias_init;  // accumulate mode: what the outputs start as
+};
+
+inline HeadProblem make_head_problem(const HeadCase& c) {
+  const BatchSpec& s = c.spec;
+  const std::int64_t n = s.batch * s.seq_len;
+  const std::int64_t h = c.hidden;
+  const std::int64_t v = s.vocab;
+  std::mt19937 rng(s.seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  HeadProblem p;
+  std::vector<double> hid(static_cast<std::size_t>(n * h));
+  for (double& x : hid) x = normal(rng);
+  // W ~ N(0, scale / sqrt(H)): logits have std ~ logit_scale.
+  std::vector<double> w(static_cast<std::size_t>(v * h));
+  for (double& x : w) x = normal(rng) * s.logit_scale / std::sqrt(static_cast<double>(h));
+  p.oracle.hidden_size = h;
+  p.oracle.hidden = store(hid, c.dtype, p.hidden);
+  std::vector<double> w_layout(w.size());
+  for (std::int64_t a = 0; a < v; ++a) {
+    for (std::int64_t k = 0; k < h; ++k) {
+      const double x = w[a * h + k];
+      w_layout[c.layout == WeightLayout::vocab_major ? a * h + k : k * v + a] = x;
+    }
+  }
+  const std::vector<double> stored = store(w_layout, c.dtype, p.weight);
+  p.oracle.weight.resize(w.size());
+  for (std::int64_t a = 0; a < v; ++a) {
+    for (std::int64_t k = 0; k < h; ++k) {
+      p.oracle.weight[a * h + k] = stored[c.layout == WeightLayout::vocab_major ? a * h + k : k * v + a];
+    }
+  }
+  if (c.bias) {
+    std::vector<double> b(static_cast<std::size_t>(v));
+    for (std::int64_t a = 0; a < v; ++a) {
+      b[a] = (c.banned && a % 5 == 1) ? -std::numeric_limits<double>::infinity() : normal(rng);
+    }
+    p.oracle.bias = store(b, DType::f32, p.bias);
+  }
+  p.oracle.head.batch = s.batch;
+  p.oracle.head.seq_len = s.seq_len;
+  p.oracle.head.vocab = v;
+  p.batch.problem.logits = oracle::lm_head_logits(p.oracle);
+  fill_batch(s, p.batch, rng);
+  p.oracle.head = p.batch.problem;
+  if (c.accumulate) {
+    const std::size_t wcount = static_cast<std::size_t>(v * h);
+    p.dweight_init.resize(wcount);
+    for (double& x : p.dweight_init) x = static_cast<float>(0.01 * normal(rng));
+    p.dbias_init.resize(static_cast<std::size_t>(v));
+    for (double& x : p.dbias_init) x = static_cast<float>(0.01 * normal(rng));
+  }
+  return p;
+}
+
+struct HeadOutputs {
+  std::vector<float> logp, entropy, kl;
+  std::vector<std::byte> dhidden, dweight;
+  std::vector<float> dbias;
+  Metrics metrics;
+  std::string schedule;
+
+  // dweight as doubles in vocab-major order.
+  std::vector<double> dweight_vocab_major(const HeadCase& c) const {
+    const std::int64_t v = c.spec.vocab, h = c.hidden;
+    const std::vector<float> f = to_float(dweight.data(), c.dweight_dtype, static_cast<std::size_t>(v * h));
+    std::vector<double> out(f.size());
+    for (std::int64_t a = 0; a < v; ++a) {
+      for (std::int64_t k = 0; k < h; ++k) {
+        out[a * h + k] = f[c.layout == WeightLayout::vocab_major ? a * h + k : k * v + a];
+      }
+    }
+    return out;
+  }
+};
+
+inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_threads = 0) {
+  const BatchSpec& s = c.spec;
+  const std::int64_t n = s.batch * s.seq_len;
+  const std::int64_t v = s.vocab, h = c.hidden;
+  const bool vm = c.layout == WeightLayout::vocab_major;
+  HeadOutputs o;
+  o.logp.assign(n, -1.0F);
+  o.entropy.assign(n, -1.0F);
+  o.kl.assign(n, -1.0F);
+  o.dhidden.assign(static_cast<std::size_t>(n * h) * size_of(c.dhidden_dtype), std::byte{0x3f});
+  if (c.accumulate) {
+    std::vector<double> init(p.dweight_init.size());
+    for (std::int64_t a = 0; a < v; ++a) {
+      for (std::int64_t k = 0; k < h; ++k) init[vm ? a * h + k : k * v + a] = p.dweight_init[a * h + k];
+    }
+    store(init, c.dweight_dtype, o.dweight);
+    if (c.bias) o.dbias.assign(p.dbias_init.begin(), p.dbias_init.end());
+  } else {
+    o.dweight.assign(static_cast<std::size_t>(v * h) * size_of(c.dweight_dtype), std::byte{0x3f});
+    o.dbias.assign(c.bias ? v : 0, 7.0F);
+  }
+  LmHeadShape shape{s.batch, s.seq_len, h, v, c.dtype, c.layout, c.bias, DType::f32};
+  LmHeadInputs in{{p.hidden.data(), c.dtype, n, h, h},
+                  {p.weight.data(), c.dtype, vm ? v : h, vm ? h : v, vm ? h : v},
+                  c.bias ? VectorView{p.bias.data(), DType::f32, v} : VectorView{},
+                  p.batch.view()};
+  LmHeadOutputs out{{o.logp, o.entropy, o.kl},
+                    {o.dhidden.data(), c.dhidden_dtype, n, h, h},
+                    {o.dweight.data(), c.dweight_dtype, vm ? v : h, vm ? h : v, vm ? h : v},
+                    o.dbias,
+                    &o.metrics};
+  if (c.baseline) {
+    LmHeadBaselineOptions opt;
+    opt.logits_dtype = c.baseline_logits;
+    opt.dweight_dtype = c.dweight_dtype;
+    opt.dhidden_dtype = c.dhidden_dtype;
+    opt.accumulate_weight_grads = c.accumulate;
+    opt.max_threads = max_threads;
+    LmHeadBaseline(shape, s.config, opt).execute(in, out);
+  } else {
+    LmHeadOptions opt;
+    opt.token_block = c.token_block;
+    opt.vocab_tile = c.vocab_tile;
+    opt.dweight_dtype = c.dweight_dtype;
+    opt.dhidden_dtype = c.dhidden_dtype;
+    opt.accumulate_weight_grads = c.accumulate;
+    opt.max_threads = max_threads;
+    LmHeadLossPlan plan(shape, s.config, opt);
+    o.schedule = plan.describe();
+    plan.execute(in, out);
+  }
+  return o;
+}
+
+}  // namespace grpo::test
