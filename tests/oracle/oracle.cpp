@@ -1,0 +1,357 @@
+// The double-precision oracle. It reads top to bottom as the semantics:
+//   row softmax -> log ratio q -> per-token loss and partials
+//   -> aggregation weights -> chain rule back to dlogits.
+// Full logits, plain loops, long double for the log-sum-exp. Nothing here is
+// fast on purpose: every quantity is a named vector a test can look at.
+#include "oracle/oracle.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "oracle/oracle_token_terms.hpp"
+
+namespace grpo::oracle {
+namespace {
+
+using detail::kLogRatioClamp;
+
+void require(bool condition, const std::string& what) {
+  if (!condition) throw std::invalid_argument("grpo::oracle: " + what);
+}
+
+// The oracle trusts its caller far less than it costs to check: a test that
+// builds a wrong-sized tensor should fail loudly, not read garbage.
+void check_problem(const Problem& pb) {
+  const std::int64_t n = pb.batch * pb.seq_len;
+  const auto un = static_cast<std::size_t>(n);
+  const auto ub = static_cast<std::size_t>(pb.batch);
+  require(pb.batch > 0 && pb.seq_len > 0 && pb.vocab > 0, "empty shape");
+  require(pb.logits.size() == un * static_cast<std::size_t>(pb.vocab), "logits size");
+  require(pb.ids.size() == un && pb.mask.size() == un, "ids/mask size");
+  require(pb.advantages.size() == ub || pb.advantages.size() == un, "advantages size");
+  require(pb.old_logp.empty() || pb.old_logp.size() == un, "old_logp size");
+  require(pb.is_weight.empty() || pb.is_weight.size() == ub || pb.is_weight.size() == un,
+          "is_weight size");
+  require(pb.config.beta == 0.0F || pb.ref_logp.size() == un, "ref_logp needed");
+  require(pb.config.temperature > 0.0F, "temperature");
+  for (std::int64_t t = 0; t < n; ++t) {
+    const double m = pb.mask[static_cast<std::size_t>(t)];
+    require(m == 0.0 || m == 1.0, "mask is not 0/1");
+    const std::int32_t y = pb.ids[static_cast<std::size_t>(t)];
+    require(m == 0.0 || (y >= 0 && y < pb.vocab), "id out of range on a valid row");
+  }
+  const LossType type = pb.config.loss_type;
+  require(type != LossType::dr_grpo || pb.config.max_completion_length > 0,
+          "max_completion_length");
+  require((type != LossType::dapo && type != LossType::cispo) ||
+              pb.config.num_items_in_batch > 0.0,
+          "num_items_in_batch");
+}
+
+// A [B] tensor is read per sequence, an [N] tensor per token. When T == 1 the
+// two coincide (i == t), so the size alone decides without ambiguity.
+double per_row(const std::vector<double>& v, const Problem& pb, std::int64_t t,
+               double absent) {
+  if (v.empty()) return absent;
+  const bool per_sequence = static_cast<std::int64_t>(v.size()) == pb.batch;
+  return v[static_cast<std::size_t>(per_sequence ? t / pb.seq_len : t)];
+}
+
+// One row of logits through the softmax of x = z / tau (or x = z when the
+// temperature is applied to logp instead).
+struct RowSoftmax {
+  double logp = 0.0;     // (x_y - LSE(x)) * post; 0 on masked rows
+  double entropy = 0.0;  // LSE(x) - sum p x, for every row
+  std::vector<double> p;
+};
+
+RowSoftmax row_softmax(const double* z, std::int64_t vocab, const LossConfig& config,
+                       bool valid, std::int32_t id) {
+  const long double tau = config.temperature;
+  const bool on_logp = config.temperature_on_logp;
+  std::vector<long double> x(static_cast<std::size_t>(vocab));
+  // The max starts at -inf, never 0: rows of large negative logits stay exact.
+  long double max_x = -std::numeric_limits<long double>::infinity();
+  for (std::int64_t v = 0; v < vocab; ++v) {
+    x[v] = on_logp ? static_cast<long double>(z[v]) : z[v] / tau;
+    max_x = std::max(max_x, x[v]);
+  }
+  // Sums over x - max: -inf entries give exp(-inf) = 0 and drop out. A row of
+  // only -inf has no softmax at all; it comes out NaN, which is the honest answer.
+  long double sum = 0.0L;
+  for (std::int64_t v = 0; v < vocab; ++v) sum += std::exp(x[v] - max_x);
+  const long double log_sum = std::log(sum);  // LSE = max_x + log_sum
+
+  RowSoftmax row;
+  row.p.resize(static_cast<std::size_t>(vocab));
+  long double mean_shifted_x = 0.0L;  // sum_v p_v (x_v - max_x), p_v = 0 terms skipped
+  for (std::int64_t v = 0; v < vocab; ++v) {
+    const long double p = std::exp(x[v] - max_x) / sum;
+    row.p[v] = static_cast<double>(p);
+    if (p > 0.0L) mean_shifted_x += p * (x[v] - max_x);
+  }
+  // Entropy = LSE - sum p x; both sides shifted by max_x so that |z| ~ 1e4
+  // does not cancel the leading digits away.
+  row.entropy = static_cast<double>(log_sum - mean_shifted_x);
+  if (valid) {
+    const long double post = on_logp ? 1.0L / tau : 1.0L;
+    row.logp = static_cast<double>(((x[id] - max_x) - log_sum) * post);
+  }
+  return row;
+}
+
+// Everything the forward pass computes, row by row.
+struct Forward {
+  std::vector<RowSoftmax> rows;
+  std::vector<bool> valid;
+  std::vector<double> q;         // clamped log ratio seen by each row
+  std::vector<double> dq_dlogp;  // dq_t/dlogp_t (token) or dq_i/dlogp_t (sequence)
+  std::vector<double> weight;    // w_t = dLoss/dl_t, 0 on masked rows
+  std::vector<detail::TokenTerms> terms;
+  std::vector<std::int64_t> seq_valid;  // |o_i|
+  std::int64_t num_valid = 0;
+  double loss = 0.0;
+};
+
+// dLoss/dl_t for a valid token of sequence i: the aggregation normalizer.
+double aggregation_weight(const Problem& pb, std::int64_t seq_valid, std::int64_t num_valid) {
+  const auto batch = static_cast<double>(pb.batch);
+  switch (pb.config.loss_type) {
+    case LossType::grpo:
+    case LossType::sapo:
+      return 1.0 / (batch * static_cast<double>(std::max<std::int64_t>(seq_valid, 1)));
+    case LossType::bnpo:
+      return 1.0 / static_cast<double>(std::max<std::int64_t>(num_valid, 1));
+    case LossType::dr_grpo:
+      return 1.0 / (batch * static_cast<double>(pb.config.max_completion_length));
+    case LossType::dapo:
+    case LossType::cispo:
+      // The caller's global count; never guessed from this micro-batch.
+      return 1.0 / pb.config.num_items_in_batch;
+  }
+  return 0.0;
+}
+
+Forward forward(const Problem& pb) {
+  check_problem(pb);
+  const std::int64_t n = pb.batch * pb.seq_len;
+  const auto un = static_cast<std::size_t>(n);
+  Forward f;
+  f.rows.reserve(un);
+  f.valid.resize(un);
+  f.q.assign(un, 0.0);
+  f.dq_dlogp.assign(un, 0.0);
+  f.weight.assign(un, 0.0);
+  f.terms.assign(un, {});
+  f.seq_valid.assign(static_cast<std::size_t>(pb.batch), 0);
+
+  for (std::int64_t t = 0; t < n; ++t) {
+    f.valid[t] = pb.mask[t] != 0.0;
+    // ids of masked rows are never read: pass -1 so a slip would show.
+    f.rows.push_back(row_softmax(&pb.logits[static_cast<std::size_t>(t * pb.vocab)], pb.vocab,
+                                 pb.config, f.valid[t], f.valid[t] ? pb.ids[t] : -1));
+    if (f.valid[t]) ++f.seq_valid[t / pb.seq_len];
+  }
+  for (const std::int64_t c : f.seq_valid) f.num_valid += c;
+
+  // Log ratio; on-policy (old absent) means old = stop_gradient(logp): lr = 0
+  // but dq/dlogp stays 1, so the gradient still flows through r.
+  std::vector<double> log_ratio(un, 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (f.valid[t] && !pb.old_logp.empty()) log_ratio[t] = f.rows[t].logp - pb.old_logp[t];
+  }
+  const auto clamp_q = [](double raw) {
+    return std::clamp(raw, -kLogRatioClamp, kLogRatioClamp);
+  };
+  const auto unclamped = [](double raw) {
+    return raw > -kLogRatioClamp && raw < kLogRatioClamp;
+  };
+  if (pb.config.importance_sampling_level == IsLevel::token) {
+    for (std::int64_t t = 0; t < n; ++t) {
+      f.q[t] = clamp_q(log_ratio[t]);
+      f.dq_dlogp[t] = unclamped(log_ratio[t]) ? 1.0 : 0.0;
+    }
+  } else {
+    // GSPO: one ratio per sequence, the masked mean of the token log ratios.
+    for (std::int64_t i = 0; i < pb.batch; ++i) {
+      const double denom = static_cast<double>(std::max<std::int64_t>(f.seq_valid[i], 1));
+      double sum = 0.0;
+      for (std::int64_t t = i * pb.seq_len; t < (i + 1) * pb.seq_len; ++t) {
+        if (f.valid[t]) sum += log_ratio[t];
+      }
+      const double mean = sum / denom;
+      for (std::int64_t t = i * pb.seq_len; t < (i + 1) * pb.seq_len; ++t) {
+        f.q[t] = clamp_q(mean);
+        f.dq_dlogp[t] = f.valid[t] && unclamped(mean) ? 1.0 / denom : 0.0;
+      }
+    }
+  }
+
+  // Masked rows are skipped outright, so nothing read there (old_logp,
+  // ref_logp, is_weight of a masked token) can leak into the loss, not even a NaN.
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (!f.valid[t]) continue;
+    detail::TokenInputs in;
+    in.q = f.q[t];
+    in.logp = f.rows[t].logp;
+    in.advantage = per_row(pb.advantages, pb, t, 0.0);
+    in.is_weight = per_row(pb.is_weight, pb, t, 1.0);
+    in.ref_logp = pb.ref_logp.empty() ? 0.0 : pb.ref_logp[t];
+    f.terms[t] = detail::token_terms(pb.config, in);
+    f.weight[t] = aggregation_weight(pb, f.seq_valid[t / pb.seq_len], f.num_valid);
+    f.loss += f.weight[t] * f.terms[t].loss;
+  }
+  return f;
+}
+
+// c_t = dLoss/dlogp_t by the chain rule through both paths of l_t.
+std::vector<double> logp_coefficients(const Problem& pb, const Forward& f) {
+  const std::int64_t n = pb.batch * pb.seq_len;
+  std::vector<double> c(static_cast<std::size_t>(n), 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (f.valid[t]) c[t] = f.weight[t] * f.terms[t].d_logp;
+  }
+  if (pb.config.importance_sampling_level == IsLevel::token) {
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (f.valid[t]) c[t] += f.weight[t] * f.terms[t].d_q * f.dq_dlogp[t];
+    }
+  } else {
+    // q_i is shared by the sequence: every token's dl/dq flows back to every
+    // token's logp, each with weight dq_i/dlogp_t = 1/|o_i| (0 when clamped).
+    for (std::int64_t i = 0; i < pb.batch; ++i) {
+      double d_loss_d_q = 0.0;
+      for (std::int64_t u = i * pb.seq_len; u < (i + 1) * pb.seq_len; ++u) {
+        if (f.valid[u]) d_loss_d_q += f.weight[u] * f.terms[u].d_q;
+      }
+      for (std::int64_t t = i * pb.seq_len; t < (i + 1) * pb.seq_len; ++t) {
+        if (f.valid[t]) c[t] += f.dq_dlogp[t] * d_loss_d_q;
+      }
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+double loss_only(const Problem& problem) { return forward(problem).loss; }
+
+Result evaluate(const Problem& pb) {
+  const Forward f = forward(pb);
+  const std::int64_t n = pb.batch * pb.seq_len;
+  const auto un = static_cast<std::size_t>(n);
+  Result res;
+  res.loss = f.loss;
+  res.num_valid = f.num_valid;
+  res.logp.resize(un);
+  res.entropy.resize(un);
+  res.kl.assign(un, 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    res.logp[t] = f.rows[t].logp;
+    res.entropy[t] = f.rows[t].entropy;
+    if (f.valid[t]) res.kl[t] = f.terms[t].kl;  // already 0 when beta == 0
+  }
+
+  // dlogp_t/dz_v = ([v == y_t] - p_v) / tau in both temperature conventions.
+  const std::vector<double> c = logp_coefficients(pb, f);
+  const double tau = pb.config.temperature;
+  res.dlogits.assign(un * static_cast<std::size_t>(pb.vocab), 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (!f.valid[t] || c[t] == 0.0) continue;  // exact zeros, as the fast paths may skip
+    const double scale = c[t] / tau;
+    for (std::int64_t v = 0; v < pb.vocab; ++v) {
+      const double onehot = v == pb.ids[t] ? 1.0 : 0.0;
+      res.dlogits[t * pb.vocab + v] = scale * (onehot - f.rows[t].p[v]);
+    }
+  }
+
+  // Metrics: masked means over valid rows; the ratio is the clamped exp(q).
+  const double lo = 1.0 - static_cast<double>(pb.config.epsilon_low);
+  const double hi = 1.0 + static_cast<double>(pb.config.epsilon_high);
+  double low = 0.0, high = 0.0, region = 0.0, kl = 0.0, entropy = 0.0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (!f.valid[t]) continue;
+    const double r = std::exp(f.q[t]);
+    const double a = per_row(pb.advantages, pb, t, 0.0);
+    const bool is_low = r < lo && a < 0.0;
+    const bool is_high = r > hi && a > 0.0;
+    low += is_low ? 1.0 : 0.0;
+    high += is_high ? 1.0 : 0.0;
+    region += is_low || is_high ? 1.0 : 0.0;
+    kl += res.kl[t];
+    entropy += res.entropy[t];
+  }
+  const double count = static_cast<double>(std::max<std::int64_t>(f.num_valid, 1));
+  res.clip_ratio_low = low / count;
+  res.clip_ratio_high = high / count;
+  res.clip_ratio_region = region / count;
+  res.kl_mean = kl / count;
+  res.entropy_mean = entropy / count;
+  return res;
+}
+
+std::vector<double> lm_head_logits(const LmHeadProblem& pb) {
+  const std::int64_t n = pb.head.batch * pb.head.seq_len;
+  const std::int64_t vocab = pb.head.vocab;
+  const std::int64_t h = pb.hidden_size;
+  require(pb.hidden.size() == static_cast<std::size_t>(n * h), "hidden size");
+  require(pb.weight.size() == static_cast<std::size_t>(vocab * h), "weight size");
+  require(pb.bias.empty() || pb.bias.size() == static_cast<std::size_t>(vocab), "bias size");
+  std::vector<double> logits(static_cast<std::size_t>(n * vocab));
+  for (std::int64_t t = 0; t < n; ++t) {
+    for (std::int64_t v = 0; v < vocab; ++v) {
+      long double acc = pb.bias.empty() ? 0.0L : pb.bias[v];
+      for (std::int64_t k = 0; k < h; ++k) {
+        acc += static_cast<long double>(pb.hidden[t * h + k]) * pb.weight[v * h + k];
+      }
+      logits[t * vocab + v] = static_cast<double>(acc);
+    }
+  }
+  return logits;
+}
+
+LmHeadResult evaluate_lm_head(const LmHeadProblem& pb) {
+  Problem head = pb.head;
+  head.logits = lm_head_logits(pb);
+  LmHeadResult res;
+  res.head = evaluate(head);
+  const std::vector<double>& dz = res.head.dlogits;
+  const std::int64_t n = head.batch * head.seq_len;
+  const std::int64_t vocab = head.vocab;
+  const std::int64_t h = pb.hidden_size;
+
+  // z = h W^T + b: dh = dz W, dW = dz^T h, db = column sums of dz.
+  res.dhidden.assign(static_cast<std::size_t>(n * h), 0.0);
+  res.dweight.assign(static_cast<std::size_t>(vocab * h), 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    for (std::int64_t k = 0; k < h; ++k) {
+      long double acc = 0.0L;
+      for (std::int64_t v = 0; v < vocab; ++v) {
+        acc += static_cast<long double>(dz[t * vocab + v]) * pb.weight[v * h + k];
+      }
+      res.dhidden[t * h + k] = static_cast<double>(acc);
+    }
+  }
+  for (std::int64_t v = 0; v < vocab; ++v) {
+    for (std::int64_t k = 0; k < h; ++k) {
+      long double acc = 0.0L;
+      for (std::int64_t t = 0; t < n; ++t) {
+        acc += static_cast<long double>(dz[t * vocab + v]) * pb.hidden[t * h + k];
+      }
+      res.dweight[v * h + k] = static_cast<double>(acc);
+    }
+  }
+  if (!pb.bias.empty()) {
+    res.dbias.assign(static_cast<std::size_t>(vocab), 0.0);
+    for (std::int64_t v = 0; v < vocab; ++v) {
+      long double acc = 0.0L;
+      for (std::int64_t t = 0; t < n; ++t) acc += dz[t * vocab + v];
+      res.dbias[v] = static_cast<double>(acc);
+    }
+  }
+  return res;
+}
+
+}  // namespace grpo::oracle
