@@ -1,0 +1,115 @@
+// Bitwise-identical outputs for any thread count (1, 2, 3, 7) and run to run:
+// work is split by the shape and reduced in index order, never by thread.
+#include <gtest/gtest.h>
+
+#include <tbb/global_control.h>
+#include <tbb/task_arena.h>
+
+#include <cstring>
+
+#include "lm_head_support.hpp"
+
+namespace grpo::test {
+namespace {
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+constexpr int kThreadCounts[] = {1, 2, 3, 7};
+
+// TBB caps workers at cores - 1 by default; the tests lift it so 7 threads
+// really run (oversubscribing the 2-core machine on purpose).
+constexpr std::size_t kMaxThreads = 8;
+
+TEST(Determinism, LogitsLevelAcrossThreadCounts) {
+  tbb::global_control allow(tbb::global_control::max_allowed_parallelism, kMaxThreads);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    BatchSpec s{2, 9, 5003, config_for(LossType::grpo)};
+    s.config.beta = 0.04F;
+    s.config.temperature = 0.7F;
+    s.seed = 31;
+    SCOPED_TRACE(describe(s) + " dtype=" + to_string(dtype));
+    std::mt19937 rng(s.seed);
+    HostBatch h;
+    h.problem.logits = make_logits(s, rng);
+    fill_batch(s, h, rng);
+    const std::int64_t n = s.batch * s.seq_len;
+    std::vector<std::byte> logits;
+    store(h.problem.logits, dtype, logits);
+    struct Out {
+      std::vector<float> logp, entropy, kl;
+      std::vector<std::byte> dlogits;
+      Metrics m;
+    };
+    std::vector<Out> runs;
+    for (int threads : kThreadCounts) {
+      for (int repeat = 0; repeat < 2; ++repeat) {
+        Out o;
+        o.logp.resize(n);
+        o.entropy.resize(n);
+        o.kl.resize(n);
+        o.dlogits.resize(logits.size());
+        tbb::task_arena arena(threads);
+        arena.execute([&] {
+          LogitsLossPlan plan({s.batch, s.seq_len, s.vocab, dtype}, s.config);
+          plan.execute({logits.data(), dtype, n, s.vocab, s.vocab}, h.view(),
+                       {{o.logp, o.entropy, o.kl}, {o.dlogits.data(), dtype, n, s.vocab, s.vocab}, &o.m});
+        });
+        runs.push_back(std::move(o));
+      }
+    }
+    for (std::size_t i = 1; i < runs.size(); ++i) {
+      SCOPED_TRACE("run " + std::to_string(i) + " (threads " + std::to_string(kThreadCounts[i / 2]) + ")");
+      EXPECT_TRUE(same_bits(runs[i].m.loss, runs[0].m.loss));
+      EXPECT_TRUE(same_bits(runs[i].logp, runs[0].logp));
+      EXPECT_TRUE(same_bits(runs[i].entropy, runs[0].entropy));
+      EXPECT_TRUE(same_bits(runs[i].dlogits, runs[0].dlogits));
+    }
+  }
+}
+
+TEST(Determinism, LmHeadAcrossThreadCounts) {
+  tbb::global_control allow(tbb::global_control::max_allowed_parallelism, kMaxThreads);
+  // Several blocks, several tiles, two hidden chunks, bias and sequence-level IS
+  // in one case, so every reduction (tile merge, dbias, dweight across blocks) runs.
+  for (int variant = 0; variant < 2; ++variant) {
+    HeadCase c;
+    c.spec = {3, 40, 1000, config_for(variant == 0 ? LossType::grpo : LossType::dapo)};
+    c.spec.config.importance_sampling_level = variant == 0 ? IsLevel::token : IsLevel::sequence;
+    c.spec.config.beta = 0.04F;
+    c.spec.seed = 97 + variant;
+    c.hidden = 300;
+    c.dtype = variant == 0 ? DType::bf16 : DType::f32;
+    c.layout = variant == 0 ? WeightLayout::vocab_major : WeightLayout::hidden_major;
+    c.bias = true;
+    c.token_block = 64;
+    c.vocab_tile = 128;
+    SCOPED_TRACE(case_name(c));
+    const HeadProblem p = make_head_problem(c);
+    std::vector<HeadOutputs> runs;
+    for (int threads : kThreadCounts) {
+      for (int repeat = 0; repeat < 2; ++repeat) {
+        tbb::task_arena arena(threads);
+        arena.execute([&] { runs.push_back(run_head(c, p)); });
+      }
+    }
+    for (std::size_t i = 1; i < runs.size(); ++i) {
+      SCOPED_TRACE("run " + std::to_string(i) + " (threads " + std::to_string(kThreadCounts[i / 2]) + ")");
+      EXPECT_TRUE(same_bits(runs[i].metrics.loss, runs[0].metrics.loss));
+      EXPECT_TRUE(same_bits(runs[i].logp, runs[0].logp));
+      EXPECT_TRUE(same_bits(runs[i].entropy, runs[0].entropy));
+      EXPECT_TRUE(same_bits(runs[i].dhidden, runs[0].dhidden));
+      EXPECT_TRUE(same_bits(runs[i].dweight, runs[0].dweight));
+      EXPECT_TRUE(same_bits(runs[i].dbias, runs[0].dbias));
+    }
+    // The schedule really used the threads it was given.
+    EXPECT_NE(runs.back().schedule.find("threads=7"), std::string::npos) << runs.back().schedule;
+  }
+}
+
+}  // namespace
+}  // namespace grpo::test
