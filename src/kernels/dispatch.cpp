@@ -1,0 +1,46 @@
+// Run-time choice of the stage-kernel set, and the two version queries of
+// <grpo/version.hpp>. The choice is made once (a function-local static, so
+// thread-safe) and never changes afterwards: every call in a process, and so
+// every result, comes from the same ISA path.
+#include <cstdlib>
+#include <string_view>
+
+#include "grpo/version.hpp"
+#include "kernels/stage_kernels.hpp"
+
+namespace grpo {
+namespace kernels {
+namespace detail {
+// The function tables, defined next to their kernels. avx512_table() may
+// only be called once the CPU is known to support AVX-512F/BW/DQ/VL.
+const StageKernels& scalar_table();  // stage_kernels_scalar.cpp
+const StageKernels& avx512_table();  // stage_kernels_avx512.cpp
+}  // namespace detail
+
+const StageKernels& scalar_kernels() { return detail::scalar_table(); }
+
+const StageKernels* avx512_kernels() {
+  // BW for the 16-bit masked loads/stores, DQ for vfpclassps, VL for the
+  // 256-bit masked forms; F16C comes with every AVX-512F CPU.
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return supported ? &detail::avx512_table() : nullptr;
+}
+
+const StageKernels& kernels() {
+  static const StageKernels& chosen = []() -> const StageKernels& {
+    const char* forced = std::getenv("GRPO_SIMD");
+    if (forced != nullptr && std::string_view(forced) == "scalar") return scalar_kernels();
+    const StageKernels* simd = avx512_kernels();
+    return simd != nullptr ? *simd : scalar_kernels();
+  }();
+  return chosen;
+}
+
+}  // namespace kernels
+
+const char* version() { return GRPO_VERSION_STRING; }
+
+const char* simd_path() { return kernels::kernels().name; }
+
+}  // namespace grpo

@@ -1,0 +1,184 @@
+// Scalar stage kernels: the fallback on CPUs without AVX-512 and the per-stage
+// comparison target of stage_kernels_avx512.cpp. Plain loops with f32
+// accumulation and the same segmenting as the SIMD path (row_stats: one max
+// pass then one exp pass per kSegment-long segment, merged in order) and the
+// same roundings: x = fl(z * scale), then x - max.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/stage_kernels.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+float load(const void* data, Elem type, std::int64_t i) {
+  switch (type) {
+    case Elem::f32:
+      return static_cast<const float*>(data)[i];
+    case Elem::bf16:
+      return bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case Elem::f16: {
+      // g++ 12 supports _Float16 on x86-64 (conversions go through libgcc
+      // without F16C), rounding to nearest even like vcvtps2ph.
+      _Float16 h;
+      std::memcpy(&h, static_cast<const std::uint16_t*>(data) + i, sizeof(h));
+      return static_cast<float>(h);
+    }
+  }
+  return 0.0F;
+}
+
+void store(void* data, Elem type, std::int64_t i, float v) {
+  switch (type) {
+    case Elem::f32:
+      static_cast<float*>(data)[i] = v;
+      return;
+    case Elem::bf16:
+      static_cast<std::uint16_t*>(data)[i] = float_to_bf16(v);
+      return;
+    case Elem::f16: {
+      const auto h = static_cast<_Float16>(v);
+      std::memcpy(static_cast<std::uint16_t*>(data) + i, &h, sizeof(h));
+      return;
+    }
+  }
+}
+
+// fl(a * b + c) with a single rounding, as the AVX-512 path's fma: a * b is
+// exact in double (24 + 24 bits < 53), so only rare double-rounding ties differ.
+float fused(float a, float b, float c) {
+  return static_cast<float>(static_cast<double>(a) * static_cast<double>(b) + static_cast<double>(c));
+}
+
+// Statistics of one segment: a max pass, then an exp pass relative to it.
+RowStats segment_stats(const void* z, Elem type, std::int64_t begin, std::int64_t end, float scale) {
+  RowStats st;
+  for (std::int64_t i = begin; i < end; ++i) {
+    const float x = load(z, type, i) * scale;
+    // Written so a NaN x propagates into the max (std::fmax would drop it).
+    st.max = x > st.max || std::isnan(x) ? x : st.max;
+  }
+  if (st.max == kNegInf) return st;  // every entry -inf: S = D = 0, no -inf - -inf
+  for (std::int64_t i = begin; i < end; ++i) {
+    const float d = load(z, type, i) * scale - st.max;
+    if (d == kNegInf) continue;  // banned token: adds 0 to S and D, never 0 * -inf
+    const float e = std::exp(d);
+    st.sum += e;
+    st.dot += e * d;
+  }
+  return st;
+}
+
+RowStats row_stats_scalar(const void* z, Elem z_type, std::int64_t n, float scale) {
+  RowStats st;
+  for (std::int64_t begin = 0; begin < n; begin += kSegment) {
+    const std::int64_t end = begin + kSegment < n ? begin + kSegment : n;
+    st = merge(st, segment_stats(z, z_type, begin, end, scale));
+  }
+  return st;
+}
+
+RowStats row_stats_store_scalar(const float* z, std::int64_t n, float scale, void* out, Elem out_type) {
+  // Not segmented: every stored u needs the max of the whole (cache-resident) row.
+  RowStats st;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float x = z[i] * scale;
+    st.max = x > st.max || std::isnan(x) ? x : st.max;
+  }
+  if (st.max == kNegInf) {
+    for (std::int64_t i = 0; i < n; ++i) store(out, out_type, i, kNegInf);
+    return st;
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float d = z[i] * scale - st.max;
+    store(out, out_type, i, d);
+    if (d == kNegInf) continue;
+    const float e = std::exp(d);
+    st.sum += e;
+    st.dot += e * d;
+  }
+  return st;
+}
+
+void dlogits_row_scalar(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
+                        float a, std::int64_t target, void* out, Elem out_type, float* dbias) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    // With in_shift == 0, x is exactly row_stats' fl(z * scale).
+    const float p = std::exp(fused(load(in, in_type, i), in_scale, in_shift) - lse);
+    const float g = a * ((i == target ? 1.0F : 0.0F) - p);
+    store(out, out_type, i, g);  // after the load: out may alias in
+    if (dbias != nullptr) dbias[i] += g;
+  }
+}
+
+std::uint32_t bits_of(float v) {
+  std::uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  return b;
+}
+
+// Exponent all ones: +-inf or NaN. The masks are the IEEE exponent fields.
+bool is_special(const void* data, Elem type, std::int64_t i) {
+  if (type == Elem::f32) return (bits_of(static_cast<const float*>(data)[i]) & 0x7f800000U) == 0x7f800000U;
+  const std::uint16_t v = static_cast<const std::uint16_t*>(data)[i];
+  return type == Elem::bf16 ? (v & 0x7f80U) == 0x7f80U : (v & 0x7c00U) == 0x7c00U;
+}
+
+bool all_finite_scalar(const void* data, Elem type, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (is_special(data, type, i)) return false;
+  }
+  return true;
+}
+
+bool no_nan_or_pos_inf_scalar(const void* data, Elem type, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    // Only -inf is an allowed special value; the conversion to f32 is exact.
+    if (is_special(data, type, i) && load(data, type, i) != kNegInf) return false;
+  }
+  return true;
+}
+
+void f32_to_bf16_scalar(const float* in, std::uint16_t* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(in[i]);
+}
+
+void bf16_to_f32_scalar(const std::uint16_t* in, float* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
+}
+
+}  // namespace
+
+float bf16_to_float(std::uint16_t v) {
+  const std::uint32_t b = static_cast<std::uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+std::uint16_t float_to_bf16(float v) {
+  const std::uint32_t b = bits_of(v);
+  // NaN: keep the sign and the top payload bits and force the quiet bit
+  // (0x40), so rounding can never turn a NaN into an infinity.
+  if ((b & 0x7fffffffU) > 0x7f800000U) return static_cast<std::uint16_t>((b >> 16) | 0x40U);
+  // Round to nearest even: 0x7fff is just below half of the 16 dropped bits,
+  // the kept lowest bit tips exact ties to the even neighbour. Overflow
+  // carries into the exponent and correctly yields +-inf.
+  const std::uint32_t rounded = b + 0x7fffU + ((b >> 16) & 1U);
+  return static_cast<std::uint16_t>(rounded >> 16);
+}
+
+namespace detail {
+
+const StageKernels& scalar_table() {
+  static constexpr StageKernels k{"scalar",          row_stats_scalar,         row_stats_store_scalar,
+                                  dlogits_row_scalar, all_finite_scalar,       no_nan_or_pos_inf_scalar,
+                                  f32_to_bf16_scalar, bf16_to_f32_scalar};
+  return k;
+}
+
+}  // namespace detail
+}  // namespace grpo::kernels

@@ -1,0 +1,455 @@
+// Stage kernels, both paths, against a double-precision reference computed
+// here. Every buffer sits between PROT_NONE guard pages with the rest of its
+// mapping filled with 0xff bytes (NaN in f32, bf16 and f16): an access outside
+// [0, n) faults, or shows up as a NaN in a result, or as a changed byte.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "grpo/version.hpp"
+#include "kernels/stage_kernels.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+constexpr double kU = 0x1p-24;     // unit roundoff of f32: half an ulp of 1
+constexpr double kUBf16 = 0x1p-8;  // bf16 keeps 8 significant bits
+constexpr double kUF16 = 0x1p-11;  // f16 keeps 11 significant bits
+constexpr double kExpU = 4.0;      // exp error <= 2 ulp = 4u on both paths (ExpAccuracy below)
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// Vector (16) and segment (2048) edges, several segments plus a tail, and the Qwen vocabulary.
+const std::vector<std::int64_t> kLengths = {0, 1, 15, 16, 17, 31, 33, 2047, 2048, 2049, 3 * 2048 + 5, 151936};
+
+enum class Place { head, tail, head_plus_one };  // aligned / flush with the end / misaligned by one element
+constexpr Place kPlaces[] = {Place::head, Place::tail, Place::head_plus_one};
+
+class Guarded {
+ public:
+  Guarded(std::int64_t n, std::size_t elem, Place place) : bytes_(static_cast<std::size_t>(n) * elem) {
+    const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    body_ = (bytes_ + elem + page - 1) / page * page;
+    map_ = static_cast<char*>(mmap(nullptr, body_ + 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    mprotect(map_, page, PROT_NONE);
+    mprotect(map_ + page + body_, page, PROT_NONE);
+    lo_ = map_ + page;
+    std::memset(lo_, 0xff, body_);
+    data_ = place == Place::head ? lo_ : place == Place::tail ? lo_ + body_ - bytes_ : lo_ + elem;
+    size_ = body_ + 2 * page;
+  }
+  ~Guarded() { munmap(map_, size_); }
+  Guarded(const Guarded&) = delete;
+  Guarded& operator=(const Guarded&) = delete;
+  template <class T>
+  T* as() const { return reinterpret_cast<T*>(data_); }
+  bool outside_untouched() const {
+    for (const char* p = lo_; p != lo_ + body_; ++p) {
+      if ((p < data_ || p >= data_ + bytes_) && static_cast<unsigned char>(*p) != 0xff) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::size_t bytes_, body_ = 0, size_ = 0;
+  char* map_ = nullptr;
+  char* lo_ = nullptr;
+  char* data_ = nullptr;
+};
+
+std::size_t size_of(Elem t) { return t == Elem::f32 ? 4 : 2; }
+
+// Independent f16 decoding (bit fields, no _Float16): the reference side.
+double f16_value(std::uint16_t h) {
+  const int e = (h >> 10) & 0x1f;
+  const double mag = e == 0 ? std::ldexp(h & 0x3ff, -24)
+                     : e == 31 ? ((h & 0x3ff) != 0 ? std::nan("") : kInf)
+                               : std::ldexp(1024 + (h & 0x3ff), e - 25);
+  return (h & 0x8000) != 0 ? -mag : mag;
+}
+
+// Writes v (already representable in t) into a guarded buffer of type t.
+void fill(const Guarded& g, Elem t, const std::vector<float>& v) {
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (t == Elem::f32) {
+      g.as<float>()[i] = v[i];
+    } else if (t == Elem::bf16) {
+      g.as<std::uint16_t>()[i] = float_to_bf16(v[i]);
+    } else {
+      const auto h = static_cast<_Float16>(v[i]);
+      std::memcpy(g.as<std::uint16_t>() + i, &h, 2);
+    }
+  }
+}
+
+// Rounds v to what type t can hold, so fill() stores it exactly.
+void round_to(Elem t, std::vector<float>& v) {
+  for (float& x : v) x = t == Elem::bf16 ? bf16_to_float(float_to_bf16(x)) : t == Elem::f16 ? float(_Float16(x)) : x;
+}
+
+enum class Kind { normal, huge, banned, equal, all_neg_inf };
+const char* kKindNames[] = {"normal", "huge(|z|~1e4)", "banned(-inf)", "all-equal", "all -inf"};
+
+std::vector<float> make_row(Kind kind, std::int64_t n, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0F, 3.0F);  // a realistic logit spread
+  std::uniform_real_distribution<float> wide(-1e4F, 1e4F);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    switch (kind) {
+      case Kind::normal: v[i] = normal(rng); break;
+      case Kind::huge: v[i] = wide(rng); break;
+      case Kind::banned: v[i] = (i == 0 || i + 1 == v.size() || rng() % 8 == 0) ? -kInf : normal(rng); break;
+      case Kind::equal: v[i] = 7.25F; break;
+      case Kind::all_neg_inf: v[i] = -kInf; break;
+    }
+  }
+  return v;
+}
+
+struct Ref {
+  double sum = 0.0, dot = 0.0, dot2 = 0.0;  // S, D and Q = sum e d^2, relative to the kernel's (float) max
+};
+
+Ref reference(const std::vector<float>& z, float scale, float max) {
+  Ref r;
+  for (float zi : z) {
+    if (zi == -kInf) continue;
+    const double d = double(zi) * scale - max;  // z * scale is exact in double
+    const double e = std::exp(d);
+    r.sum += e;
+    r.dot += e * d;
+    r.dot2 += e * d * d;
+  }
+  return r;
+}
+
+float expected_max(const std::vector<float>& z, float scale) {
+  float m = -kInf;
+  for (float zi : z) m = std::max(m, zi * scale);  // the kernels' x = fl(z * scale)
+  return m;
+}
+
+// Worst-case error of S and D in f32. The kernels round x_v = fl(z_v * scale)
+// (absolute u|x_v| <= u(|M| + |d_v|), none when scale == 1) and d_v = x_v - M
+// (u|d_v|), so e_v = exp(d_v) is off by u(m + 2|d_v|) relative (m = |M| when
+// scaled, else 0) plus exp's own 4u; a sum of same-sign terms accumulated
+// depth deep adds depth*u relative. Summed over v:
+//   |dS| <= u((depth + 4 + m) S + 2|D|).
+// D's terms e_v d_v carry e_v's error times |d_v|, d_v's own absolute error
+// times e_v, and the product's rounding:
+//   |dD| <= u((depth + 7 + m)|D| + 2Q + m S),  Q = sum e_v d_v^2.
+// Underflow flushed to 0 loses < n * 104 * FLT_MIN (|d| < 104 below there).
+void expect_stats(const RowStats& got, float max, const Ref& ref, double depth, std::int64_t n, bool scaled) {
+  ASSERT_EQ(got.max, max);
+  if (max == -kInf) {
+    EXPECT_EQ(got.sum, 0.0F);
+    EXPECT_EQ(got.dot, 0.0F);
+    return;
+  }
+  const double flush = double(n) * 104 * std::numeric_limits<float>::min();
+  const double m = scaled ? std::fabs(double(max)) : 0.0;
+  EXPECT_NEAR(got.sum, ref.sum, kU * ((depth + kExpU + m) * ref.sum + 2 * std::fabs(ref.dot)) + flush);
+  EXPECT_NEAR(got.dot, ref.dot, kU * ((depth + kExpU + 3 + m) * std::fabs(ref.dot) + 2 * ref.dot2 + m * ref.sum) + flush);
+}
+
+// Accumulation depth of row_stats: one segment, plus 8 roundings per merge
+// (the rescale exp, its argument, the products and sums in merge()).
+double segmented_depth(std::int64_t n) { return double(std::min(n, kSegment)) + 8.0 * double((n + kSegment - 1) / kSegment); }
+
+enum class Path { scalar, avx512 };
+
+class StageKernelsTest : public testing::TestWithParam<std::tuple<Path, std::int64_t>> {
+ protected:
+  void SetUp() override {
+    if (std::get<0>(GetParam()) == Path::scalar) {
+      k_ = &scalar_kernels();
+    } else {
+      k_ = avx512_kernels();
+      if (k_ == nullptr) GTEST_SKIP() << "CPU lacks AVX-512F/BW/DQ/VL";
+    }
+    n_ = std::get<1>(GetParam());
+  }
+  const StageKernels* k_ = nullptr;
+  std::int64_t n_ = 0;
+};
+
+TEST_P(StageKernelsTest, RowStats) {
+  for (Elem t : {Elem::f32, Elem::bf16}) {
+    for (int kind = 0; kind < 5; ++kind) {
+      for (float scale : {1.0F, 1.0F / 0.7F}) {  // tau = 0.7: x = z / tau
+        const Place place = kPlaces[kind % 3];
+        const std::uint32_t seed = 1000u + 7u * std::uint32_t(n_) + 131u * std::uint32_t(kind);
+        SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " kind=" << kKindNames[kind]
+                                        << " bf16=" << (t == Elem::bf16) << " scale=" << scale);
+        std::vector<float> z = make_row(Kind(kind), n_, seed);
+        round_to(t, z);
+        Guarded buf(n_, size_of(t), place);
+        fill(buf, t, z);
+        const RowStats st = k_->row_stats(buf.as<void>(), t, n_, scale);
+        const float max = expected_max(z, scale);
+        expect_stats(st, max, reference(z, scale, max), segmented_depth(n_), n_, scale != 1.0F);
+        if (Kind(kind) == Kind::equal) {  // every e = exp(0) = 1 exactly, and n <= 2^24 sums exactly
+          EXPECT_EQ(st.sum, float(n_));
+          EXPECT_EQ(st.dot, 0.0F);
+        }
+      }
+    }
+    if (n_ == 0) continue;
+    // Non-finite input must reach the LSE so the driver can refuse the row.
+    std::vector<float> z = make_row(Kind::normal, n_, 7);
+    Guarded buf(n_, size_of(t), Place::tail);
+    z.back() = std::nanf("");
+    fill(buf, t, z);
+    RowStats st = k_->row_stats(buf.as<void>(), t, n_, 1.0F);
+    EXPECT_TRUE(std::isnan(st.max + std::log(st.sum)));
+    z.back() = 0.0F;
+    z.front() = kInf;
+    fill(buf, t, z);
+    st = k_->row_stats(buf.as<void>(), t, n_, 1.0F);
+    EXPECT_FALSE(std::isfinite(st.max + std::log(st.sum)));
+    EXPECT_NE(st.max + std::log(st.sum), -kInf);
+  }
+}
+
+TEST_P(StageKernelsTest, RowStatsStore) {
+  for (Elem out_t : {Elem::f32, Elem::f16}) {
+    for (int kind = 0; kind < 5; ++kind) {
+      const Place place = kPlaces[kind % 3];
+      const float scale = 1.0F / 0.7F;
+      const std::uint32_t seed = 2000u + 7u * std::uint32_t(n_) + 131u * std::uint32_t(kind);
+      SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " kind=" << kKindNames[kind]
+                                      << " f16=" << (out_t == Elem::f16));
+      const std::vector<float> z = make_row(Kind(kind), n_, seed);
+      Guarded in(n_, 4, place);
+      Guarded out(n_, size_of(out_t), place);
+      fill(in, Elem::f32, z);
+      const RowStats st = k_->row_stats_store(in.as<float>(), n_, scale, out.as<void>(), out_t);
+      const float max = expected_max(z, scale);
+      expect_stats(st, max, reference(z, scale, max), double(n_), n_, true);  // unsegmented: depth n
+      EXPECT_TRUE(out.outside_untouched());
+      for (std::int64_t i = 0; i < n_; ++i) {
+        // u = fl(fl(z * scale) - max): u|x| + u|u|, then for f16 half an ulp
+        // (2^-11 relative, 2^-25 absolute in the subnormal range), or -inf
+        // beyond the f16 range.
+        const double x = double(z[i]) * scale;
+        const double u_ref = max == -kInf || z[i] == -kInf ? -kInf : x - max;
+        const double u = out_t == Elem::f32 ? out.as<float>()[i] : f16_value(out.as<std::uint16_t>()[i]);
+        if (std::isinf(u_ref) || (out_t == Elem::f16 && u_ref < -65520.0)) {
+          ASSERT_EQ(u, -kInf) << "i=" << i;
+          continue;
+        }
+        const double tol32 = kU * (std::fabs(u_ref) + std::fabs(x));
+        const double tol = tol32 + (out_t == Elem::f16 ? kUF16 * (std::fabs(u_ref) + tol32) + 0x1p-25 : 0.0);
+        ASSERT_NEAR(u, u_ref, tol) << "i=" << i;
+      }
+    }
+  }
+}
+
+TEST_P(StageKernelsTest, DlogitsRow) {
+  int combo = 0;
+  for (Elem in_t : {Elem::f32, Elem::bf16, Elem::f16}) {
+    for (Elem out_t : {Elem::f32, Elem::bf16}) {
+      for (int kind = 0; kind < 3; ++kind) {
+        for (std::int64_t target : {std::int64_t{-1}, std::int64_t{0}, n_ / 2, n_ - 1, n_, n_ + 3}) {
+          const bool with_bias = (combo % 2) == 0;
+          const Place place = kPlaces[combo++ % 3];
+          const std::uint32_t seed = 3000u + 7u * std::uint32_t(n_) + 131u * std::uint32_t(kind) + 17u * std::uint32_t(combo);
+          SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " kind=" << kKindNames[kind] << " in="
+                                          << int(in_t) << " out=" << int(out_t) << " target=" << target);
+          std::vector<float> z = make_row(Kind(kind), n_, seed);
+          // f16 holds u = x - max in the fused driver; f32/bf16 hold raw logits.
+          const float zmax = expected_max(z, 1.0F);
+          const float scale = in_t == Elem::f16 ? 1.0F : 1.0F / 0.7F;
+          const float shift = in_t == Elem::f16 ? 0.0F : 0.375F;  // exercises the in_shift - lse rounding
+          if (in_t == Elem::f16) {
+            for (float& v : z) v -= zmax == -kInf ? 0.0F : zmax;
+          }
+          round_to(in_t, z);
+          // lse of x = z * scale + shift in double; 0 when no entry is finite
+          // (then p = 0 everywhere, a valid call).
+          double xmax = -kInf;
+          for (float v : z) xmax = std::max(xmax, double(v) * scale + shift);
+          double s = 0.0;
+          for (float v : z) s += v == -kInf ? 0.0 : std::exp(double(v) * scale + shift - xmax);
+          const float lse = xmax == -kInf ? 0.0F : float(xmax + std::log(s));
+          const float a = -0.8125F;
+          Guarded in(n_, size_of(in_t), place);
+          Guarded out(n_, size_of(out_t), place);
+          Guarded bias(n_, 4, place);
+          fill(in, in_t, z);
+          std::vector<float> bias0 = make_row(Kind::normal, n_, seed + 1);
+          fill(bias, Elem::f32, bias0);
+          k_->dlogits_row(in.as<void>(), in_t, n_, scale, shift, lse, a, target, out.as<void>(), out_t,
+                          with_bias ? bias.as<float>() : nullptr);
+          EXPECT_TRUE(out.outside_untouched());
+          EXPECT_TRUE(bias.outside_untouched());
+          for (std::int64_t i = 0; i < n_; ++i) {
+            // The exponent carries the roundings of x = fl(in * scale + shift)
+            // and of x - lse (u|x| + u|d| absolute), exp 4u; onehot - p and the
+            // product by a round once each. bf16 output adds half a bf16 ulp.
+            const double x = double(z[i]) * scale + shift;
+            const double d = x - double(lse);
+            const double p = std::exp(d);
+            const double g_ref = a * ((i == target ? 1.0 : 0.0) - p);
+            const double rel_p = p == 0.0 ? 0.0 : p * kU * (std::fabs(x) + std::fabs(d) + kExpU);  // -inf: p = 0 exactly
+            const double tol32 = std::fabs(a) * rel_p +
+                                 2 * kU * std::fabs(g_ref) + std::fabs(a) * std::numeric_limits<float>::min();
+            const double g = out_t == Elem::f32 ? out.as<float>()[i] : bf16_to_float(out.as<std::uint16_t>()[i]);
+            const double tol = tol32 + (out_t == Elem::bf16 ? kUBf16 * (std::fabs(g_ref) + tol32) : 0.0);
+            ASSERT_NEAR(g, g_ref, tol) << "i=" << i;
+            const double b = with_bias ? bias0[i] + g_ref : bias0[i];
+            ASSERT_NEAR(bias.as<float>()[i], b, (with_bias ? tol32 : 0.0) + kU * (std::fabs(b) + tol32)) << "i=" << i;
+          }
+          // In place: out aliases in exactly (element sizes match) and must give
+          // the same bits as the separate call.
+          if (size_of(in_t) != size_of(out_t)) continue;
+          k_->dlogits_row(in.as<void>(), in_t, n_, scale, shift, lse, a, target, in.as<void>(), out_t, nullptr);
+          ASSERT_EQ(std::memcmp(in.as<void>(), out.as<void>(), std::size_t(n_) * size_of(out_t)), 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(StageKernelsTest, Finiteness) {
+  for (Elem t : {Elem::f32, Elem::bf16, Elem::f16}) {
+    for (Place place : kPlaces) {
+      const std::uint32_t seed = 4000u + 7u * std::uint32_t(n_);
+      SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " type=" << int(t) << " place=" << int(place));
+      std::vector<float> z = make_row(Kind::normal, n_, seed);
+      round_to(t, z);
+      Guarded buf(n_, size_of(t), place);
+      fill(buf, t, z);
+      EXPECT_TRUE(k_->all_finite(buf.as<void>(), t, n_));
+      EXPECT_TRUE(k_->no_nan_or_pos_inf(buf.as<void>(), t, n_));
+      if (n_ == 0) continue;
+      for (std::int64_t pos : {std::int64_t{0}, n_ / 2, n_ - 1}) {
+        for (float bad : {std::nanf(""), kInf, -kInf}) {
+          std::vector<float> w = z;
+          w[std::size_t(pos)] = bad;
+          fill(buf, t, w);
+          SCOPED_TRACE(testing::Message() << "pos=" << pos << " value=" << bad);
+          EXPECT_FALSE(k_->all_finite(buf.as<void>(), t, n_));
+          EXPECT_EQ(k_->no_nan_or_pos_inf(buf.as<void>(), t, n_), bad == -kInf);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(StageKernelsTest, Conversions) {
+  for (Place place : kPlaces) {
+    const std::uint32_t seed = 5000u + 7u * std::uint32_t(n_);
+    SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " place=" << int(place));
+    std::mt19937 rng(seed);
+    Guarded f(n_, 4, place);
+    Guarded h(n_, 2, place);
+    for (std::int64_t i = 0; i < n_; ++i) {
+      const std::uint32_t bits = rng();  // every class: normals, subnormals, inf, NaN
+      std::memcpy(f.as<float>() + i, &bits, 4);
+    }
+    k_->f32_to_bf16(f.as<float>(), h.as<std::uint16_t>(), n_);
+    EXPECT_TRUE(h.outside_untouched());
+    for (std::int64_t i = 0; i < n_; ++i) ASSERT_EQ(h.as<std::uint16_t>()[i], float_to_bf16(f.as<float>()[i]));
+    Guarded back(n_, 4, place);
+    k_->bf16_to_f32(h.as<std::uint16_t>(), back.as<float>(), n_);
+    EXPECT_TRUE(back.outside_untouched());
+    for (std::int64_t i = 0; i < n_; ++i) {
+      std::uint32_t bits;
+      std::memcpy(&bits, back.as<float>() + i, 4);
+      ASSERT_EQ(bits, std::uint32_t{h.as<std::uint16_t>()[i]} << 16);
+    }
+  }
+}
+
+std::string param_name(const testing::TestParamInfo<StageKernelsTest::ParamType>& info) {
+  return std::string(std::get<0>(info.param) == Path::scalar ? "scalar" : "avx512") + "_n" +
+         std::to_string(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Lengths, StageKernelsTest,
+                         testing::Combine(testing::Values(Path::scalar, Path::avx512), testing::ValuesIn(kLengths)),
+                         param_name);
+
+// float_to_bf16 against rounding by distance in double: pick the nearer of the
+// two bf16 neighbours, ties to the even one; the step past the largest finite
+// bf16 is 2^128, encoded as inf.
+TEST(StageKernelConversions, Bf16RoundsToNearestEven) {
+  std::mt19937 rng(6000);
+  std::vector<std::uint32_t> patterns = {0x00000000, 0x80000000, 0x3f808000, 0x3f818000, 0x3f80c000, 0x7f7fffff,
+                                         0x7f7f7fff, 0x7f7f8000, 0xff7fffff, 0x00008000, 0x00018000, 0x7f800000,
+                                         0xff800000, 0x7f800001, 0xffc00000, 0x7fff0000, 0x007fffff};
+  for (int i = 0; i < 200000; ++i) patterns.push_back(rng());
+  for (std::uint32_t bits : patterns) {
+    SCOPED_TRACE(testing::Message() << "seed=6000 bits=0x" << std::hex << bits);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    const std::uint16_t got = float_to_bf16(f);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(std::isnan(bf16_to_float(got)));
+      EXPECT_EQ(got & 0x8000, (bits >> 16) & 0x8000);
+      continue;
+    }
+    const std::uint16_t lo = std::uint16_t(bits >> 16);
+    const int biased = (lo >> 7) & 0xff;
+    const double lo_mag = std::fabs(double(bf16_to_float(lo)));
+    const double step = std::ldexp(1.0, std::max(biased, 1) - 134);  // bf16 ulp: 2^(e - 127 - 7)
+    const double rem = std::fabs(double(f)) - lo_mag;
+    const bool up = rem > step / 2 || (rem == step / 2 && (lo & 1) != 0);
+    EXPECT_EQ(got, std::uint16_t(lo + (up ? 1 : 0)));
+    if (const StageKernels* simd = avx512_kernels()) {
+      std::uint16_t v;
+      simd->f32_to_bf16(&f, &v, 1);
+      EXPECT_EQ(v, got);
+    }
+  }
+}
+
+// e^x through dlogits_row (a = -1, lse = 0, no target gives g = p exactly) on
+// every 1009th float in [-88, 0]; below ln(FLT_MIN) only 0 or the exact
+// subnormal is accepted.
+TEST(StageKernelExp, WithinTwoUlp) {
+  std::vector<float> x;
+  const float lim = -88.0F;
+  std::uint32_t last;
+  std::memcpy(&last, &lim, 4);
+  for (std::uint32_t b = 0x80000000u; b <= last; b += 1009) x.push_back(std::bit_cast<float>(b));
+  for (float v : {0.0F, -kInf, -1e30F, -87.33654F}) x.push_back(v);
+  std::vector<float> e(x.size());
+  for (const StageKernels* k : {&scalar_kernels(), avx512_kernels()}) {
+    if (k == nullptr) continue;
+    SCOPED_TRACE(k->name);
+    k->dlogits_row(x.data(), Elem::f32, std::int64_t(x.size()), 1.0F, 0.0F, 0.0F, -1.0F, -1, e.data(), Elem::f32, nullptr);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const double ref = std::exp(double(x[i]));
+      if (ref < std::numeric_limits<float>::min()) {
+        ASSERT_LE(std::fabs(e[i]), ref + 0x1p-149) << "x=" << x[i];  // 0 or a subnormal within one step
+        continue;
+      }
+      ASSERT_NEAR(e[i], ref, 2 * std::ldexp(1.0, std::ilogb(ref) - 23)) << "x=" << x[i];
+    }
+    EXPECT_EQ(e[x.size() - 4], 1.0F);  // exp(0) is exactly 1
+    EXPECT_EQ(e[x.size() - 3], 0.0F);
+  }
+}
+
+TEST(StageKernelDispatch, PicksAvx512AndReportsIt) {
+  const bool forced_scalar = std::getenv("GRPO_SIMD") != nullptr && std::string(std::getenv("GRPO_SIMD")) == "scalar";
+  const char* expected = avx512_kernels() != nullptr && !forced_scalar ? "avx512" : "scalar";
+  EXPECT_STREQ(kernels().name, expected);
+  EXPECT_STREQ(grpo::simd_path(), expected);
+  EXPECT_STREQ(grpo::version(), GRPO_VERSION_STRING);
+}
+
+}  // namespace
+}  // namespace grpo::kernels
