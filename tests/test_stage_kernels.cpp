@@ -333,14 +333,22 @@ TEST_P(StageKernelsTest, Finiteness) {
       EXPECT_TRUE(k_->all_finite(buf.as<void>(), t, n_));
       EXPECT_TRUE(k_->no_nan_or_pos_inf(buf.as<void>(), t, n_));
       if (n_ == 0) continue;
+      // Raw bit patterns: quiet NaN, signalling NaN, negative NaN, +inf, -inf
+      // (the last one allowed by no_nan_or_pos_inf).
+      const std::uint32_t f32_bad[] = {0x7fc00000, 0x7f800001, 0xffc00001, 0x7f800000, 0xff800000};
+      const std::uint16_t bf16_bad[] = {0x7fc0, 0x7f81, 0xffc1, 0x7f80, 0xff80};
+      const std::uint16_t f16_bad[] = {0x7e00, 0x7c01, 0xfe01, 0x7c00, 0xfc00};
       for (std::int64_t pos : {std::int64_t{0}, n_ / 2, n_ - 1}) {
-        for (float bad : {std::nanf(""), kInf, -kInf}) {
-          std::vector<float> w = z;
-          w[std::size_t(pos)] = bad;
-          fill(buf, t, w);
-          SCOPED_TRACE(testing::Message() << "pos=" << pos << " value=" << bad);
+        for (int b = 0; b < 5; ++b) {
+          SCOPED_TRACE(testing::Message() << "pos=" << pos << " pattern=" << b);
+          if (t == Elem::f32) {
+            std::memcpy(buf.as<float>() + pos, &f32_bad[b], 4);
+          } else {
+            buf.as<std::uint16_t>()[pos] = t == Elem::bf16 ? bf16_bad[b] : f16_bad[b];
+          }
           EXPECT_FALSE(k_->all_finite(buf.as<void>(), t, n_));
-          EXPECT_EQ(k_->no_nan_or_pos_inf(buf.as<void>(), t, n_), bad == -kInf);
+          EXPECT_EQ(k_->no_nan_or_pos_inf(buf.as<void>(), t, n_), b == 4);
+          fill(buf, t, z);
         }
       }
     }
@@ -380,6 +388,30 @@ std::string param_name(const testing::TestParamInfo<StageKernelsTest::ParamType>
 INSTANTIATE_TEST_SUITE_P(Lengths, StageKernelsTest,
                          testing::Combine(testing::Values(Path::scalar, Path::avx512), testing::ValuesIn(kLengths)),
                          param_name);
+
+// The two paths round x = fl(z * scale) and u = x - max identically, so the
+// max and the stored u agree bit for bit (S and D differ by their exp and
+// summation order, bounded against the reference above).
+TEST(StageKernelPaths, MaxAndStoredUAgreeBitwise) {
+  const StageKernels* simd = avx512_kernels();
+  if (simd == nullptr) GTEST_SKIP() << "CPU lacks AVX-512F/BW/DQ/VL";
+  const StageKernels& ref = scalar_kernels();
+  for (std::int64_t n : kLengths) {
+    for (int kind = 0; kind < 5; ++kind) {
+      const std::uint32_t seed = 7000u + 7u * std::uint32_t(n) + 131u * std::uint32_t(kind);
+      SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n << " kind=" << kKindNames[kind]);
+      std::vector<float> z = make_row(Kind(kind), n, seed);
+      const float scale = 1.0F / 0.7F;
+      EXPECT_EQ(simd->row_stats(z.data(), Elem::f32, n, scale).max, ref.row_stats(z.data(), Elem::f32, n, scale).max);
+      for (Elem out_t : {Elem::f32, Elem::f16}) {
+        std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
+        simd->row_stats_store(z.data(), n, scale, a.data(), out_t);
+        ref.row_stats_store(z.data(), n, scale, b.data(), out_t);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), std::size_t(n) * size_of(out_t)), 0);
+      }
+    }
+  }
+}
 
 // float_to_bf16 against rounding by distance in double: pick the nearer of the
 // two bf16 neighbours, ties to the even one; the step past the largest finite
