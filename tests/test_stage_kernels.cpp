@@ -38,7 +38,9 @@ class Guarded {
   Guarded(std::int64_t n, std::size_t elem, Place place) : bytes_(static_cast<std::size_t>(n) * elem) {
     const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
     body_ = (bytes_ + elem + page - 1) / page * page;
-    map_ = static_cast<char*>(mmap(nullptr, body_ + 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    void* map = mmap(nullptr, body_ + 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) std::abort();
+    map_ = static_cast<char*>(map);
     mprotect(map_, page, PROT_NONE);
     mprotect(map_ + page + body_, page, PROT_NONE);
     lo_ = map_ + page;
@@ -95,8 +97,9 @@ void round_to(Elem t, std::vector<float>& v) {
   for (float& x : v) x = t == Elem::bf16 ? bf16_to_float(float_to_bf16(x)) : t == Elem::f16 ? float(_Float16(x)) : x;
 }
 
-enum class Kind { normal, huge, banned, equal, all_neg_inf };
-const char* kKindNames[] = {"normal", "huge(|z|~1e4)", "banned(-inf)", "all-equal", "all -inf"};
+enum class Kind { normal, huge, banned, offset, equal, all_neg_inf };
+constexpr int kKinds = 6;
+const char* kKindNames[] = {"normal", "uniform +-1e4", "banned(-inf)", "+-1e4 offset", "all-equal", "all -inf"};
 
 std::vector<float> make_row(Kind kind, std::int64_t n, std::uint32_t seed) {
   std::mt19937 rng(seed);
@@ -106,7 +109,8 @@ std::vector<float> make_row(Kind kind, std::int64_t n, std::uint32_t seed) {
   for (std::size_t i = 0; i < v.size(); ++i) {
     switch (kind) {
       case Kind::normal: v[i] = normal(rng); break;
-      case Kind::huge: v[i] = wide(rng); break;
+      case Kind::huge: v[i] = wide(rng); break;  // a few terms matter, the rest underflow
+      case Kind::offset: v[i] = (seed % 2 != 0 ? 1e4F : -1e4F) + normal(rng); break;  // x - max rounds at 1e4
       case Kind::banned: v[i] = (i == 0 || i + 1 == v.size() || rng() % 8 == 0) ? -kInf : normal(rng); break;
       case Kind::equal: v[i] = 7.25F; break;
       case Kind::all_neg_inf: v[i] = -kInf; break;
@@ -184,7 +188,7 @@ class StageKernelsTest : public testing::TestWithParam<std::tuple<Path, std::int
 
 TEST_P(StageKernelsTest, RowStats) {
   for (Elem t : {Elem::f32, Elem::bf16}) {
-    for (int kind = 0; kind < 5; ++kind) {
+    for (int kind = 0; kind < kKinds; ++kind) {
       for (float scale : {1.0F, 1.0F / 0.7F}) {  // tau = 0.7: x = z / tau
         const Place place = kPlaces[kind % 3];
         const std::uint32_t seed = 1000u + 7u * std::uint32_t(n_) + 131u * std::uint32_t(kind);
@@ -222,7 +226,7 @@ TEST_P(StageKernelsTest, RowStats) {
 
 TEST_P(StageKernelsTest, RowStatsStore) {
   for (Elem out_t : {Elem::f32, Elem::f16}) {
-    for (int kind = 0; kind < 5; ++kind) {
+    for (int kind = 0; kind < kKinds; ++kind) {
       const Place place = kPlaces[kind % 3];
       const float scale = 1.0F / 0.7F;
       const std::uint32_t seed = 2000u + 7u * std::uint32_t(n_) + 131u * std::uint32_t(kind);
@@ -259,7 +263,7 @@ TEST_P(StageKernelsTest, DlogitsRow) {
   int combo = 0;
   for (Elem in_t : {Elem::f32, Elem::bf16, Elem::f16}) {
     for (Elem out_t : {Elem::f32, Elem::bf16}) {
-      for (int kind = 0; kind < 3; ++kind) {
+      for (int kind = 0; kind <= int(Kind::offset); ++kind) {
         for (std::int64_t target : {std::int64_t{-1}, std::int64_t{0}, n_ / 2, n_ - 1, n_, n_ + 3}) {
           const bool with_bias = (combo % 2) == 0;
           const Place place = kPlaces[combo++ % 3];
@@ -270,7 +274,7 @@ TEST_P(StageKernelsTest, DlogitsRow) {
           // f16 holds u = x - max in the fused driver; f32/bf16 hold raw logits.
           const float zmax = expected_max(z, 1.0F);
           const float scale = in_t == Elem::f16 ? 1.0F : 1.0F / 0.7F;
-          const float shift = in_t == Elem::f16 ? 0.0F : 0.375F;  // exercises the in_shift - lse rounding
+          const float shift = in_t == Elem::f16 ? 0.0F : 0.375F;  // a shift that is not 0 goes through the fma
           if (in_t == Elem::f16) {
             for (float& v : z) v -= zmax == -kInf ? 0.0F : zmax;
           }
@@ -397,7 +401,7 @@ TEST(StageKernelPaths, MaxAndStoredUAgreeBitwise) {
   if (simd == nullptr) GTEST_SKIP() << "CPU lacks AVX-512F/BW/DQ/VL";
   const StageKernels& ref = scalar_kernels();
   for (std::int64_t n : kLengths) {
-    for (int kind = 0; kind < 5; ++kind) {
+    for (int kind = 0; kind < kKinds; ++kind) {
       const std::uint32_t seed = 7000u + 7u * std::uint32_t(n) + 131u * std::uint32_t(kind);
       SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n << " kind=" << kKindNames[kind]);
       std::vector<float> z = make_row(Kind(kind), n, seed);

@@ -11,7 +11,6 @@
 // default), hence round_mul(): embedded rounding forces a separate vmulps.
 #include <immintrin.h>
 
-#include <cstring>
 #include <limits>
 
 #include <xsimd/xsimd.hpp>
