@@ -21,9 +21,12 @@ const StageKernels& scalar_kernels() { return detail::scalar_table(); }
 
 const StageKernels* avx512_kernels() {
   // BW for the 16-bit masked loads/stores, DQ for vfpclassps, VL for the
-  // 256-bit masked forms; F16C comes with every AVX-512F CPU.
+  // 256-bit masked forms; FMA and F16C come with every AVX-512F CPU but the
+  // file is compiled with -mfma -mf16c, so check them too (a VM may mask
+  // flags). libgcc also checks that the OS saves the zmm state (XCR0).
   static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return supported ? &detail::avx512_table() : nullptr;
 }
 
