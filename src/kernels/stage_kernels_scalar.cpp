@@ -2,7 +2,9 @@
 // comparison target of stage_kernels_avx512.cpp. Plain loops with f32
 // accumulation and the same segmenting as the SIMD path (row_stats: one max
 // pass then one exp pass per kSegment-long segment, merged in order) and the
-// same roundings: x = fl(z * scale), then x - max.
+// same roundings: x = fl(z * scale), then x - max. (This file is built for
+// baseline x86-64, without FMA, so the compiler cannot fuse the two; the
+// kernel tests check that max and the stored u agree bit for bit.)
 #include <cmath>
 #include <cstring>
 #include <limits>
