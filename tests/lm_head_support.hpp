@@ -53,6 +53,27 @@ inline std::vector<double> store(const std::vector<double>& v, DType dtype, std:
   return actual;
 }
 
+struct HeadOutputs {
+  std::vector<float> logp, entropy, kl;
+  std::vector<std::byte> dhidden, dweight;
+  std::vector<float> dbias;
+  Metrics metrics;
+  std::string schedule;
+
+  // dweight as doubles in vocab-major order.
+  std::vector<double> dweight_vocab_major(const HeadCase& c) const {
+    const std::int64_t v = c.spec.vocab, h = c.hidden;
+    const std::vector<float> f = to_float(dweight.data(), c.dweight_dtype, static_cast<std::size_t>(v * h));
+    std::vector<double> out(f.size());
+    for (std::int64_t a = 0; a < v; ++a) {
+      for (std::int64_t k = 0; k < h; ++k) {
+        out[a * h + k] = f[c.layout == WeightLayout::vocab_major ? a * h + k : k * v + a];
+      }
+    }
+    return out;
+  }
+};
+
 struct HeadProblem {
   oracle::LmHeadProblem oracle;
   HostBatch batch;
@@ -60,7 +81,12 @@ struct HeadProblem {
   std::vector<double> dweight_init, dbias_init;  // accumulate mode: what the outputs start as
 };
 
-inline HeadProblem make_head_problem(const HeadCase& c) {
+HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_threads = 0);
+
+// with_oracle = false skips the O(N V H) double logits (large shapes): ids are
+// drawn among unbanned tokens and the on-policy logp comes from a forward-only
+// fused run.
+inline HeadProblem make_head_problem(const HeadCase& c, bool with_oracle = true) {
   const BatchSpec& s = c.spec;
   const std::int64_t n = s.batch * s.seq_len;
   const std::int64_t h = c.hidden;
@@ -99,8 +125,30 @@ inline HeadProblem make_head_problem(const HeadCase& c) {
   p.oracle.head.batch = s.batch;
   p.oracle.head.seq_len = s.seq_len;
   p.oracle.head.vocab = v;
-  p.batch.problem.logits = oracle::lm_head_logits(p.oracle);
-  fill_batch(s, p.batch, rng);
+  if (with_oracle) {
+    p.batch.problem.logits = oracle::lm_head_logits(p.oracle);
+    fill_batch(s, p.batch, rng);
+  } else {
+    std::uniform_int_distribution<std::int64_t> pick(0, v - 1);
+    p.batch.ids.resize(n);
+    for (auto& id : p.batch.ids) {
+      do {
+        id = static_cast<std::int32_t>(pick(rng));
+      } while (c.banned && id % 5 == 1);
+    }
+    // Probe: on-policy, forward only, no KL, every row valid.
+    HeadCase probe_case = c;
+    probe_case.spec.config.beta = 0.0F;
+    HeadProblem probe = p;
+    probe.batch.mask.assign(n, 1.0F);
+    probe.batch.advantages.assign(s.batch, 1.0F);
+    probe.batch.old_logp.clear();
+    probe.batch.ref_logp.clear();
+    probe.batch.is_weight.clear();
+    const HeadOutputs o = run_head(probe_case, probe);
+    const std::vector<double> logp(o.logp.begin(), o.logp.end());
+    fill_batch(s, p.batch, rng, &logp);
+  }
   p.oracle.head = p.batch.problem;
   if (c.accumulate) {
     const std::size_t wcount = static_cast<std::size_t>(v * h);
@@ -112,28 +160,8 @@ inline HeadProblem make_head_problem(const HeadCase& c) {
   return p;
 }
 
-struct HeadOutputs {
-  std::vector<float> logp, entropy, kl;
-  std::vector<std::byte> dhidden, dweight;
-  std::vector<float> dbias;
-  Metrics metrics;
-  std::string schedule;
 
-  // dweight as doubles in vocab-major order.
-  std::vector<double> dweight_vocab_major(const HeadCase& c) const {
-    const std::int64_t v = c.spec.vocab, h = c.hidden;
-    const std::vector<float> f = to_float(dweight.data(), c.dweight_dtype, static_cast<std::size_t>(v * h));
-    std::vector<double> out(f.size());
-    for (std::int64_t a = 0; a < v; ++a) {
-      for (std::int64_t k = 0; k < h; ++k) {
-        out[a * h + k] = f[c.layout == WeightLayout::vocab_major ? a * h + k : k * v + a];
-      }
-    }
-    return out;
-  }
-};
-
-inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_threads = 0) {
+inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_threads) {
   const BatchSpec& s = c.spec;
   const std::int64_t n = s.batch * s.seq_len;
   const std::int64_t v = s.vocab, h = c.hidden;

@@ -107,7 +107,10 @@ inline bool near_kink(const LossConfig& c, double log_ratio) {
 // Fills ids, mask, advantages, is_weight, ref_logp and old_logp (from the
 // oracle's on-policy logp plus noise, redrawn away from kinks) for logits
 // already in h.problem.logits.
-inline void fill_batch(const BatchSpec& s, HostBatch& h, std::mt19937& rng) {
+// base_logp: the on-policy logp when the caller has it (large shapes);
+// otherwise the oracle computes it from h.problem.logits.
+inline void fill_batch(const BatchSpec& s, HostBatch& h, std::mt19937& rng,
+                       const std::vector<double>* base_logp = nullptr) {
   const std::int64_t n = s.batch * s.seq_len;
   oracle::Problem& p = h.problem;
   p.batch = s.batch;
@@ -116,10 +119,10 @@ inline void fill_batch(const BatchSpec& s, HostBatch& h, std::mt19937& rng) {
   p.config = s.config;
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   std::normal_distribution<double> normal(0.0, 1.0);
-  h.ids.resize(n);
+  if (base_logp == nullptr) h.ids.resize(n);  // else the caller chose them
   h.mask.resize(n);
   for (std::int64_t r = 0; r < n; ++r) {
-    h.ids[r] = pick_id(p.logits.data() + r * s.vocab, s.vocab, rng);
+    h.ids[r] = base_logp != nullptr ? h.ids[r] : pick_id(p.logits.data() + r * s.vocab, s.vocab, rng);
     h.mask[r] = unit(rng) < s.mask_fraction ? 0.0F : 1.0F;
   }
   const std::int64_t adv_count = s.per_token_advantages ? n : s.batch;
@@ -141,9 +144,14 @@ inline void fill_batch(const BatchSpec& s, HostBatch& h, std::mt19937& rng) {
   p.is_weight.assign(h.is_weight.begin(), h.is_weight.end());
   LossConfig on_policy = s.config;
   on_policy.beta = 0.0F;
-  oracle::Problem probe = p;
-  probe.config = on_policy;
-  const oracle::Result base = oracle::evaluate(probe);
+  oracle::Result base;
+  if (base_logp != nullptr) {
+    base.logp = *base_logp;
+  } else {
+    oracle::Problem probe = p;
+    probe.config = on_policy;
+    base = oracle::evaluate(probe);
+  }
   if (s.config.beta != 0.0F) {
     h.ref_logp.resize(n);
     for (std::int64_t r = 0; r < n; ++r) h.ref_logp[r] = static_cast<float>(base.logp[r] + 0.2 * normal(rng));
