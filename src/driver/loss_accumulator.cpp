@@ -17,13 +17,8 @@ double clamp_log_ratio(double q, bool* flows) {
 
 LossAccumulator::LossAccumulator(const LossConfig& config, std::int64_t batch, std::int64_t seq_len,
                                  const BatchInputs& inputs)
-    : config_(config), batch_(batch), seq_len_(seq_len), in_(inputs), seq_norm_(batch) {
-  for (std::int64_t i = 0; i < batch; ++i) {
-    double valid = 0.0;
-    for (std::int64_t t = 0; t < seq_len; ++t) valid += inputs.mask[i * seq_len + t];
-    num_valid_ += static_cast<std::int64_t>(valid);
-    seq_norm_[i] = 1.0 / std::max(valid, 1.0);
-  }
+    : config_(config), batch_(batch), seq_len_(seq_len), in_(inputs) {
+  for (const float m : inputs.mask) num_valid_ += m != 0.0F ? 1 : 0;
   switch (config.loss_type) {
     case LossType::grpo:
     case LossType::sapo: norm_ = 1.0 / static_cast<double>(batch); break;
@@ -47,9 +42,20 @@ double LossAccumulator::is_weight(std::int64_t row) const {
                                                                     : in_.is_weight[row];
 }
 
-double LossAccumulator::weight(std::int64_t row) const {
+double LossAccumulator::seq_norm(std::int64_t row) {
+  const std::int64_t seq = row / seq_len_;
+  if (seq != norm_seq_) {
+    double valid = 0.0;
+    for (std::int64_t t = seq * seq_len_; t < (seq + 1) * seq_len_; ++t) valid += in_.mask[t];
+    norm_seq_ = seq;
+    norm_seq_value_ = 1.0 / std::max(valid, 1.0);
+  }
+  return norm_seq_value_;
+}
+
+double LossAccumulator::weight(std::int64_t row) {
   const bool per_sequence = config_.loss_type == LossType::grpo || config_.loss_type == LossType::sapo;
-  return in_.mask[row] * norm_ * (per_sequence ? seq_norm_[row / seq_len_] : 1.0);
+  return in_.mask[row] * norm_ * (per_sequence ? seq_norm(row) : 1.0);
 }
 
 double LossAccumulator::log_ratio(std::int64_t row, double logp) const {
@@ -72,7 +78,7 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
       for (std::int64_t t = r; t < end; ++t) {
         if (in_.mask[t] != 0.0F) sum += log_ratio(t, logp[t - r0]);
       }
-      q_seq = clamp_log_ratio(sum * seq_norm_[r / seq_len_], &seq_flows);
+      q_seq = clamp_log_ratio(sum * seq_norm(r), &seq_flows);
     }
     double seq_d_ratio = 0.0;  // sum_u w_u dl_u/dq_i
     for (std::int64_t t = r; t < end; ++t) {
@@ -106,7 +112,7 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
       clip_region_ += low || high;
     }
     if (sequence && seq_flows && seq_d_ratio != 0.0) {
-      const double dq = seq_norm_[r / seq_len_];  // dq_i/dlogp_u = m_u / max(|o_i|, 1)
+      const double dq = seq_norm(r);  // dq_i/dlogp_u = m_u / max(|o_i|, 1)
       for (std::int64_t t = r; t < end; ++t) {
         if (in_.mask[t] == 0.0F) continue;
         // Recombine in double: c_u = w_u * direct_u + dq * sum_u w_u dl_u/dq.

@@ -7,7 +7,6 @@
 
 #include <cstdint>
 #include <span>
-#include <vector>
 
 #include "grpo/loss_config.hpp"
 
@@ -29,14 +28,18 @@ class LossAccumulator {
  private:
   double advantage(std::int64_t row) const;
   double is_weight(std::int64_t row) const;
-  double weight(std::int64_t row) const;  // w_t = dLoss/dl_t
+  double weight(std::int64_t row);  // w_t = dLoss/dl_t
   double log_ratio(std::int64_t row, double logp) const;
+  // 1 / max(|o_i|, 1) for the sequence of `row`; rows arrive in order, so it is
+  // recomputed once per sequence (no per-batch allocation).
+  double seq_norm(std::int64_t row);
 
   LossConfig config_;
   std::int64_t batch_;
   std::int64_t seq_len_;
   BatchInputs in_;
-  std::vector<double> seq_norm_;  // per sequence: 1 / max(|o_i|, 1)
+  std::int64_t norm_seq_ = -1;  // sequence whose norm is cached
+  double norm_seq_value_ = 0.0;
   double norm_ = 0.0;             // the loss-type normalizer (except grpo/sapo's per-sequence one)
   std::int64_t num_valid_ = 0;
 

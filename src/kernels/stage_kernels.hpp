@@ -28,18 +28,10 @@ struct RowStats {
 
 // The online update: the statistics of the concatenation of two segments.
 // Merging in a fixed order (segment 0, 1, 2, ...) gives results independent
-// of how the segments were scheduled.
-inline RowStats merge(const RowStats& a, const RowStats& b) {
-  if (b.max == -std::numeric_limits<float>::infinity()) return a;
-  if (a.max == -std::numeric_limits<float>::infinity()) return b;
-  const float m = a.max > b.max ? a.max : b.max;
-  const float da = a.max - m;  // <= 0
-  const float db = b.max - m;  // <= 0
-  const float ea = std::exp(da);
-  const float eb = std::exp(db);
-  // sum e^(x-m) (x-m) = e^(a.max-m) * (D_a + (a.max-m) S_a), same for b.
-  return {m, ea * a.sum + eb * b.sum, ea * (a.dot + da * a.sum) + eb * (b.dot + db * b.sum)};
-}
+// of how the segments were scheduled. Defined out of line in merge.cpp (built
+// without AVX-512 flags): an inline definition compiled into the AVX-512 file
+// could be the copy the linker keeps for every caller.
+RowStats merge(const RowStats& a, const RowStats& b);
 
 struct StageKernels {
   const char* name;
