@@ -356,8 +356,7 @@ std::vector<Refusal> refusals() {
       {"RefLogpNaN", {"ref_logp"}, kAll, [](Call&, B& b) { b.ref_logp[0] = kNaN; }},
       {"IsWeightInf", {"is_weight"}, kAll, [](Call&, B& b) { b.is_weight[kLateRow] = kInf; }},
       // Finite operands whose product overflows f32 in the second token block:
-      // the logits row is +inf / NaN. The fused plan finds it only after the
-      // first block's outputs were written: DISABLED for the fused plan below.
+      // refused up front from the magnitude bound, before any block runs.
       {"LogitsOverflowInLaterBlock", {"hidden", "weight", "logits"}, kHead, [big](Call&, B& b) {
          for (std::int64_t k = 0; k < kHidden; ++k) b.hidden[at(kLateRow, k, kHidden)] = big;
          for (std::int64_t k = 0; k < kHidden; ++k) b.weight[at(b.ids[kLateRow], k, kHidden)] = big;
@@ -493,13 +492,6 @@ class RefusalTest : public ::testing::TestWithParam<RefusalCase> {};
 
 TEST_P(RefusalTest, ThrowsNamingTheArgumentAndWritesNothing) {
   const RefusalCase& rc = GetParam();
-  if (rc.entry == Entry::lm_head_plan && std::string(rc.refusal.name) == "LogitsOverflowInLaterBlock") {
-    // Known library bug (see the report of issue 5): the fused driver checks a
-    // token block's logits after the previous blocks' logp / kl / dhidden /
-    // dweight were written, and zeroes dbias before any block. Not a refusal
-    // of SPEC.md's list (the operands are finite), so skipped, not hidden.
-    GTEST_SKIP() << "fused plan writes earlier token blocks before refusing an overflowing later block";
-  }
   Buffers b;
   Call call(b);
   rc.refusal.apply(call, b);

@@ -3,7 +3,9 @@
 // of hidden, weight and bias. Everything here runs before any output is written.
 #include "api/lm_head_validate.hpp"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <string>
 
@@ -18,26 +20,38 @@ namespace {
 
 kernels::Elem elem(DType d) { return d == DType::f32 ? kernels::Elem::f32 : kernels::Elem::bf16; }
 
-// The first row of a matrix holding a NaN or an infinity, or -1.
-std::int64_t first_non_finite_row(const MatrixView& m, int threads) {
+// max |x| over a matrix and the first row holding a NaN or an infinity (-1 if none).
+struct Magnitude {
+  float max_abs = 0.0F;
+  std::int64_t first_bad_row = -1;
+};
+
+Magnitude scan_magnitude(const MatrixView& m, int threads) {
   const kernels::StageKernels& k = kernels::kernels();
   std::atomic<std::int64_t> first{std::numeric_limits<std::int64_t>::max()};
+  std::atomic<float> largest{0.0F};
   const std::size_t row_bytes = static_cast<std::size_t>(m.ld) * size_of(m.dtype);
   run_with_threads(threads, [&] {
     tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, m.rows, 64), [&](const auto& range) {
+      float local = 0.0F;
       for (std::int64_t r = range.begin(); r != range.end(); ++r) {
         const auto* row = static_cast<const std::byte*>(m.data) + static_cast<std::size_t>(r) * row_bytes;
-        if (!k.all_finite(row, elem(m.dtype), m.cols)) {
+        const float a = k.max_abs(row, elem(m.dtype), m.cols);
+        if (a == std::numeric_limits<float>::infinity()) {
           std::int64_t seen = first.load();
           while (r < seen && !first.compare_exchange_weak(seen, r)) {
           }
           return;
         }
+        local = std::max(local, a);
+      }
+      float seen = largest.load();
+      while (local > seen && !largest.compare_exchange_weak(seen, local)) {
       }
     });
   });
   const std::int64_t r = first.load();
-  return r == std::numeric_limits<std::int64_t>::max() ? -1 : r;
+  return {largest.load(), r == std::numeric_limits<std::int64_t>::max() ? -1 : r};
 }
 
 void check_ld(std::int64_t got, std::int64_t planned, const char* name) {
@@ -124,11 +138,31 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
       }
     }
   }
-  if (const std::int64_t r = first_non_finite_row(in.hidden, spec.threads); r >= 0) {
-    throw Error("hidden", "row " + std::to_string(r) + " contains NaN or inf");
+  const Magnitude hidden = scan_magnitude(in.hidden, spec.threads);
+  if (hidden.first_bad_row >= 0) {
+    throw Error("hidden", "row " + std::to_string(hidden.first_bad_row) + " contains NaN or inf");
   }
-  if (const std::int64_t r = first_non_finite_row(in.weight, spec.threads); r >= 0) {
-    throw Error("weight", "row " + std::to_string(r) + " contains NaN or inf");
+  const Magnitude weight = scan_magnitude(in.weight, spec.threads);
+  if (weight.first_bad_row >= 0) {
+    throw Error("weight", "row " + std::to_string(weight.first_bad_row) + " contains NaN or inf");
+  }
+  // Finite operands can still overflow f32 logits, and the fused kernel only
+  // meets a token block's logits after earlier blocks' outputs were written; so
+  // refuse here, from a bound: |z| <= H max|h| max|W| + max|b|, and x = z / tau
+  // (default convention) and differences like x_y - LSE at most double it.
+  double bias_max = 0.0;
+  if (s.has_bias) {
+    for (std::int64_t v = 0; v < s.vocab; ++v) {
+      const float b = in.bias.dtype == DType::f32 ? static_cast<const float*>(in.bias.data)[v]
+                                                  : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
+      if (b != -std::numeric_limits<float>::infinity()) bias_max = std::max(bias_max, static_cast<double>(std::abs(b)));
+    }
+  }
+  const double tau_scale = spec.config.temperature_on_logp ? 1.0 : std::max(1.0, 1.0 / spec.config.temperature);
+  const double bound = (static_cast<double>(s.hidden) * hidden.max_abs * weight.max_abs + bias_max) * tau_scale * 4.0;
+  if (!(bound < static_cast<double>(std::numeric_limits<float>::max()))) {
+    throw Error("hidden", "hidden (max |h| = " + std::to_string(hidden.max_abs) + ") and weight (max |W| = " +
+                              std::to_string(weight.max_abs) + ") can produce logits that overflow f32");
   }
 }
 

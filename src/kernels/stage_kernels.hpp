@@ -60,6 +60,11 @@ struct StageKernels {
   // True when no element is NaN or +inf (-inf allowed: banned tokens in a bias).
   bool (*no_nan_or_pos_inf)(const void* data, Elem type, std::int64_t n);
 
+  // max_v |x_v| when every element is finite, +inf otherwise (one pass: the
+  // finiteness check of hidden / weight, and the bound that proves their
+  // logits cannot overflow f32).
+  float (*max_abs)(const void* data, Elem type, std::int64_t n);
+
   // Conversions of contiguous runs.
   void (*f32_to_bf16)(const float* in, std::uint16_t* out, std::int64_t n);
   void (*bf16_to_f32)(const std::uint16_t* in, float* out, std::int64_t n);

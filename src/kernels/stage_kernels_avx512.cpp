@@ -331,6 +331,37 @@ bool no_nan_or_pos_inf_avx512(const void* data, Elem type, std::int64_t n) {
   return scan_clean_any<kClassNanOrPosInf>(data, type, n);
 }
 
+template <Elem T>
+float max_abs_of(const void* data, std::int64_t n) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __m512 x = load<T>(data, i);
+    bad |= _mm512_fpclass_ps_mask(x, kClassNonFinite);
+    m = _mm512_max_ps(m, _mm512_and_ps(x, magnitude));
+  }
+  if (i < n) {
+    const __m512 x = load_tail<T>(data, i, n - i, 0.0F);
+    bad |= _mm512_fpclass_ps_mask(x, kClassNonFinite);
+    m = _mm512_max_ps(m, _mm512_and_ps(x, magnitude));
+  }
+  return bad != 0 ? std::numeric_limits<float>::infinity() : _mm512_reduce_max_ps(m);
+}
+
+float max_abs_avx512(const void* data, Elem type, std::int64_t n) {
+  switch (type) {
+    case Elem::f32:
+      return max_abs_of<Elem::f32>(data, n);
+    case Elem::bf16:
+      return max_abs_of<Elem::bf16>(data, n);
+    case Elem::f16:
+      return max_abs_of<Elem::f16>(data, n);
+  }
+  return std::numeric_limits<float>::infinity();
+}
+
 void f32_to_bf16_avx512(const float* in, std::uint16_t* out, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store<Elem::bf16>(out, i, load<Elem::f32>(in, i));
@@ -351,7 +382,7 @@ namespace detail {
 const StageKernels& avx512_table() {
   static constexpr StageKernels k{"avx512",           row_stats_avx512,         row_stats_store_avx512,
                                   dlogits_row_avx512, all_finite_avx512,        no_nan_or_pos_inf_avx512,
-                                  f32_to_bf16_avx512, bf16_to_f32_avx512};
+                                  max_abs_avx512,     f32_to_bf16_avx512,       bf16_to_f32_avx512};
   return k;
 }
 

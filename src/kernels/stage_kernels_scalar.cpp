@@ -5,6 +5,7 @@
 // same roundings: x = fl(z * scale), then x - max. (This file is built for
 // baseline x86-64, without FMA, so the compiler cannot fuse the two; the
 // kernel tests check that max and the stored u agree bit for bit.)
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -144,6 +145,15 @@ bool no_nan_or_pos_inf_scalar(const void* data, Elem type, std::int64_t n) {
   return true;
 }
 
+float max_abs_scalar(const void* data, Elem type, std::int64_t n) {
+  float m = 0.0F;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (is_special(data, type, i)) return std::numeric_limits<float>::infinity();
+    m = std::max(m, std::abs(load(data, type, i)));
+  }
+  return m;
+}
+
 void f32_to_bf16_scalar(const float* in, std::uint16_t* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(in[i]);
 }
@@ -178,7 +188,7 @@ namespace detail {
 const StageKernels& scalar_table() {
   static constexpr StageKernels k{"scalar",          row_stats_scalar,         row_stats_store_scalar,
                                   dlogits_row_scalar, all_finite_scalar,       no_nan_or_pos_inf_scalar,
-                                  f32_to_bf16_scalar, bf16_to_f32_scalar};
+                                  max_abs_scalar,     f32_to_bf16_scalar,      bf16_to_f32_scalar};
   return k;
 }
 
