@@ -480,6 +480,38 @@ TEST(StageKernelExp, WithinTwoUlp) {
   }
 }
 
+TEST(StageKernelMaxAbs, MatchesReferenceAndFlagsNonFinite) {
+  const std::int64_t lengths[] = {0, 1, 15, 16, 17, 33, 2049};
+  std::mt19937 rng(4242);
+  std::normal_distribution<float> normal(0.0F, 50.0F);
+  for (const StageKernels* k : {&scalar_kernels(), avx512_kernels()}) {
+    if (k == nullptr) continue;
+    for (std::int64_t n : lengths) {
+      SCOPED_TRACE(std::string(k->name) + " n=" + std::to_string(n) + " seed=4242");
+      std::vector<float> x(n);
+      for (float& v : x) v = normal(rng);
+      float want = 0.0F;
+      for (float v : x) want = std::max(want, std::fabs(v));
+      EXPECT_EQ(k->max_abs(x.data(), Elem::f32, n), want);  // max is exact: no tolerance
+      std::vector<std::uint16_t> b(n);
+      float want_b = 0.0F;
+      for (std::int64_t i = 0; i < n; ++i) {
+        b[i] = float_to_bf16(x[i]);
+        want_b = std::max(want_b, std::fabs(bf16_to_float(b[i])));
+      }
+      EXPECT_EQ(k->max_abs(b.data(), Elem::bf16, n), want_b);
+      if (n == 0) continue;
+      for (float bad : {kInf, -kInf, std::numeric_limits<float>::quiet_NaN()}) {
+        for (std::int64_t at : {std::int64_t{0}, n - 1}) {
+          std::vector<float> y = x;
+          y[at] = bad;
+          EXPECT_EQ(k->max_abs(y.data(), Elem::f32, n), kInf) << "bad value " << bad << " at " << at;
+        }
+      }
+    }
+  }
+}
+
 TEST(StageKernelDispatch, PicksAvx512AndReportsIt) {
   const bool forced_scalar = std::getenv("GRPO_SIMD") != nullptr && std::string(std::getenv("GRPO_SIMD")) == "scalar";
   const char* expected = avx512_kernels() != nullptr && !forced_scalar ? "avx512" : "scalar";
