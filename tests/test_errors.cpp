@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <span>
 #include <string>
@@ -471,6 +472,10 @@ struct RefusalCase {
   Entry entry;
   Refusal refusal;
 };
+
+// gtest prints the parameter of a failing test: name it instead of dumping bytes.
+void PrintTo(const RefusalCase& c, std::ostream* os) { *os << entry_name(c.entry) << " " << c.refusal.name; }
+void PrintTo(Entry e, std::ostream* os) { *os << entry_name(e); }
 
 std::vector<RefusalCase> refusal_cases() {
   std::vector<RefusalCase> out;
