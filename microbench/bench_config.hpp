@@ -1,0 +1,72 @@
+// One microbench run, as read from a YAML file under configs/microbench/.
+// configs/README.md lists every field; parse_bench_config refuses unknown or
+// ill-typed fields, naming them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common_config.hpp"
+
+namespace grpo::bench {
+
+enum class Impl : std::uint8_t {
+  fused,            // LmHeadLossPlan
+  baseline,         // LmHeadBaseline (full logits)
+  bare_gemm,        // LmHeadBaseline::run_bare_gemms: the three GEMMs, no loss work
+  logits_fused,     // LogitsLossPlan on materialized logits
+  logits_baseline,  // LogitsBaseline
+  copy,             // memcpy of the logits bytes: the bandwidth yardstick
+};
+
+const char* to_string(Impl impl);
+bool is_lm_head(Impl impl);  // needs hidden and weight (else it starts from logits)
+
+struct BenchConfig {
+  std::string name;         // the benchmark's name; default: the file's stem
+  std::string description;  // free text, shown nowhere but the file
+  std::string source;       // the file it came from
+  Impl impl = Impl::fused;
+  ShapeSpec shape;
+  DType dtype = DType::f32;         // hidden and weight
+  DType logits_dtype = DType::f32;  // baseline logits; logits-level inputs
+  WeightLayout layout = WeightLayout::vocab_major;
+  bool bias = false;
+  std::int64_t vocab_tile = 0;   // 0 = the plan's choice
+  std::int64_t token_block = 0;  // 0 = the plan's choice
+  std::uint64_t workspace_budget = std::uint64_t{256} << 20;
+  DType dhidden_dtype = DType::f32;
+  DType dweight_dtype = DType::f32;
+  bool forward_only = false;
+  bool in_place = false;  // logits level: dlogits written over the logits
+  // Also time a forward-only run of the same impl on the same inputs;
+  // backward_s = step time - forward-only time.
+  bool measure_backward = false;
+  // LM head: time the three bare GEMMs at this shape for gemm_roofline_frac.
+  bool measure_roofline = true;
+  int roofline_steps = 1;  // best of this many bare-GEMM runs
+  int threads = 0;         // 0 = every core of the current task_arena
+  int warmup = 1;          // untimed steps after the (separately timed) first call
+  int steps = 3;           // timed steps
+  LossSpec loss;
+  InputSpec inputs;
+
+  struct Reference;
+  std::vector<Reference> references;  // measured in the same process, same shape
+};
+
+// A run measured beside the main one for ratio counters: the main config
+// with the reference's fields laid over it.
+struct BenchConfig::Reference {
+  std::string name;
+  BenchConfig config;
+};
+
+// tree: the parsed YAML; source: its file (for messages and the default name).
+BenchConfig parse_bench_config(const YAML::Node& tree, const std::string& source);
+
+// load_yaml_file + overrides ("a.b=value") + parse_bench_config.
+BenchConfig load_bench_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+}  // namespace grpo::bench

@@ -1,0 +1,102 @@
+#include "bench_run.hpp"
+
+#include <memory>
+
+#include "measure.hpp"
+#include "runners.hpp"
+
+namespace grpo::bench {
+namespace {
+
+void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
+  out["step_s_mean"] = s.mean();
+  out["step_s_p50"] = s.p50();
+  out["step_s_p90"] = s.percentile(0.9);
+  out["step_s_min"] = s.percentile(0.0);
+  out["first_call_s"] = s.first_call_s;
+  out["peak_bytes"] = static_cast<double>(s.peak_bytes);
+  out["peak_rss_delta_bytes"] = static_cast<double>(s.peak_rss_delta_bytes);
+  out["workspace_bytes"] = static_cast<double>(s.workspace_bytes);
+  // Rates use the p50 step and the nominal work (rows the fused path skips
+  // still count). 0 = does not apply (gflops and the roofline for logits-level
+  // runs, GB/s for LM-head runs).
+  const double flops = nominal_flops(c), bytes = nominal_bytes(c);
+  out["gflops"] = s.p50() > 0.0 ? flops / s.p50() * 1e-9 : 0.0;
+  out["gbytes_per_s"] = s.p50() > 0.0 ? bytes / s.p50() * 1e-9 : 0.0;
+  out["bare_gemm_s"] = s.bare_gemm_s.value_or(0.0);
+  // Achieved GEMM rate over the bare GEMMs' rate at the same shapes = bare time / step time.
+  out["gemm_roofline_frac"] = s.bare_gemm_s && s.p50() > 0.0 ? *s.bare_gemm_s / s.p50() : 0.0;
+  out["loss"] = s.metrics.loss;
+  out["clip_ratio_low"] = s.metrics.clip_ratio_low;
+  out["clip_ratio_high"] = s.metrics.clip_ratio_high;
+  out["clip_ratio_region"] = s.metrics.clip_ratio_region;
+  out["entropy_mean"] = s.metrics.entropy_mean;
+  out["kl_mean"] = s.metrics.kl_mean;
+  out["num_valid"] = static_cast<double>(s.metrics.num_valid);
+  out["batch"] = static_cast<double>(c.shape.batch);
+  out["seq_len"] = static_cast<double>(c.shape.seq_len);
+  out["hidden"] = static_cast<double>(c.shape.hidden);
+  out["vocab"] = static_cast<double>(c.shape.vocab);
+  if (s.forward_s) {
+    out["forward_s"] = *s.forward_s;
+    out["backward_s"] = *s.backward_s();
+  }
+}
+
+void add_reference_counters(const std::string& ref, Impl ref_impl, const RunStats& main, const RunStats& r,
+                            Counters& out) {
+  out[ref + "_step_s"] = r.p50();
+  out[ref + "_peak_bytes"] = static_cast<double>(r.peak_bytes);
+  out[ref + "_peak_rss_delta_bytes"] = static_cast<double>(r.peak_rss_delta_bytes);
+  if (r.p50() > 0.0) out["time_ratio_vs_" + ref] = main.p50() / r.p50();
+  if (main.p50() > 0.0) out["speedup_vs_" + ref] = r.p50() / main.p50();
+  if (r.peak_bytes > 0) out["peak_ratio_vs_" + ref] = static_cast<double>(main.peak_bytes) / static_cast<double>(r.peak_bytes);
+  // A copy moves the bytes a fused logits-level step must move; its time over
+  // ours is the fraction of the copy's bandwidth we reach.
+  if (ref_impl == Impl::copy && main.p50() > 0.0) out["copy_bw_frac"] = r.p50() / main.p50();
+  if (r.forward_s) {
+    out[ref + "_backward_s"] = *r.backward_s();
+    if (main.forward_s && *r.backward_s() > 0.0) out["backward_ratio_vs_" + ref] = *main.backward_s() / *r.backward_s();
+  }
+}
+
+}  // namespace
+
+BenchResult run_bench(const BenchConfig& config, bool show_progress) {
+  Progress progress(config.name, show_progress);
+  progress.update("synthesizing inputs");
+  const ProblemSpec spec = problem_spec(config);
+  auto problem = std::make_unique<Problem>(synthesize(spec));
+
+  // A bare_gemm reference already measures the roofline; do not pay twice.
+  const BenchConfig::Reference* bare_ref = nullptr;
+  for (const auto& r : config.references) {
+    if (r.config.impl == Impl::bare_gemm) bare_ref = &r;
+  }
+  RunStats main = measure_run(config, *problem, progress, config.measure_roofline && bare_ref == nullptr);
+
+  BenchResult result;
+  std::vector<std::pair<const BenchConfig::Reference*, RunStats>> refs;
+  for (const auto& r : config.references) {
+    Progress ref_progress(r.config.name, show_progress);
+    const ProblemSpec ref_spec = problem_spec(r.config);
+    std::unique_ptr<Problem> own;
+    if (!same_problem(ref_spec, spec)) {
+      ref_progress.update("synthesizing inputs");
+      own = std::make_unique<Problem>(synthesize(ref_spec));
+    }
+    refs.emplace_back(&r, measure_run(r.config, own ? *own : *problem, ref_progress, false));
+  }
+  if (bare_ref != nullptr) {
+    for (const auto& [r, s] : refs) {
+      if (r == bare_ref) main.bare_gemm_s = s.p50();
+    }
+  }
+  add_run_counters(config, main, result.counters);
+  for (const auto& [r, s] : refs) add_reference_counters(r->name, r->config.impl, main, s, result.counters);
+  result.step_s = main.step_s;
+  result.label = main.describe;
+  return result;
+}
+
+}  // namespace grpo::bench

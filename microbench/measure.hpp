@@ -1,0 +1,65 @@
+// The measurement of one run: first call (plan creation included), warm-up,
+// timed steps; per step the library-tracked peak and the process RSS
+// high-water mark, each reset just before the step.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bench_config.hpp"
+#include "synth.hpp"
+
+namespace grpo::bench {
+
+// Progress lines on stderr for long runs: "<name>: step 2/5 (elapsed 14.2 s)".
+// Quiet for quick runs: a line only once kQuietSeconds have passed since the
+// run started, then at most one per kIntervalSeconds (and each phase change).
+class Progress {
+ public:
+  explicit Progress(std::string name, bool enabled = true);
+  void update(const std::string& phase, int i = 0, int n = 0);
+  double elapsed() const;
+
+ private:
+  std::string name_;
+  bool enabled_;
+  std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point last_;
+  std::string last_phase_;
+};
+
+// Process memory from /proc/self: VmRSS and VmHWM, and the HWM reset
+// (writing "5" to /proc/self/clear_refs sets VmHWM to the current VmRSS).
+struct RssProbe {
+  static bool reset_high_water_mark();
+  static std::int64_t rss_bytes();             // -1 when unavailable
+  static std::int64_t high_water_mark_bytes();  // -1 when unavailable
+};
+
+struct RunStats {
+  std::vector<double> step_s;  // timed steps, in order
+  double first_call_s = 0.0;   // plan creation + first step
+  // Max over timed steps of (tracked peak - tracked live bytes before the step).
+  std::size_t peak_bytes = 0;
+  // Max over timed steps of (VmHWM after - VmRSS before); -1 when /proc is unavailable.
+  std::int64_t peak_rss_delta_bytes = -1;
+  Metrics metrics;  // of the last step
+  std::string describe;
+  std::size_t workspace_bytes = 0;
+  std::optional<double> bare_gemm_s;  // when measured (LM head, measure_roofline)
+  std::optional<double> forward_s;    // p50 of a forward-only run (measure_backward)
+
+  double mean() const;
+  double percentile(double q) const;  // nearest-rank on the sorted step times
+  double p50() const { return percentile(0.5); }
+  std::optional<double> backward_s() const;  // p50 - forward_s
+};
+
+// Synthesizes nothing: problem must match problem_spec(config).
+// roofline: measure the bare GEMMs after the steps (config.measure_roofline).
+RunStats measure_run(const BenchConfig& config, const Problem& problem, Progress& progress, bool roofline);
+
+}  // namespace grpo::bench

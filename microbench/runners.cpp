@@ -1,0 +1,276 @@
+#include "runners.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+namespace grpo::bench {
+namespace {
+
+// Per-token outputs and the LM-head gradients, allocated and touched once.
+struct HeadOutputs {
+  std::vector<float> logp;
+  HostBuffer dhidden, dweight;
+  std::vector<float> dbias;
+
+  HeadOutputs(const BenchConfig& c, bool forward_only) : logp(static_cast<std::size_t>(c.shape.rows())) {
+    if (forward_only) return;
+    const auto n = static_cast<std::size_t>(c.shape.rows()), h = static_cast<std::size_t>(c.shape.hidden),
+               v = static_cast<std::size_t>(c.shape.vocab);
+    dhidden = HostBuffer(n * h * size_of(c.dhidden_dtype));
+    dweight = HostBuffer(v * h * size_of(c.dweight_dtype));
+    dhidden.fill_zero();
+    dweight.fill_zero();
+    if (c.bias) dbias.assign(v, 0.0F);
+  }
+
+  LmHeadOutputs view(const BenchConfig& c, Metrics* metrics) {
+    const std::int64_t n = c.shape.rows(), h = c.shape.hidden, v = c.shape.vocab;
+    LmHeadOutputs o;
+    o.tokens.logp = logp;
+    o.metrics = metrics;
+    if (dhidden.empty()) return o;
+    o.dhidden = {dhidden.data(), c.dhidden_dtype, n, h, h};
+    o.dweight = c.layout == WeightLayout::vocab_major ? MutMatrixView{dweight.data(), c.dweight_dtype, v, h, h}
+                                                      : MutMatrixView{dweight.data(), c.dweight_dtype, h, v, v};
+    o.dbias = dbias;
+    return o;
+  }
+};
+
+LmHeadBaselineOptions baseline_options(const BenchConfig& c, DType logits_dtype, Allocator* allocator) {
+  LmHeadBaselineOptions o;
+  o.logits_dtype = logits_dtype;
+  o.max_threads = c.threads;
+  o.forward_only = c.forward_only;
+  o.dweight_dtype = c.dweight_dtype;
+  o.dhidden_dtype = c.dhidden_dtype;
+  o.allocator = allocator;
+  return o;
+}
+
+double best_bare_gemms(const LmHeadBaseline& b, const LmHeadInputs& in, const LmHeadOutputs& out, int reps) {
+  double best = 0.0;
+  for (int i = 0; i < reps; ++i) {
+    const double t = b.run_bare_gemms(in, out).total();
+    best = i == 0 ? t : std::min(best, t);
+  }
+  return best;
+}
+
+class FusedRunner final : public Runner {
+ public:
+  FusedRunner(const BenchConfig& c, const Problem& p, Allocator& a)
+      : c_(c), p_(p), out_(c, c.forward_only), plan_(p.lm_head_shape(), p.config, options(c, a)) {}
+
+  std::optional<double> step() override {
+    // No workspace passed: the plan allocates it through the tracker, as a
+    // caller who does not manage workspaces gets it.
+    plan_.execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
+    return std::nullopt;
+  }
+  std::string describe() const override { return plan_.describe(); }
+  std::size_t workspace_bytes() const override { return plan_.workspace_size(); }
+  std::optional<double> bare_gemm_seconds(int reps) override {
+    // The fused forward GEMM writes f32 logit tiles; its backward reads
+    // dlogits in the input dtype, as the baseline's bare GEMMs do.
+    const LmHeadBaseline b(p_.lm_head_shape(), p_.config, baseline_options(c_, DType::f32, nullptr));
+    return best_bare_gemms(b, p_.lm_head_inputs(), out_.view(c_, nullptr), reps);
+  }
+
+ private:
+  static LmHeadOptions options(const BenchConfig& c, Allocator& a) {
+    LmHeadOptions o;
+    o.token_block = c.token_block;
+    o.vocab_tile = c.vocab_tile;
+    o.workspace_budget = c.workspace_budget;
+    o.max_threads = c.threads;
+    o.forward_only = c.forward_only;
+    o.dweight_dtype = c.dweight_dtype;
+    o.dhidden_dtype = c.dhidden_dtype;
+    o.allocator = &a;
+    return o;
+  }
+  const BenchConfig& c_;
+  const Problem& p_;
+  HeadOutputs out_;
+  LmHeadLossPlan plan_;
+};
+
+class BaselineRunner final : public Runner {
+ public:
+  BaselineRunner(const BenchConfig& c, const Problem& p, Allocator& a)
+      : c_(c), p_(p), out_(c, c.forward_only),
+        baseline_(p.lm_head_shape(), p.config, baseline_options(c, c.logits_dtype, &a)) {}
+
+  std::optional<double> step() override {
+    if (c_.impl == Impl::bare_gemm) return baseline_.run_bare_gemms(p_.lm_head_inputs(), out_.view(c_, nullptr)).total();
+    baseline_.execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
+    return std::nullopt;
+  }
+  std::string describe() const override {
+    std::ostringstream os;
+    os << (c_.impl == Impl::bare_gemm ? "bare GEMMs" : "unfused lm-head") << ": logits=" << to_string(c_.logits_dtype)
+       << " dlogits=" << to_string(c_.dtype) << (c_.forward_only ? " forward-only" : "");
+    return os.str();
+  }
+  std::optional<double> bare_gemm_seconds(int reps) override {
+    if (c_.impl == Impl::bare_gemm) return std::nullopt;  // the step itself is the bare GEMMs
+    return best_bare_gemms(baseline_, p_.lm_head_inputs(), out_.view(c_, nullptr), reps);
+  }
+
+ private:
+  const BenchConfig& c_;
+  const Problem& p_;
+  HeadOutputs out_;
+  LmHeadBaseline baseline_;
+};
+
+class LogitsRunner final : public Runner {
+ public:
+  LogitsRunner(const BenchConfig& c, const Problem& p, Allocator& a) : c_(c), p_(p), logp_(c.shape.rows()) {
+    const LogitsShape shape{c.shape.batch, c.shape.seq_len, c.shape.vocab, c.logits_dtype};
+    const ExecOptions options{c.threads, &a};
+    if (c.impl == Impl::logits_fused) {
+      fused_ = std::make_unique<LogitsLossPlan>(shape, p.config, options);
+    } else {
+      baseline_ = std::make_unique<LogitsBaseline>(shape, p.config, options);
+    }
+    if (c.in_place) {
+      // The step overwrites the logits: each step starts from a fresh copy.
+      pristine_ = &p.logits;
+      work_ = HostBuffer(p.logits.size());
+      std::memcpy(work_.data(), p.logits.data(), p.logits.size());
+    } else if (!c.forward_only) {
+      work_ = HostBuffer(p.logits.size());
+      work_.fill_zero();
+    }
+  }
+
+  void before_step() override {
+    if (pristine_ != nullptr) std::memcpy(work_.data(), pristine_->data(), pristine_->size());
+  }
+  std::optional<double> step() override {
+    MatrixView logits = p_.logits_view();
+    if (c_.in_place) logits.data = work_.data();
+    LogitsOutputs out{.tokens = {.logp = logp_}, .metrics = &metrics_};
+    if (!c_.forward_only) out.dlogits = {work_.data(), c_.logits_dtype, logits.rows, logits.cols, logits.ld};
+    if (fused_) {
+      fused_->execute(logits, p_.batch(), out);
+    } else {
+      baseline_->execute(logits, p_.batch(), out);
+    }
+    return std::nullopt;
+  }
+  std::string describe() const override {
+    return std::string(fused_ ? "fused logits-level" : "unfused logits-level") + ": logits=" +
+           to_string(c_.logits_dtype) + (c_.in_place ? " in place" : "") + (c_.forward_only ? " forward-only" : "");
+  }
+
+ private:
+  const BenchConfig& c_;
+  const Problem& p_;
+  std::vector<float> logp_;
+  std::unique_ptr<LogitsLossPlan> fused_;
+  std::unique_ptr<LogitsBaseline> baseline_;
+  const HostBuffer* pristine_ = nullptr;
+  HostBuffer work_;
+};
+
+// A copy of the logits bytes into a second buffer: the same bytes a fused
+// logits-level step must read and write, at the speed the memory allows.
+// Split over the configured threads (one memcpy per 1 MiB chunk), because a
+// single-threaded memcpy would understate the bandwidth the kernel competes with.
+class CopyRunner final : public Runner {
+ public:
+  CopyRunner(const BenchConfig& c, const Problem& p) : c_(c), p_(p), dst_(p.logits.size()) { dst_.fill_zero(); }
+
+  std::optional<double> step() override {
+    constexpr std::size_t kChunk = std::size_t{1} << 20;
+    const std::size_t bytes = p_.logits.size();
+    tbb::task_arena arena(c_.threads > 0 ? c_.threads : tbb::this_task_arena::max_concurrency());
+    arena.execute([&] {
+      tbb::parallel_for(tbb::blocked_range<std::size_t>(0, (bytes + kChunk - 1) / kChunk, 1),
+                        [&](const tbb::blocked_range<std::size_t>& r) {
+                          for (std::size_t i = r.begin(); i != r.end(); ++i) {
+                            const std::size_t at = i * kChunk;
+                            std::memcpy(dst_.data() + at, p_.logits.data() + at, std::min(kChunk, bytes - at));
+                          }
+                        });
+    });
+    return std::nullopt;
+  }
+  std::string describe() const override { return "memcpy of " + std::to_string(p_.logits.size()) + " logits bytes"; }
+
+ private:
+  const BenchConfig& c_;
+  const Problem& p_;
+  HostBuffer dst_;
+};
+
+bool same_loss(const LossConfig& a, const LossConfig& b) {
+  return a.loss_type == b.loss_type && a.importance_sampling_level == b.importance_sampling_level &&
+         a.epsilon_low == b.epsilon_low && a.epsilon_high == b.epsilon_high && a.delta == b.delta &&
+         a.beta == b.beta && a.kl_bias_correction == b.kl_bias_correction && a.temperature == b.temperature &&
+         a.temperature_on_logp == b.temperature_on_logp && a.max_completion_length == b.max_completion_length &&
+         a.num_items_in_batch == b.num_items_in_batch && a.sapo_tau_pos == b.sapo_tau_pos &&
+         a.sapo_tau_neg == b.sapo_tau_neg;
+}
+
+}  // namespace
+
+std::unique_ptr<Runner> make_runner(const BenchConfig& config, const Problem& problem, Allocator& allocator) {
+  switch (config.impl) {
+    case Impl::fused: return std::make_unique<FusedRunner>(config, problem, allocator);
+    case Impl::baseline:
+    case Impl::bare_gemm: return std::make_unique<BaselineRunner>(config, problem, allocator);
+    case Impl::logits_fused:
+    case Impl::logits_baseline: return std::make_unique<LogitsRunner>(config, problem, allocator);
+    case Impl::copy: return std::make_unique<CopyRunner>(config, problem);
+  }
+  return nullptr;
+}
+
+ProblemSpec problem_spec(const BenchConfig& c) {
+  ProblemSpec s;
+  s.shape = c.shape;
+  s.lm_head = is_lm_head(c.impl);
+  s.dtype = c.dtype;
+  s.logits_dtype = c.logits_dtype;
+  s.layout = c.layout;
+  s.bias = c.bias;
+  s.loss = c.loss;
+  s.inputs = c.inputs;
+  s.threads = c.threads;
+  return s;
+}
+
+bool same_problem(const ProblemSpec& a, const ProblemSpec& b) {
+  if (a.shape != b.shape || a.lm_head != b.lm_head || !(a.inputs == b.inputs)) return false;
+  if (!same_loss(a.loss.config, b.loss.config) || a.loss.autos.max_completion_length != b.loss.autos.max_completion_length ||
+      a.loss.autos.num_items_in_batch != b.loss.autos.num_items_in_batch) {
+    return false;
+  }
+  if (a.lm_head) return a.dtype == b.dtype && a.layout == b.layout && a.bias == b.bias;
+  return a.logits_dtype == b.logits_dtype;
+}
+
+double nominal_flops(const BenchConfig& c) {
+  if (!is_lm_head(c.impl)) return 0.0;
+  const double one = 2.0 * static_cast<double>(c.shape.rows()) * static_cast<double>(c.shape.vocab) *
+                     static_cast<double>(c.shape.hidden);
+  return one * (c.forward_only ? 1.0 : 3.0);
+}
+
+double nominal_bytes(const BenchConfig& c) {
+  if (is_lm_head(c.impl)) return 0.0;
+  const double logits = static_cast<double>(c.shape.rows()) * static_cast<double>(c.shape.vocab) *
+                        static_cast<double>(size_of(c.logits_dtype));
+  return c.forward_only ? logits : 2.0 * logits;
+}
+
+}  // namespace grpo::bench

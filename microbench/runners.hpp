@@ -1,0 +1,51 @@
+// One implementation (fused, baseline, bare GEMMs, logits-level paths, copy)
+// bound to one synthesized problem: creates its plan and outputs, then runs
+// steps. Outputs are host buffers allocated and touched here, outside the
+// library's allocator, so a step's tracked peak is the step's own memory.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "bench_config.hpp"
+#include "synth.hpp"
+
+namespace grpo::bench {
+
+class Runner {
+ public:
+  virtual ~Runner() = default;
+  // Untimed preparation before each step (in place: restore the logits).
+  virtual void before_step() {}
+  // Runs one step. Returns its duration when the impl times itself (the bare
+  // GEMMs, which exclude building their operands); nullopt = time the call.
+  virtual std::optional<double> step() = 0;
+  virtual std::string describe() const = 0;
+  virtual Metrics metrics() const { return metrics_; }
+  // The fused plan's workspace (0 for the others).
+  virtual std::size_t workspace_bytes() const { return 0; }
+  // LM head: the three bare GEMMs (one when forward-only) at this run's
+  // shapes, best of `reps`, through LmHeadBaseline::run_bare_gemms.
+  virtual std::optional<double> bare_gemm_seconds(int reps) { return std::nullopt; }
+
+ protected:
+  Metrics metrics_;
+};
+
+// Builds the runner, creating its plan (this is part of first_call_s).
+// allocator: what the library's options get (the tracker).
+std::unique_ptr<Runner> make_runner(const BenchConfig& config, const Problem& problem, Allocator& allocator);
+
+// The problem a config's impl runs on.
+ProblemSpec problem_spec(const BenchConfig& config);
+bool same_problem(const ProblemSpec& a, const ProblemSpec& b);
+
+// Nominal work of one step: GEMM flops of an LM-head step (2NVH per GEMM,
+// three GEMMs with backward) and the logits bytes a logits-level step must
+// move (read logits, write dlogits). Rows the fused path skips still count,
+// so the rates compare implementations on the same work.
+double nominal_flops(const BenchConfig& config);
+double nominal_bytes(const BenchConfig& config);
+
+}  // namespace grpo::bench
