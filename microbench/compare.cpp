@@ -91,6 +91,8 @@ std::optional<JsonRun> read_benchmark_json(const std::string& path) {
   JsonRun run;
   run.text = text.substr(open, close == std::string::npos ? std::string::npos : close - open + 1);
   run.name = json_raw(run.text, "name").value_or("?");
+  // Google Benchmark appends "/iterations:N/manual_time"; the config's name is the part before.
+  run.name = run.name.substr(0, run.name.find("/iterations:"));
   run.error = json_raw(run.text, "error_occurred").value_or("false") == "true";
   run.error_message = json_raw(run.text, "error_message").value_or("");
   return run;

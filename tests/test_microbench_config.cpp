@@ -1,0 +1,288 @@
+// The microbench / gradcheck tooling: configs are refused with the field
+// named, the peak accounting means what it says (fused = the plan's
+// workspace, baseline >= its materialized logits), synthesized inputs reach
+// both clip branches, and every counter the issue names is produced.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "bench_config.hpp"
+#include "bench_run.hpp"
+#include "compare.hpp"
+#include "gradcheck_config.hpp"
+#include "measure.hpp"
+#include "runners.hpp"
+
+namespace grpo::bench {
+namespace {
+
+constexpr const char* kTinyFused = R"(
+impl: fused
+shape: {batch: 2, seq_len: 24, hidden: 64, vocab: 1000}
+dtype: f32
+vocab_tile: 256
+warmup: 0
+steps: 2
+measure_roofline: false
+loss: {loss_type: dapo, num_items_in_batch: auto, delta: 1.5, epsilon_high: 0.28}
+inputs: {seed: 3, old_logp_noise: 0.3, advantage_per_token: true}
+)";
+
+BenchConfig parse(const std::string& yaml) { return parse_bench_config(YAML::Load(yaml), "test.yaml"); }
+
+// The field a config is refused for ("<accepted>" when it is not refused).
+std::string refused_field(const std::string& yaml) {
+  try {
+    parse(yaml);
+  } catch (const ConfigError& e) {
+    return e.field();
+  }
+  return "<accepted>";
+}
+
+std::string with(const std::string& extra) { return std::string(kTinyFused) + extra; }
+
+TEST(MicrobenchConfig, ReadsEveryField) {
+  const BenchConfig c = parse(kTinyFused);
+  EXPECT_EQ(c.name, "test");
+  EXPECT_EQ(c.impl, Impl::fused);
+  EXPECT_EQ(c.shape, (ShapeSpec{2, 24, 64, 1000}));
+  EXPECT_EQ(c.vocab_tile, 256);
+  EXPECT_EQ(c.steps, 2);
+  EXPECT_EQ(c.loss.config.loss_type, LossType::dapo);
+  EXPECT_TRUE(c.loss.autos.num_items_in_batch);
+  ASSERT_TRUE(c.loss.config.delta.has_value());
+  EXPECT_FLOAT_EQ(*c.loss.config.delta, 1.5F);
+  EXPECT_FLOAT_EQ(c.loss.config.epsilon_high, 0.28F);
+  EXPECT_EQ(c.inputs.seed, 3U);
+  EXPECT_TRUE(c.inputs.advantage_per_token);
+  EXPECT_EQ(parse(with("workspace_budget: 64MiB\n")).workspace_budget, std::uint64_t{64} << 20);
+}
+
+TEST(MicrobenchConfig, UnknownFieldIsNamed) {
+  EXPECT_EQ(refused_field(with("stpes: 3\n")), "stpes");
+  EXPECT_EQ(refused_field(R"(
+impl: fused
+shape: {batch: 1, seq_len: 8, hidden: 16, vocab: 100, vocabulary: 5}
+)"),
+            "shape.vocabulary");
+  EXPECT_EQ(refused_field(R"(
+impl: fused
+shape: {batch: 1, seq_len: 8, hidden: 16, vocab: 100}
+inputs: {old_logp_nosie: 0.3}
+)"),
+            "inputs.old_logp_nosie");
+  EXPECT_EQ(refused_field(R"(
+impl: fused
+shape: {batch: 1, seq_len: 8, hidden: 16, vocab: 100}
+loss: {epsilon: 0.2}
+)"),
+            "loss.epsilon");
+}
+
+TEST(MicrobenchConfig, WrongTypeIsNamed) {
+  const std::string shape = "shape: {batch: 1, seq_len: 8, hidden: 16, vocab: 100}\n";
+  EXPECT_EQ(refused_field("impl: fused\n" + shape + "steps: three\n"), "steps");
+  EXPECT_EQ(refused_field("impl: fused\nshape: {batch: 1, seq_len: 1.5, hidden: 16, vocab: 100}\n"), "shape.seq_len");
+  EXPECT_EQ(refused_field("impl: fused\n" + shape + "dtype: fp16\n"), "dtype");
+  EXPECT_EQ(refused_field("impl: fused\n" + shape + "bias: maybe\n"), "bias");
+  EXPECT_EQ(refused_field("impl: fast\n" + shape), "impl");
+  EXPECT_EQ(refused_field("impl: fused\n" + shape + "loss: {epsilon_low: high}\n"), "loss.epsilon_low");
+  EXPECT_EQ(refused_field("impl: fused\n" + shape + "inputs: 3\n"), "inputs");
+  EXPECT_EQ(refused_field("impl: fused\n" + shape + "inputs: {zero_advantage_fraction: 1.5}\n"),
+            "inputs.zero_advantage_fraction");
+  EXPECT_EQ(refused_field("impl: fused\n" + shape + "workspace_budget: lots\n"), "workspace_budget");
+  EXPECT_EQ(refused_field("impl: fused\n" + shape + "steps:\n"), "steps");
+}
+
+TEST(MicrobenchConfig, MissingShapeIsNamed) {
+  EXPECT_EQ(refused_field("impl: fused\nsteps: 2\n"), "shape");
+  EXPECT_EQ(refused_field("impl: fused\nshape: {batch: 1, seq_len: 8, hidden: 16}\n"), "shape.vocab");
+  EXPECT_EQ(refused_field("impl: fused\nshape: {batch: 1, seq_len: 8, vocab: 100}\n"), "shape.hidden");
+  // Logits-level runs start from logits: a hidden size would be silently ignored.
+  EXPECT_EQ(refused_field("impl: logits_fused\nshape: {batch: 1, seq_len: 8, hidden: 16, vocab: 100}\n"),
+            "shape.hidden");
+  EXPECT_EQ(refused_field("shape: {batch: 1, seq_len: 8, hidden: 16, vocab: 100}\n"), "impl");
+}
+
+TEST(MicrobenchConfig, MessageNamesFileAndField) {
+  try {
+    parse(with("inputs_typo: 1\n"));
+    FAIL() << "accepted";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("test.yaml"), std::string::npos) << what;
+    EXPECT_NE(what.find("inputs_typo"), std::string::npos) << what;
+  }
+}
+
+TEST(MicrobenchConfig, ReferenceErrorsAreNamed) {
+  EXPECT_EQ(refused_field(with("references:\n  - {name: b, impl: bogus}\n")), "references[0].impl");
+  EXPECT_EQ(refused_field(with("references:\n  - {impl: baseline}\n")), "references[0].name");
+  EXPECT_EQ(refused_field(with("references:\n  - {name: b, shape: {batch: 1}}\n")), "references[0].shape");
+  EXPECT_EQ(refused_field(with("references:\n  - {name: b, inputs: {sed: 1}}\n")), "references[0].inputs.sed");
+  const BenchConfig c = parse(with("references:\n  - {name: base, impl: baseline, logits_dtype: f32}\n"));
+  ASSERT_EQ(c.references.size(), 1U);
+  EXPECT_EQ(c.references[0].config.impl, Impl::baseline);
+  EXPECT_EQ(c.references[0].config.shape, c.shape);
+  EXPECT_EQ(c.references[0].config.inputs, c.inputs);  // inherited from the main run
+}
+
+TEST(MicrobenchConfig, OverridesAreTypeChecked) {
+  YAML::Node tree = YAML::Load(kTinyFused);
+  apply_override(tree, "shape.seq_len=32");
+  apply_override(tree, "inputs.seed=9");
+  const BenchConfig c = parse_bench_config(tree, "test.yaml");
+  EXPECT_EQ(c.shape.seq_len, 32);
+  EXPECT_EQ(c.inputs.seed, 9U);
+  YAML::Node typo = YAML::Load(kTinyFused);
+  apply_override(typo, "shape.seq_lenn=32");
+  EXPECT_THROW(parse_bench_config(typo, "test.yaml"), ConfigError);
+}
+
+TEST(MicrobenchConfig, EveryShippedConfigParses) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(GRPO_CONFIG_DIR "/microbench")) {
+    EXPECT_NO_THROW(load_bench_config(entry.path().string())) << entry.path();
+    ++count;
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(GRPO_CONFIG_DIR "/gradcheck")) {
+    EXPECT_NO_THROW(load_gradcheck_config(entry.path().string())) << entry.path();
+    ++count;
+  }
+  EXPECT_GE(count, 20);
+}
+
+TEST(GradcheckConfig, ErrorsAreNamed) {
+  const std::string base = R"(
+shape: {batch: 1, seq_len: 8, hidden: 16, vocab: 100}
+oracle: lm_head
+tolerance:
+  loss: {abs: 1.0e-4, rel: 1.0e-4}
+  logp: {abs: 1.0e-4, rel: 1.0e-4}
+  entropy: {abs: 1.0e-4, rel: 1.0e-4}
+  dhidden: {abs: 1.0e-4, rel: 1.0e-4}
+)";
+  auto field = [](const std::string& yaml) {
+    try {
+      parse_gradcheck_config(YAML::Load(yaml), "g.yaml");
+    } catch (const ConfigError& e) {
+      return e.field();
+    }
+    return std::string("<accepted>");
+  };
+  EXPECT_EQ(field(base), "tolerance.dweight");
+  const std::string full = base + "  dweight: {abs: 1.0e-4, rel: 1.0e-4}\n";
+  EXPECT_EQ(field(full), "<accepted>");
+  EXPECT_EQ(field(full + "  dhidden_typo: {abs: 1, rel: 1}\n"), "tolerance.dhidden_typo");
+  EXPECT_EQ(field(full + "oracel: none\n"), "oracel");
+  std::string big = full;
+  big.replace(big.find("hidden: 16, vocab: 100"), 22, "hidden: 4096, vocab: 151936");
+  EXPECT_EQ(field(big), "oracle");  // O(N*V*H) long-double loops at a real vocabulary: refused
+}
+
+RunStats run(const BenchConfig& c) {
+  const Problem p = synthesize(problem_spec(c));
+  Progress quiet(c.name, false);
+  return measure_run(c, p, quiet, false);
+}
+
+TEST(MicrobenchPeak, FusedTrackedPeakEqualsWorkspace) {
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    for (const bool forward_only : {false, true}) {
+      for (const std::int64_t tile : {256, 0}) {
+        BenchConfig c = parse(kTinyFused);
+        c.dtype = dtype;
+        c.forward_only = forward_only;
+        c.vocab_tile = tile;
+        const RunStats s = run(c);
+        SCOPED_TRACE(s.describe);
+        EXPECT_GT(s.workspace_bytes, 0U);
+        // The step allocates its workspace and nothing else through the library's allocator.
+        EXPECT_EQ(s.peak_bytes, s.workspace_bytes);
+      }
+    }
+  }
+}
+
+TEST(MicrobenchPeak, BaselinePeakCoversMaterializedLogits) {
+  const std::string shape = "shape: {batch: 2, seq_len: 24, hidden: 64, vocab: 1000}\nmeasure_roofline: false\nsteps: 1\nwarmup: 0\n";
+  const std::size_t rows_x_vocab = 48 * 1000;
+  for (const char* logits : {"f32", "bf16"}) {
+    const BenchConfig c = parse(std::string("impl: baseline\ndtype: bf16\nlogits_dtype: ") + logits + "\n" + shape);
+    const RunStats s = run(c);
+    SCOPED_TRACE(logits);
+    EXPECT_GE(s.peak_bytes, rows_x_vocab * size_of(c.logits_dtype));
+  }
+  // The logits-level baseline keeps log_softmax and softmax, both f32 [N, V].
+  const BenchConfig c = parse("impl: logits_baseline\nshape: {batch: 2, seq_len: 24, vocab: 1000}\nsteps: 1\n");
+  EXPECT_GE(run(c).peak_bytes, 2 * rows_x_vocab * sizeof(float));
+}
+
+TEST(MicrobenchInputs, ReachBothClipBranches) {
+  const RunStats noisy = run(parse(kTinyFused));
+  EXPECT_GT(noisy.metrics.clip_ratio_low, 0.0);
+  EXPECT_GT(noisy.metrics.clip_ratio_high, 0.0);
+  EXPECT_LT(noisy.metrics.clip_ratio_region, 0.9);  // most tokens stay unclipped
+  BenchConfig c = parse(kTinyFused);
+  c.inputs.old_logp = OldLogp::none;
+  const RunStats on_policy = run(c);
+  EXPECT_EQ(on_policy.metrics.clip_ratio_region, 0.0);
+}
+
+TEST(MicrobenchInputs, DeterministicAndExactZeroAdvantageCount) {
+  BenchConfig c = parse(kTinyFused);
+  c.shape.batch = 8;
+  c.inputs.advantage_per_token = false;
+  c.inputs.zero_advantage_fraction = 0.5;
+  const Problem a = synthesize(problem_spec(c));
+  const Problem b = synthesize(problem_spec(c));
+  ASSERT_EQ(a.weight.size(), b.weight.size());
+  EXPECT_EQ(std::memcmp(a.weight.data(), b.weight.data(), a.weight.size()), 0);
+  EXPECT_EQ(std::memcmp(a.hidden.data(), b.hidden.data(), a.hidden.size()), 0);
+  EXPECT_EQ(a.old_logp, b.old_logp);
+  EXPECT_EQ(std::count(a.advantages.begin(), a.advantages.end(), 0.0F), 4);
+  EXPECT_EQ(a.config.num_items_in_batch, static_cast<double>(a.num_valid()));
+}
+
+TEST(MicrobenchRun, ProducesEveryNamedCounter) {
+  const BenchResult r = run_bench(parse(with("references:\n  - {name: baseline, impl: baseline}\n")), false);
+  for (const char* name : kCoreCounters) EXPECT_EQ(r.counters.count(name), 1U) << name;
+  EXPECT_EQ(r.counters.count("speedup_vs_baseline"), 1U);
+  EXPECT_EQ(r.counters.count("peak_ratio_vs_baseline"), 1U);
+  EXPECT_EQ(r.step_s.size(), 2U);
+  const BenchResult logits = run_bench(
+      parse("impl: logits_fused\nshape: {batch: 1, seq_len: 16, vocab: 4096}\nsteps: 2\n"
+            "references:\n  - {name: copy, impl: copy}\n"),
+      false);
+  EXPECT_GT(logits.counters.at("copy_bw_frac"), 0.0);
+  EXPECT_GT(logits.counters.at("gbytes_per_s"), 0.0);
+}
+
+TEST(MicrobenchCompare, TableShowsRatios) {
+  const auto dir = std::filesystem::temp_directory_path();
+  auto write = [&](const char* file, const char* name, double step, double peak) {
+    std::ofstream(dir / file) << "{\n  \"benchmarks\": [\n    {\n      \"name\": \"" << name
+                              << "/iterations:3/manual_time\",\n      \"step_s_p50\": " << step
+                              << ",\n      \"peak_bytes\": " << peak << "\n    }\n  ]\n}\n";
+    return read_benchmark_json((dir / file).string());
+  };
+  const auto a = write("grpo_cmp_a.json", "base", 2.0, 4096.0 * 1024 * 1024);
+  const auto b = write("grpo_cmp_b.json", "fused", 1.0, 1024.0 * 1024 * 1024);
+  ASSERT_TRUE(a && b);
+  EXPECT_EQ(a->name, "base");
+  const std::string table = format_compare_table(*a, *b);
+  EXPECT_NE(table.find("B/A"), std::string::npos) << table;
+  EXPECT_NE(table.find("0.5x"), std::string::npos) << table;
+  EXPECT_NE(table.find("0.25x"), std::string::npos) << table;
+  EXPECT_NE(table.find("4.00 GiB"), std::string::npos) << table;
+  std::filesystem::remove(dir / "grpo_cmp_a.json");
+  std::filesystem::remove(dir / "grpo_cmp_b.json");
+}
+
+}  // namespace
+}  // namespace grpo::bench
