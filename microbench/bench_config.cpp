@@ -42,6 +42,9 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   c.measure_backward = r.get_bool("measure_backward").value_or(false);
   c.measure_roofline = r.get_bool("measure_roofline").value_or(lm_head);
   c.roofline_steps = positive_int(r, "roofline_steps", 1, 1);
+  c.allocator = r.get_enum<AllocatorKind>("allocator", {{"caching", AllocatorKind::caching},
+                                                       {"system", AllocatorKind::system}})
+                    .value_or(c.allocator);
   c.threads = positive_int(r, "threads", 0, 0);
   c.warmup = positive_int(r, "warmup", 1, 0);
   c.steps = positive_int(r, "steps", 3, 1);

@@ -20,6 +20,13 @@ enum class Impl : std::uint8_t {
   copy,             // memcpy of the logits bytes: the bandwidth yardstick
 };
 
+// Where the library's allocations come from during a run (always through a
+// TrackingAllocator on top, which counts live bytes either way).
+enum class AllocatorKind : std::uint8_t {
+  caching,  // freed blocks reused (steady state of a training loop; see caching_allocator.hpp)
+  system,   // operator new / delete every call: every step pays first-touch page faults
+};
+
 const char* to_string(Impl impl);
 bool is_lm_head(Impl impl);  // needs hidden and weight (else it starts from logits)
 
@@ -46,6 +53,7 @@ struct BenchConfig {
   // LM head: time the three bare GEMMs at this shape for gemm_roofline_frac.
   bool measure_roofline = true;
   int roofline_steps = 1;  // best of this many bare-GEMM runs
+  AllocatorKind allocator = AllocatorKind::caching;
   int threads = 0;         // 0 = every core of the current task_arena
   int warmup = 1;          // untimed steps after the (separately timed) first call
   int steps = 3;           // timed steps

@@ -64,17 +64,17 @@ double best_bare_gemms(const LmHeadBaseline& b, const LmHeadInputs& in, const Lm
 
 class FusedRunner final : public Runner {
  public:
-  FusedRunner(const BenchConfig& c, const Problem& p, Allocator& a)
-      : c_(c), p_(p), out_(c, c.forward_only), plan_(p.lm_head_shape(), p.config, options(c, a)) {}
+  FusedRunner(const BenchConfig& c, const Problem& p, Allocator& a) : c_(c), p_(p), a_(a), out_(c, c.forward_only) {}
 
+  void create() override { plan_.emplace(p_.lm_head_shape(), p_.config, options(c_, a_)); }
   std::optional<double> step() override {
-    // No workspace passed: the plan allocates it through the tracker, as a
-    // caller who does not manage workspaces gets it.
-    plan_.execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
+    // No workspace passed: the plan allocates it through the tracker each
+    // call (from the caching allocator's free list in steady state).
+    plan_->execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
     return std::nullopt;
   }
-  std::string describe() const override { return plan_.describe(); }
-  std::size_t workspace_bytes() const override { return plan_.workspace_size(); }
+  std::string describe() const override { return plan_->describe(); }
+  std::size_t workspace_bytes() const override { return plan_->workspace_size(); }
   std::optional<double> bare_gemm_seconds(int reps) override {
     // The fused forward GEMM writes f32 logit tiles; its backward reads
     // dlogits in the input dtype, as the baseline's bare GEMMs do.
@@ -97,19 +97,19 @@ class FusedRunner final : public Runner {
   }
   const BenchConfig& c_;
   const Problem& p_;
+  Allocator& a_;
   HeadOutputs out_;
-  LmHeadLossPlan plan_;
+  std::optional<LmHeadLossPlan> plan_;
 };
 
 class BaselineRunner final : public Runner {
  public:
-  BaselineRunner(const BenchConfig& c, const Problem& p, Allocator& a)
-      : c_(c), p_(p), out_(c, c.forward_only),
-        baseline_(p.lm_head_shape(), p.config, baseline_options(c, c.logits_dtype, &a)) {}
+  BaselineRunner(const BenchConfig& c, const Problem& p, Allocator& a) : c_(c), p_(p), a_(a), out_(c, c.forward_only) {}
 
+  void create() override { baseline_.emplace(p_.lm_head_shape(), p_.config, baseline_options(c_, c_.logits_dtype, &a_)); }
   std::optional<double> step() override {
-    if (c_.impl == Impl::bare_gemm) return baseline_.run_bare_gemms(p_.lm_head_inputs(), out_.view(c_, nullptr)).total();
-    baseline_.execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
+    if (c_.impl == Impl::bare_gemm) return baseline_->run_bare_gemms(p_.lm_head_inputs(), out_.view(c_, nullptr)).total();
+    baseline_->execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
     return std::nullopt;
   }
   std::string describe() const override {
@@ -120,26 +120,20 @@ class BaselineRunner final : public Runner {
   }
   std::optional<double> bare_gemm_seconds(int reps) override {
     if (c_.impl == Impl::bare_gemm) return std::nullopt;  // the step itself is the bare GEMMs
-    return best_bare_gemms(baseline_, p_.lm_head_inputs(), out_.view(c_, nullptr), reps);
+    return best_bare_gemms(*baseline_, p_.lm_head_inputs(), out_.view(c_, nullptr), reps);
   }
 
  private:
   const BenchConfig& c_;
   const Problem& p_;
+  Allocator& a_;
   HeadOutputs out_;
-  LmHeadBaseline baseline_;
+  std::optional<LmHeadBaseline> baseline_;
 };
 
 class LogitsRunner final : public Runner {
  public:
-  LogitsRunner(const BenchConfig& c, const Problem& p, Allocator& a) : c_(c), p_(p), logp_(c.shape.rows()) {
-    const LogitsShape shape{c.shape.batch, c.shape.seq_len, c.shape.vocab, c.logits_dtype};
-    const ExecOptions options{c.threads, &a};
-    if (c.impl == Impl::logits_fused) {
-      fused_ = std::make_unique<LogitsLossPlan>(shape, p.config, options);
-    } else {
-      baseline_ = std::make_unique<LogitsBaseline>(shape, p.config, options);
-    }
+  LogitsRunner(const BenchConfig& c, const Problem& p, Allocator& a) : c_(c), p_(p), a_(a), logp_(c.shape.rows()) {
     if (c.in_place) {
       // The step overwrites the logits: each step starts from a fresh copy.
       pristine_ = &p.logits;
@@ -151,6 +145,15 @@ class LogitsRunner final : public Runner {
     }
   }
 
+  void create() override {
+    const LogitsShape shape{c_.shape.batch, c_.shape.seq_len, c_.shape.vocab, c_.logits_dtype};
+    const ExecOptions options{c_.threads, &a_};
+    if (c_.impl == Impl::logits_fused) {
+      fused_ = std::make_unique<LogitsLossPlan>(shape, p_.config, options);
+    } else {
+      baseline_ = std::make_unique<LogitsBaseline>(shape, p_.config, options);
+    }
+  }
   void before_step() override {
     if (pristine_ != nullptr) std::memcpy(work_.data(), pristine_->data(), pristine_->size());
   }
@@ -174,6 +177,7 @@ class LogitsRunner final : public Runner {
  private:
   const BenchConfig& c_;
   const Problem& p_;
+  Allocator& a_;
   std::vector<float> logp_;
   std::unique_ptr<LogitsLossPlan> fused_;
   std::unique_ptr<LogitsBaseline> baseline_;

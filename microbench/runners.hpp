@@ -16,6 +16,9 @@ namespace grpo::bench {
 class Runner {
  public:
   virtual ~Runner() = default;
+  // Creates the plan / baseline object (timed as part of first_call_s; the
+  // constructor, which allocates and touches the outputs, is not).
+  virtual void create() {}
   // Untimed preparation before each step (in place: restore the logits).
   virtual void before_step() {}
   // Runs one step. Returns its duration when the impl times itself (the bare
@@ -33,7 +36,7 @@ class Runner {
   Metrics metrics_;
 };
 
-// Builds the runner, creating its plan (this is part of first_call_s).
+// Builds the runner and its outputs; call create() before the first step.
 // allocator: what the library's options get (the tracker).
 std::unique_ptr<Runner> make_runner(const BenchConfig& config, const Problem& problem, Allocator& allocator);
 
