@@ -4,9 +4,12 @@ namespace grpo::bench {
 namespace {
 
 const std::vector<std::pair<std::string, Impl>> kImpls = {
-    {"fused", Impl::fused},           {"baseline", Impl::baseline},
-    {"bare_gemm", Impl::bare_gemm},   {"logits_fused", Impl::logits_fused},
-    {"logits_baseline", Impl::logits_baseline}, {"copy", Impl::copy},
+    {"fused", Impl::fused},
+    {"baseline", Impl::baseline},
+    {"bare_gemm", Impl::bare_gemm},
+    {"logits_fused", Impl::logits_fused},
+    {"logits_baseline", Impl::logits_baseline},
+    {"copy", Impl::copy},
 };
 
 int positive_int(MapReader& r, const std::string& key, int fallback, int min) {
@@ -22,7 +25,9 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   c.source = source;
   c.name = r.get_string("name").value_or(file_stem(source));
   c.description = r.get_string("description").value_or("");
-  if (!r.has("impl")) throw ConfigError(r.field("impl"), "is required (fused | baseline | bare_gemm | logits_fused | logits_baseline | copy)");
+  if (!r.has("impl"))
+    throw ConfigError(r.field("impl"),
+                      "is required (fused | baseline | bare_gemm | logits_fused | logits_baseline | copy)");
   c.impl = *r.get_enum<Impl>("impl", kImpls);
   const bool lm_head = is_lm_head(c.impl);
   c.shape = parse_shape(r, lm_head, to_string(c.impl));
@@ -42,9 +47,9 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   c.measure_backward = r.get_bool("measure_backward").value_or(false);
   c.measure_roofline = r.get_bool("measure_roofline").value_or(lm_head);
   c.roofline_steps = positive_int(r, "roofline_steps", 1, 1);
-  c.allocator = r.get_enum<AllocatorKind>("allocator", {{"caching", AllocatorKind::caching},
-                                                       {"system", AllocatorKind::system}})
-                    .value_or(c.allocator);
+  c.allocator =
+      r.get_enum<AllocatorKind>("allocator", {{"caching", AllocatorKind::caching}, {"system", AllocatorKind::system}})
+          .value_or(c.allocator);
   c.threads = positive_int(r, "threads", 0, 0);
   c.warmup = positive_int(r, "warmup", 1, 0);
   c.steps = positive_int(r, "steps", 3, 1);

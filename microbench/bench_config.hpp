@@ -54,9 +54,9 @@ struct BenchConfig {
   bool measure_roofline = true;
   int roofline_steps = 1;  // best of this many bare-GEMM runs
   AllocatorKind allocator = AllocatorKind::caching;
-  int threads = 0;         // 0 = every core of the current task_arena
-  int warmup = 1;          // untimed steps after the (separately timed) first call
-  int steps = 3;           // timed steps
+  int threads = 0;  // 0 = every core of the current task_arena
+  int warmup = 1;   // untimed steps after the (separately timed) first call
+  int steps = 3;    // timed steps
   LossSpec loss;
   InputSpec inputs;
 

@@ -72,7 +72,8 @@ Args parse_args(int argc, char** argv) {
       a.sets.push_back(v);
     } else if (take_value(argc, argv, i, "--sweep", v)) {
       const std::size_t eq = v.find('=');
-      if (eq == std::string::npos || !a.sweep_key.empty()) throw std::runtime_error("--sweep takes one key.path=v1,v2,...");
+      if (eq == std::string::npos || !a.sweep_key.empty())
+        throw std::runtime_error("--sweep takes one key.path=v1,v2,...");
       a.sweep_key = v.substr(0, eq);
       for (std::size_t at = eq + 1; at <= v.size();) {
         const std::size_t comma = std::min(v.find(',', at), v.size());
@@ -162,7 +163,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   for (const BenchConfig& c : configs) {
-    benchmark::RegisterBenchmark(c.name.c_str(), [c, quiet = args.quiet](benchmark::State& s) { run_registered(s, c, quiet); })
+    benchmark::RegisterBenchmark(c.name.c_str(),
+                                 [c, quiet = args.quiet](benchmark::State& s) { run_registered(s, c, quiet); })
         ->UseManualTime()
         ->Iterations(c.steps)
         ->Unit(benchmark::kMillisecond);

@@ -50,7 +50,8 @@ void add_reference_counters(const std::string& ref, Impl ref_impl, const RunStat
   out[ref + "_peak_rss_delta_bytes"] = static_cast<double>(r.peak_rss_delta_bytes);
   if (r.p50() > 0.0) out["time_ratio_vs_" + ref] = main.p50() / r.p50();
   if (main.p50() > 0.0) out["speedup_vs_" + ref] = r.p50() / main.p50();
-  if (r.peak_bytes > 0) out["peak_ratio_vs_" + ref] = static_cast<double>(main.peak_bytes) / static_cast<double>(r.peak_bytes);
+  if (r.peak_bytes > 0)
+    out["peak_ratio_vs_" + ref] = static_cast<double>(main.peak_bytes) / static_cast<double>(r.peak_bytes);
   // A copy moves the bytes a fused logits-level step must move; its time over
   // ours is the fraction of the copy's bandwidth we reach.
   if (ref_impl == Impl::copy && main.p50() > 0.0) out["copy_bw_frac"] = r.p50() / main.p50();

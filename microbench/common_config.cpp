@@ -31,8 +31,8 @@ DType parse_dtype(MapReader& r, const std::string& key, DType fallback) {
 
 WeightLayout parse_layout(MapReader& r, const std::string& key) {
   return r
-      .get_enum<WeightLayout>(key, {{"vocab_major", WeightLayout::vocab_major},
-                                    {"hidden_major", WeightLayout::hidden_major}})
+      .get_enum<WeightLayout>(
+          key, {{"vocab_major", WeightLayout::vocab_major}, {"hidden_major", WeightLayout::hidden_major}})
       .value_or(WeightLayout::vocab_major);
 }
 
@@ -112,16 +112,15 @@ InputSpec parse_inputs(MapReader& parent) {
   }
   in.logit_std = r.get_double("logit_std").value_or(in.logit_std);
   check_non_negative(in.logit_std, r.field("logit_std"));
-  in.hidden_distribution =
-      r.get_enum<Distribution>("hidden_distribution",
-                               {{"normal", Distribution::normal}, {"student_t", Distribution::student_t}})
-          .value_or(in.hidden_distribution);
+  in.hidden_distribution = r.get_enum<Distribution>("hidden_distribution", {{"normal", Distribution::normal},
+                                                                            {"student_t", Distribution::student_t}})
+                               .value_or(in.hidden_distribution);
   in.peaky_fraction = r.get_double("peaky_fraction").value_or(in.peaky_fraction);
   check_fraction(in.peaky_fraction, r.field("peaky_fraction"));
   in.peaky_margin = r.get_double("peaky_margin").value_or(in.peaky_margin);
   check_non_negative(in.peaky_margin, r.field("peaky_margin"));
-  in.old_logp = r.get_enum<OldLogp>("old_logp", {{"none", OldLogp::none}, {"noisy", OldLogp::noisy}})
-                    .value_or(in.old_logp);
+  in.old_logp =
+      r.get_enum<OldLogp>("old_logp", {{"none", OldLogp::none}, {"noisy", OldLogp::noisy}}).value_or(in.old_logp);
   in.old_logp_noise = r.get_double("old_logp_noise").value_or(in.old_logp_noise);
   check_non_negative(in.old_logp_noise, r.field("old_logp_noise"));
   in.ref_logp_noise = r.get_double("ref_logp_noise").value_or(in.ref_logp_noise);

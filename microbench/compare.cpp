@@ -63,7 +63,9 @@ std::string plain(double v) {
   return buf;
 }
 
-std::string pad(const std::string& s, std::size_t w) { return s.size() >= w ? s + "  " : s + std::string(w - s.size(), ' '); }
+std::string pad(const std::string& s, std::size_t w) {
+  return s.size() >= w ? s + "  " : s + std::string(w - s.size(), ' ');
+}
 
 }  // namespace
 

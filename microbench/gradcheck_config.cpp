@@ -27,11 +27,10 @@ GradcheckConfig parse(const YAML::Node& tree, const std::string& source) {
   c.loss = parse_loss(r);
   c.inputs = parse_inputs(r);
   if (!r.has("oracle")) throw ConfigError(r.field("oracle"), "is required (none | lm_head | loss)");
-  c.oracle = *r.get_enum<OracleMode>("oracle", {{"none", OracleMode::none},
-                                                {"lm_head", OracleMode::lm_head},
-                                                {"loss", OracleMode::loss}});
-  const double work = static_cast<double>(c.shape.rows()) * static_cast<double>(c.shape.vocab) *
-                      static_cast<double>(c.shape.hidden);
+  c.oracle = *r.get_enum<OracleMode>(
+      "oracle", {{"none", OracleMode::none}, {"lm_head", OracleMode::lm_head}, {"loss", OracleMode::loss}});
+  const double work =
+      static_cast<double>(c.shape.rows()) * static_cast<double>(c.shape.vocab) * static_cast<double>(c.shape.hidden);
   if (c.oracle == OracleMode::lm_head && work > kMaxLmHeadOracleWork) {
     throw ConfigError(r.field("oracle"), "lm_head runs O(N*V*H) plain loops; N*V*H = " + std::to_string(work) +
                                              " is too large (use oracle: loss)");
@@ -75,6 +74,8 @@ GradcheckConfig parse_gradcheck_config(const YAML::Node& tree, const std::string
   }
 }
 
-GradcheckConfig load_gradcheck_config(const std::string& path) { return parse_gradcheck_config(load_yaml_file(path), path); }
+GradcheckConfig load_gradcheck_config(const std::string& path) {
+  return parse_gradcheck_config(load_yaml_file(path), path);
+}
 
 }  // namespace grpo::bench

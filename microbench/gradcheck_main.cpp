@@ -10,8 +10,8 @@
 #include <cmath>
 #include <cstdio>
 
-#include <CLI/CLI.hpp>
 #include <tbb/task_arena.h>
+#include <CLI/CLI.hpp>
 
 #include "gradcheck_config.hpp"
 #include "gradcheck_reference.hpp"
@@ -100,7 +100,8 @@ DiffStats diff_vectors(const A& a, const B& b, const std::vector<float>* mask) {
 DiffStats diff_dweight(const Problem& p, const HeadResult& a, const HeadResult& b) {
   DiffStats d;
   for (std::int64_t v = 0; v < p.spec.shape.vocab; ++v) {
-    for (std::int64_t k = 0; k < p.spec.shape.hidden; ++k) d.add(a.dweight_at(p, v, k), b.dweight_at(p, v, k), v * p.spec.shape.hidden + k);
+    for (std::int64_t k = 0; k < p.spec.shape.hidden; ++k)
+      d.add(a.dweight_at(p, v, k), b.dweight_at(p, v, k), v * p.spec.shape.hidden + k);
   }
   return d;
 }
@@ -195,7 +196,8 @@ int main(int argc, char** argv) {
       add_pair("fused vs baseline", fused, base.metrics.loss, base.logp, base.entropy, base.dhidden, base.dbias,
                diff_dweight(p, fused, base));
       std::printf("\n");
-      return print_verdict("max_rel = max|a-b| / max|b| over the quantity; logp and entropy over valid rows", rows) ? 0 : 1;
+      return print_verdict("max_rel = max|a-b| / max|b| over the quantity; logp and entropy over valid rows", rows) ? 0
+                                                                                                                    : 1;
     } catch (const std::exception& e) {
       std::fprintf(stderr, "grpo-gradcheck: %s: %s\n", c.name.c_str(), e.what());
       return 2;

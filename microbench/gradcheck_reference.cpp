@@ -46,7 +46,8 @@ void weight_rows(const Problem& p, std::int64_t v0, std::int64_t v1, std::vector
   out.resize(static_cast<std::size_t>((v1 - v0) * h));
   for (std::int64_t v = v0; v < v1; ++v) {
     for (std::int64_t k = 0; k < h; ++k) {
-      out[(v - v0) * h + k] = load_float(p.weight.data(), p.spec.dtype, static_cast<std::size_t>(vm ? v * h + k : k * vocab + v));
+      out[(v - v0) * h + k] =
+          load_float(p.weight.data(), p.spec.dtype, static_cast<std::size_t>(vm ? v * h + k : k * vocab + v));
     }
   }
 }
@@ -127,7 +128,8 @@ ReferenceResult reference_loss(const Problem& p, const std::vector<const HeadRes
   r.logp = std::move(res.logp);
   r.entropy = std::move(res.entropy);
   if (!bias.empty()) r.dbias.assign(static_cast<std::size_t>(vocab), 0.0);
-  tbb::combinable<std::vector<double>> dh_parts([&] { return std::vector<double>(static_cast<std::size_t>(n * h), 0.0); });
+  tbb::combinable<std::vector<double>> dh_parts(
+      [&] { return std::vector<double>(static_cast<std::size_t>(n * h), 0.0); });
   tbb::combinable<std::vector<DiffStats>> diff_parts([&] { return std::vector<DiffStats>(compare.size()); });
   for_vocab_blocks(vocab, [&](std::int64_t v0, std::int64_t v1, std::vector<double>& w) {
     weight_rows(p, v0, v1, w);

@@ -28,7 +28,8 @@ struct HeadResult {
   // dweight element (v, k) whatever the layout.
   float dweight_at(const Problem& p, std::int64_t v, std::int64_t k) const {
     const std::int64_t h = p.spec.shape.hidden, vocab = p.spec.shape.vocab;
-    const std::size_t at = static_cast<std::size_t>(p.spec.layout == WeightLayout::vocab_major ? v * h + k : k * vocab + v);
+    const std::size_t at =
+        static_cast<std::size_t>(p.spec.layout == WeightLayout::vocab_major ? v * h + k : k * vocab + v);
     return dweight.as<float>()[at];
   }
 };

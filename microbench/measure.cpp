@@ -80,7 +80,11 @@ void Progress::update(const std::string& phase, int i, int n) {
   const auto now = Clock::now();
   const double since_start = seconds(start_, now);
   const bool new_phase = phase != last_phase_;
-  if (!enabled_ || since_start < kQuietSeconds || (!new_phase && seconds(last_, now) < kIntervalSeconds)) return;
+  const bool first = last_phase_.empty();  // always say which config starts
+  if (!enabled_ ||
+      (!first && (since_start < kQuietSeconds || (!new_phase && seconds(last_, now) < kIntervalSeconds)))) {
+    return;
+  }
   last_ = now;
   last_phase_ = phase;
   if (n > 0) {

@@ -15,8 +15,9 @@
 namespace grpo::bench {
 
 // Progress lines on stderr for long runs: "<name>: step 2/5 (elapsed 14.2 s)".
-// Quiet for quick runs: a line only once kQuietSeconds have passed since the
-// run started, then at most one per kIntervalSeconds (and each phase change).
+// One line when a run starts; after that, quiet for quick runs: lines only
+// once kQuietSeconds have passed, then at most one per kIntervalSeconds
+// within a phase (and one at each phase change).
 class Progress {
  public:
   explicit Progress(std::string name, bool enabled = true);
@@ -35,7 +36,7 @@ class Progress {
 // (writing "5" to /proc/self/clear_refs sets VmHWM to the current VmRSS).
 struct RssProbe {
   static bool reset_high_water_mark();
-  static std::int64_t rss_bytes();             // -1 when unavailable
+  static std::int64_t rss_bytes();              // -1 when unavailable
   static std::int64_t high_water_mark_bytes();  // -1 when unavailable
 };
 

@@ -106,9 +106,12 @@ class BaselineRunner final : public Runner {
  public:
   BaselineRunner(const BenchConfig& c, const Problem& p, Allocator& a) : c_(c), p_(p), a_(a), out_(c, c.forward_only) {}
 
-  void create() override { baseline_.emplace(p_.lm_head_shape(), p_.config, baseline_options(c_, c_.logits_dtype, &a_)); }
+  void create() override {
+    baseline_.emplace(p_.lm_head_shape(), p_.config, baseline_options(c_, c_.logits_dtype, &a_));
+  }
   std::optional<double> step() override {
-    if (c_.impl == Impl::bare_gemm) return baseline_->run_bare_gemms(p_.lm_head_inputs(), out_.view(c_, nullptr)).total();
+    if (c_.impl == Impl::bare_gemm)
+      return baseline_->run_bare_gemms(p_.lm_head_inputs(), out_.view(c_, nullptr)).total();
     baseline_->execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
     return std::nullopt;
   }
@@ -170,8 +173,9 @@ class LogitsRunner final : public Runner {
     return std::nullopt;
   }
   std::string describe() const override {
-    return std::string(fused_ ? "fused logits-level" : "unfused logits-level") + ": logits=" +
-           to_string(c_.logits_dtype) + (c_.in_place ? " in place" : "") + (c_.forward_only ? " forward-only" : "");
+    return std::string(fused_ ? "fused logits-level" : "unfused logits-level") +
+           ": logits=" + to_string(c_.logits_dtype) + (c_.in_place ? " in place" : "") +
+           (c_.forward_only ? " forward-only" : "");
   }
 
  private:
@@ -218,8 +222,8 @@ class CopyRunner final : public Runner {
 
 bool same_loss(const LossConfig& a, const LossConfig& b) {
   return a.loss_type == b.loss_type && a.importance_sampling_level == b.importance_sampling_level &&
-         a.epsilon_low == b.epsilon_low && a.epsilon_high == b.epsilon_high && a.delta == b.delta &&
-         a.beta == b.beta && a.kl_bias_correction == b.kl_bias_correction && a.temperature == b.temperature &&
+         a.epsilon_low == b.epsilon_low && a.epsilon_high == b.epsilon_high && a.delta == b.delta && a.beta == b.beta &&
+         a.kl_bias_correction == b.kl_bias_correction && a.temperature == b.temperature &&
          a.temperature_on_logp == b.temperature_on_logp && a.max_completion_length == b.max_completion_length &&
          a.num_items_in_batch == b.num_items_in_batch && a.sapo_tau_pos == b.sapo_tau_pos &&
          a.sapo_tau_neg == b.sapo_tau_neg;
@@ -255,7 +259,8 @@ ProblemSpec problem_spec(const BenchConfig& c) {
 
 bool same_problem(const ProblemSpec& a, const ProblemSpec& b) {
   if (a.shape != b.shape || a.lm_head != b.lm_head || !(a.inputs == b.inputs)) return false;
-  if (!same_loss(a.loss.config, b.loss.config) || a.loss.autos.max_completion_length != b.loss.autos.max_completion_length ||
+  if (!same_loss(a.loss.config, b.loss.config) ||
+      a.loss.autos.max_completion_length != b.loss.autos.max_completion_length ||
       a.loss.autos.num_items_in_batch != b.loss.autos.num_items_in_batch) {
     return false;
   }

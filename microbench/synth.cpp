@@ -15,7 +15,18 @@ namespace {
 
 // Each tensor draws from its own stream, so adding a tensor never changes another.
 enum class Tensor : std::uint64_t {
-  hidden = 1, hidden_chi, weight, bias, logits, ids, advantages, zero_pick, old_noise, ref_noise, is_weight, peaky,
+  hidden = 1,
+  hidden_chi,
+  weight,
+  bias,
+  logits,
+  ids,
+  advantages,
+  zero_pick,
+  old_noise,
+  ref_noise,
+  is_weight,
+  peaky,
 };
 
 constexpr std::uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
@@ -129,11 +140,13 @@ void fill_batch_tensors(const ProblemSpec& s, Problem& p) {
   if (in.is_weight_noise > 0.0) {
     p.is_weight.resize(n);
     const Stream isw(in.seed, Tensor::is_weight);
-    for (std::int64_t r = 0; r < n; ++r) p.is_weight[r] = static_cast<float>(std::exp(in.is_weight_noise * isw.normal(r)));
+    for (std::int64_t r = 0; r < n; ++r)
+      p.is_weight[r] = static_cast<float>(std::exp(in.is_weight_noise * isw.normal(r)));
   }
   p.config = s.loss.config;
   if (s.loss.autos.max_completion_length) p.config.max_completion_length = t_len;
-  if (s.loss.autos.num_items_in_batch) p.config.num_items_in_batch = static_cast<double>(std::max<std::int64_t>(p.num_valid(), 1));
+  if (s.loss.autos.num_items_in_batch)
+    p.config.num_items_in_batch = static_cast<double>(std::max<std::int64_t>(p.num_valid(), 1));
 }
 
 void fill_lm_head(const ProblemSpec& s, Problem& p) {
@@ -194,7 +207,7 @@ void fill_logits(const ProblemSpec& s, Problem& p) {
   parallel_ranges(static_cast<std::size_t>(n * v), s.threads, [&](std::size_t b, std::size_t e) {
     for (std::size_t j = b; j < e; ++j) {
       const float x = in.hidden_distribution == Distribution::student_t ? static_cast<float>(student_t3(z, chi, j))
-                                                                          : z.approx_normal(j);
+                                                                        : z.approx_normal(j);
       store(p.logits, s.logits_dtype, j, x * sd);
     }
   });
@@ -237,7 +250,8 @@ void fill_policy_logps(const ProblemSpec& s, Problem& p) {
   if (need_ref) {
     const Stream ref(in.seed, Tensor::ref_noise);
     p.ref_logp.resize(n);
-    for (std::int64_t r = 0; r < n; ++r) p.ref_logp[r] = static_cast<float>(logp[r] + in.ref_logp_noise * ref.normal(r));
+    for (std::int64_t r = 0; r < n; ++r)
+      p.ref_logp[r] = static_cast<float>(logp[r] + in.ref_logp_noise * ref.normal(r));
   }
   if (in.old_logp == OldLogp::none) return;
   p.old_logp.resize(n);

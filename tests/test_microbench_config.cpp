@@ -210,7 +210,8 @@ TEST(MicrobenchPeak, FusedTrackedPeakEqualsWorkspace) {
 }
 
 TEST(MicrobenchPeak, BaselinePeakCoversMaterializedLogits) {
-  const std::string shape = "shape: {batch: 2, seq_len: 24, hidden: 64, vocab: 1000}\nmeasure_roofline: false\nsteps: 1\nwarmup: 0\n";
+  const std::string shape =
+      "shape: {batch: 2, seq_len: 24, hidden: 64, vocab: 1000}\nmeasure_roofline: false\nsteps: 1\nwarmup: 0\n";
   const std::size_t rows_x_vocab = 48 * 1000;
   for (const char* logits : {"f32", "bf16"}) {
     const BenchConfig c = parse(std::string("impl: baseline\ndtype: bf16\nlogits_dtype: ") + logits + "\n" + shape);
@@ -255,10 +256,10 @@ TEST(MicrobenchRun, ProducesEveryNamedCounter) {
   EXPECT_EQ(r.counters.count("speedup_vs_baseline"), 1U);
   EXPECT_EQ(r.counters.count("peak_ratio_vs_baseline"), 1U);
   EXPECT_EQ(r.step_s.size(), 2U);
-  const BenchResult logits = run_bench(
-      parse("impl: logits_fused\nshape: {batch: 1, seq_len: 16, vocab: 4096}\nsteps: 2\n"
-            "references:\n  - {name: copy, impl: copy}\n"),
-      false);
+  const BenchResult logits =
+      run_bench(parse("impl: logits_fused\nshape: {batch: 1, seq_len: 16, vocab: 4096}\nsteps: 2\n"
+                      "references:\n  - {name: copy, impl: copy}\n"),
+                false);
   EXPECT_GT(logits.counters.at("copy_bw_frac"), 0.0);
   EXPECT_GT(logits.counters.at("gbytes_per_s"), 0.0);
 }
