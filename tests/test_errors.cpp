@@ -352,6 +352,10 @@ std::vector<Refusal> refusals() {
       {"BiasNaN", {"bias"}, kHead, [](Call&, B& b) { b.bias[11] = kNaN; }},
       {"BiasPosInf", {"bias"}, kHead, [](Call&, B& b) { b.bias[kVocab - 1] = kInf; }},
       {"BiasNegInfOnChosenToken", {"ids"}, kHead, [](Call&, B& b) { b.bias[b.ids[kLateRow]] = -kInf; }},
+      // Every token banned: every row (masked ones too) has all logits -inf.
+      {"BiasNegInfEverywhere", {"bias"}, kHead, [](Call&, B& b) {
+         for (std::int64_t v = 0; v < kVocab; ++v) b.bias[v] = -kInf;
+       }},
       {"AdvantagesNaN", {"advantages"}, kAll, [](Call&, B& b) { b.advantages[1] = kNaN; }},
       {"OldLogpInf", {"old_logp"}, kAll, [](Call&, B& b) { b.old_logp[4] = -kInf; }},
       {"RefLogpNaN", {"ref_logp"}, kAll, [](Call&, B& b) { b.ref_logp[0] = kNaN; }},

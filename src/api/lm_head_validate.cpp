@@ -128,6 +128,16 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
     if (!k.no_nan_or_pos_inf(in.bias.data, elem(in.bias.dtype), in.bias.size)) {
       throw Error("bias", "contains NaN or +inf");
     }
+    // A bias banning every token makes every row's logits all -inf, which the
+    // fused driver would only meet inside its first token block -- after it
+    // zeroed dbias. Refuse it here, with the other value checks.
+    bool any_allowed = false;
+    for (std::int64_t v = 0; v < s.vocab && !any_allowed; ++v) {
+      const float b = in.bias.dtype == DType::f32 ? static_cast<const float*>(in.bias.data)[v]
+                                                  : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
+      any_allowed = b != -std::numeric_limits<float>::infinity();
+    }
+    if (!any_allowed) throw Error("bias", "is -inf for every token: every row's logits would be -inf");
     for (std::int64_t r = 0; r < rows; ++r) {
       if (in.batch.mask[r] == 0.0F) continue;
       const std::int32_t id = in.batch.ids[r];
