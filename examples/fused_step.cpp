@@ -37,8 +37,8 @@ int main() {
   for (float& v : old_logp) v = -std::log(static_cast<float>(kVocab)) + 0.3F * normal(rng);
 
   grpo::LossConfig config;  // grpo, eps 0.2, beta 0
-  const grpo::LmHeadShape shape{.batch = kBatch, .seq_len = kSeqLen, .hidden = kHidden, .vocab = kVocab,
-                                .dtype = grpo::DType::f32};
+  const grpo::LmHeadShape shape{
+      .batch = kBatch, .seq_len = kSeqLen, .hidden = kHidden, .vocab = kVocab, .dtype = grpo::DType::f32};
   const grpo::LmHeadLossPlan plan(shape, config);
   std::vector<std::byte> workspace(plan.workspace_size() + 64);
   // The caller-owned workspace must be 64-byte aligned.

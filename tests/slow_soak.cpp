@@ -78,8 +78,7 @@ struct StepOutputs {
   std::vector<float> logp, entropy, kl, dhidden, dweight;
   Metrics metrics;
 
-  StepOutputs()
-      : logp(kRows), entropy(kRows), kl(kRows), dhidden(kRows * kHidden), dweight(kVocab * kHidden) {}
+  StepOutputs() : logp(kRows), entropy(kRows), kl(kRows), dhidden(kRows * kHidden), dweight(kVocab * kHidden) {}
 
   bool operator==(const StepOutputs& o) const {
     const auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
@@ -119,9 +118,8 @@ TEST(Soak, TwoHundredFusedStepsFlatRssBitwiseStable) {
   LmHeadOptions options;
   options.allocator = &allocator;
   options.max_threads = kThreads;
-  const LmHeadLossPlan plan({.batch = kBatch, .seq_len = kSeqLen, .hidden = kHidden, .vocab = kVocab,
-                             .dtype = DType::bf16},
-                            config, options);
+  const LmHeadLossPlan plan(
+      {.batch = kBatch, .seq_len = kSeqLen, .hidden = kHidden, .vocab = kVocab, .dtype = DType::bf16}, config, options);
   std::printf("soak: %s\n", plan.describe().c_str());
   const std::size_t plan_bytes = allocator.live_bytes();
 

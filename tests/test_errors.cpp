@@ -94,7 +94,8 @@ struct Buffers {
     fill(weight, kVocab * (kHidden + 1), 0.35F);  // ~ 1 / sqrt(H): unit-scale logits
     fill(bias, kVocab + 1, 0.1F);
     using Pair = std::pair<std::vector<float>*, std::vector<std::uint16_t>*>;
-    for (const auto& [src, dst] : {Pair{&logits, &logits_bf16}, Pair{&hidden, &hidden_bf16}, Pair{&weight, &weight_bf16}}) {
+    for (const auto& [src, dst] :
+         {Pair{&logits, &logits_bf16}, Pair{&hidden, &hidden_bf16}, Pair{&weight, &weight_bf16}}) {
       dst->resize(src->size());
       for (std::size_t i = 0; i < src->size(); ++i) (*dst)[i] = to_bf16((*src)[i]);
     }
@@ -167,8 +168,14 @@ struct Call {
 
   explicit Call(Buffers& b) {
     config.beta = 0.04F;  // KL on: ref_logp is read and kl written
-    head_shape = {.batch = kBatch, .seq_len = kSeqLen, .hidden = kHidden, .vocab = kVocab, .dtype = DType::f32,
-                  .layout = WeightLayout::vocab_major, .has_bias = true, .bias_dtype = DType::f32};
+    head_shape = {.batch = kBatch,
+                  .seq_len = kSeqLen,
+                  .hidden = kHidden,
+                  .vocab = kVocab,
+                  .dtype = DType::f32,
+                  .layout = WeightLayout::vocab_major,
+                  .has_bias = true,
+                  .bias_dtype = DType::f32};
     head_options.token_block = kTokenBlock;
     head_options.vocab_tile = kVocabTile;
     logits = {b.logits.data(), DType::f32, kRows, kVocab, kVocab};
@@ -270,17 +277,29 @@ std::vector<Refusal> refusals() {
       {"IdsTooLong", {"ids"}, kAll, [](Call& c, B& b) { c.batch.ids = std::span(b.ids).first(kRows + 1); }},
       {"IdsMissing", {"ids"}, kAll, [](Call& c, B&) { c.batch.ids = {}; }},
       {"MaskTooShort", {"mask"}, kAll, [](Call& c, B&) { c.batch.mask = c.batch.mask.first(kRows - 1); }},
-      {"AdvantagesNeitherBNorN", {"advantages"}, kAll,
+      {"AdvantagesNeitherBNorN",
+       {"advantages"},
+       kAll,
        [](Call& c, B& b) { c.batch.advantages = std::span(b.advantages).first(kBatch + 1); }},
       {"AdvantagesMissing", {"advantages"}, kAll, [](Call& c, B&) { c.batch.advantages = {}; }},
-      {"OldLogpTooShort", {"old_logp"}, kAll, [](Call& c, B&) { c.batch.old_logp = c.batch.old_logp.first(kRows - 1); }},
-      {"RefLogpTooLong", {"ref_logp"}, kAll,
+      {"OldLogpTooShort",
+       {"old_logp"},
+       kAll,
+       [](Call& c, B&) { c.batch.old_logp = c.batch.old_logp.first(kRows - 1); }},
+      {"RefLogpTooLong",
+       {"ref_logp"},
+       kAll,
        [](Call& c, B& b) { c.batch.ref_logp = std::span(b.ref_logp).first(kRows + 1); }},
-      {"IsWeightNeitherBNorN", {"is_weight"}, kAll,
+      {"IsWeightNeitherBNorN",
+       {"is_weight"},
+       kAll,
        [](Call& c, B&) { c.batch.is_weight = c.batch.is_weight.first(kBatch + 1); }},
       {"LogpTooShort", {"logp"}, kAll, [](Call& c, B&) { c.tokens.logp = c.tokens.logp.first(kRows - 1); }},
       {"LogpMissing", {"logp"}, kAll, [](Call& c, B&) { c.tokens.logp = {}; }},
-      {"EntropyTooLong", {"entropy"}, kAll, [](Call& c, B& b) { c.tokens.entropy = std::span(b.entropy).first(kRows + 1); }},
+      {"EntropyTooLong",
+       {"entropy"},
+       kAll,
+       [](Call& c, B& b) { c.tokens.entropy = std::span(b.entropy).first(kRows + 1); }},
       {"KlTooShort", {"kl"}, kAll, [](Call& c, B&) { c.tokens.kl = c.tokens.kl.first(kRows - 1); }},
       {"LogitsTooFewRows", {"logits"}, kLogits, [](Call& c, B&) { c.logits.rows = kRows - 1; }},
       {"LogitsTooManyCols", {"logits"}, kLogits, [](Call& c, B&) { c.logits.cols = c.logits.ld = kVocab + 1; }},
@@ -288,14 +307,24 @@ std::vector<Refusal> refusals() {
       {"DlogitsTooFewCols", {"dlogits"}, kLogits, [](Call& c, B&) { c.dlogits.cols = kVocab - 1; }},
       {"DlogitsTooManyRows", {"dlogits"}, kLogits, [](Call& c, B&) { c.dlogits.rows = kRows + 1; }},
       {"HiddenTooFewRows", {"hidden"}, kHead, [](Call& c, B&) { c.head.hidden.rows = kRows - 1; }},
-      {"HiddenTooManyCols", {"hidden"}, kHead, [](Call& c, B&) { c.head.hidden.cols = c.head.hidden.ld = kHidden + 1; }},
+      {"HiddenTooManyCols",
+       {"hidden"},
+       kHead,
+       [](Call& c, B&) { c.head.hidden.cols = c.head.hidden.ld = kHidden + 1; }},
       {"HiddenNull", {"hidden"}, kHead, [](Call& c, B&) { c.head.hidden.data = nullptr; }},
       {"WeightTooFewRows", {"weight"}, kHead, [](Call& c, B&) { c.head.weight.rows = kVocab - 1; }},
-      {"WeightTransposed", {"weight"}, kHead,
-       [](Call& c, B&) { c.head.weight = {c.head.weight.data, DType::f32, kHidden, kVocab, kVocab}; }},
+      {"WeightTransposed",
+       {"weight"},
+       kHead,
+       [](Call& c, B&) {
+         c.head.weight = {c.head.weight.data, DType::f32, kHidden, kVocab, kVocab};
+       }},
       {"BiasTooShort", {"bias"}, kHead, [](Call& c, B&) { c.head.bias.size = kVocab - 1; }},
       {"BiasMissing", {"bias"}, kHead, [](Call& c, B&) { c.head.bias = {}; }},
-      {"BiasWithoutHasBias", {"bias"}, kHead, [](Call& c, B&) {
+      {"BiasWithoutHasBias",
+       {"bias"},
+       kHead,
+       [](Call& c, B&) {
          c.head_shape.has_bias = false;
          c.dbias = {};
        }},
@@ -304,7 +333,10 @@ std::vector<Refusal> refusals() {
       {"DweightTooFewCols", {"dweight"}, kHead, [](Call& c, B&) { c.dweight.cols = kHidden - 1; }},
       {"DweightMissing", {"dweight"}, kHead, [](Call& c, B&) { c.dweight = {}; }},
       {"DbiasTooShort", {"dbias"}, kHead, [](Call& c, B&) { c.dbias = c.dbias.first(kVocab - 1); }},
-      {"DbiasWithoutHasBias", {"dbias"}, kHead, [](Call& c, B&) {
+      {"DbiasWithoutHasBias",
+       {"dbias"},
+       kHead,
+       [](Call& c, B&) {
          c.head_shape.has_bias = false;
          c.head.bias = {};
        }},
@@ -314,24 +346,40 @@ std::vector<Refusal> refusals() {
       {"HiddenDtypeDiffersFromShape", {"hidden"}, kHead, [](Call& c, B&) { c.head.hidden.dtype = DType::bf16; }},
       {"DhiddenDtypeDiffersFromOptions", {"dhidden"}, kHead, [](Call& c, B&) { c.dhidden.dtype = DType::bf16; }},
       {"DweightDtypeDiffersFromOptions", {"dweight"}, kHead, [](Call& c, B&) { c.dweight.dtype = DType::bf16; }},
-      {"LogitsMisaligned", {"logits"}, kLogits,
+      {"LogitsMisaligned",
+       {"logits"},
+       kLogits,
        [](Call& c, B& b) { c.logits.data = reinterpret_cast<const std::byte*>(b.logits.data()) + 1; }},
-      {"HiddenMisaligned", {"hidden"}, kHead,
+      {"HiddenMisaligned",
+       {"hidden"},
+       kHead,
        [](Call& c, B& b) { c.head.hidden.data = reinterpret_cast<const std::byte*>(b.hidden.data()) + 2; }},
 
       // --- non-finite values ---
       {"LogitsNaN", {"logits"}, kLogits, [](Call&, B& b) { b.logits[at(kLateRow, 7, kVocab)] = kNaN; }},
       {"LogitsPosInf", {"logits"}, kLogits, [](Call&, B& b) { b.logits[at(1, kVocab - 1, kVocab)] = kInf; }},
       {"LogitsNaNOnMaskedRow", {"logits"}, kLogits, [](Call&, B& b) { b.logits[at(kMaskedRow, 3, kVocab)] = kNaN; }},
-      {"LogitsRowAllNegInf", {"logits"}, kLogits, [](Call&, B& b) {
+      {"LogitsRowAllNegInf",
+       {"logits"},
+       kLogits,
+       [](Call&, B& b) {
          for (std::int64_t v = 0; v < kVocab; ++v) b.logits[at(4, v, kVocab)] = -kInf;
        }},
-      {"LogitsChosenTokenNegInf", {"ids"}, kLogits, [](Call&, B& b) { b.logits[at(kLateRow, b.ids[kLateRow], kVocab)] = -kInf; }},
-      {"LogitsBf16NaN", {"logits"}, kLogits, [](Call& c, B& b) {
+      {"LogitsChosenTokenNegInf",
+       {"ids"},
+       kLogits,
+       [](Call&, B& b) { b.logits[at(kLateRow, b.ids[kLateRow], kVocab)] = -kInf; }},
+      {"LogitsBf16NaN",
+       {"logits"},
+       kLogits,
+       [](Call& c, B& b) {
          c.use_bf16(b);
          b.logits_bf16[at(3, 20, kVocab)] = 0x7FC0;
        }},
-      {"LogitsBf16SignallingNaN", {"logits"}, kLogits, [](Call& c, B& b) {
+      {"LogitsBf16SignallingNaN",
+       {"logits"},
+       kLogits,
+       [](Call& c, B& b) {
          c.use_bf16(b);
          b.logits_bf16[at(3, 36, kVocab)] = 0x7F81;
        }},
@@ -339,13 +387,19 @@ std::vector<Refusal> refusals() {
       {"HiddenPosInf", {"hidden"}, kHead, [](Call&, B& b) { b.hidden[at(0, 0, kHidden)] = kInf; }},
       {"HiddenNegInf", {"hidden"}, kHead, [](Call&, B& b) { b.hidden[at(1, kHidden - 1, kHidden)] = -kInf; }},
       {"HiddenNaNOnMaskedRow", {"hidden"}, kHead, [](Call&, B& b) { b.hidden[at(kMaskedRow, 1, kHidden)] = kNaN; }},
-      {"HiddenBf16Inf", {"hidden"}, kHead, [](Call& c, B& b) {
+      {"HiddenBf16Inf",
+       {"hidden"},
+       kHead,
+       [](Call& c, B& b) {
          c.use_bf16(b);
          b.hidden_bf16[at(4, 5, kHidden)] = 0xFF80;  // -inf
        }},
       {"WeightNaN", {"weight"}, kHead, [](Call&, B& b) { b.weight[at(kVocab - 1, 2, kHidden)] = kNaN; }},
       {"WeightNegInf", {"weight"}, kHead, [](Call&, B& b) { b.weight[at(17, 0, kHidden)] = -kInf; }},
-      {"WeightBf16NaN", {"weight"}, kHead, [](Call& c, B& b) {
+      {"WeightBf16NaN",
+       {"weight"},
+       kHead,
+       [](Call& c, B& b) {
          c.use_bf16(b);
          b.weight_bf16[at(33, 7, kHidden)] = 0x7FC1;
        }},
@@ -353,7 +407,10 @@ std::vector<Refusal> refusals() {
       {"BiasPosInf", {"bias"}, kHead, [](Call&, B& b) { b.bias[kVocab - 1] = kInf; }},
       {"BiasNegInfOnChosenToken", {"ids"}, kHead, [](Call&, B& b) { b.bias[b.ids[kLateRow]] = -kInf; }},
       // Every token banned: every row (masked ones too) has all logits -inf.
-      {"BiasNegInfEverywhere", {"bias"}, kHead, [](Call&, B& b) {
+      {"BiasNegInfEverywhere",
+       {"bias"},
+       kHead,
+       [](Call&, B& b) {
          for (std::int64_t v = 0; v < kVocab; ++v) b.bias[v] = -kInf;
        }},
       {"AdvantagesNaN", {"advantages"}, kAll, [](Call&, B& b) { b.advantages[1] = kNaN; }},
@@ -362,7 +419,10 @@ std::vector<Refusal> refusals() {
       {"IsWeightInf", {"is_weight"}, kAll, [](Call&, B& b) { b.is_weight[kLateRow] = kInf; }},
       // Finite operands whose product overflows f32 in the second token block:
       // refused up front from the magnitude bound, before any block runs.
-      {"LogitsOverflowInLaterBlock", {"hidden", "weight", "logits"}, kHead, [big](Call&, B& b) {
+      {"LogitsOverflowInLaterBlock",
+       {"hidden", "weight", "logits"},
+       kHead,
+       [big](Call&, B& b) {
          for (std::int64_t k = 0; k < kHidden; ++k) b.hidden[at(kLateRow, k, kHidden)] = big;
          for (std::int64_t k = 0; k < kHidden; ++k) b.weight[at(b.ids[kLateRow], k, kHidden)] = big;
        }},
@@ -381,81 +441,140 @@ std::vector<Refusal> refusals() {
       {"EpsilonLowNegative", {"config.epsilon_low"}, kAll, [](Call& c, B&) { c.config.epsilon_low = -0.01F; }},
       {"EpsilonHighNegative", {"config.epsilon_high"}, kAll, [](Call& c, B&) { c.config.epsilon_high = -0.2F; }},
       {"EpsilonLowNaN", {"config.epsilon_low"}, kAll, [](Call& c, B&) { c.config.epsilon_low = kNaN; }},
-      {"DeltaEqualToOnePlusEpsHigh", {"config.delta"}, kAll, [](Call& c, B&) { c.config.delta = 1.0F + c.config.epsilon_high; }},
+      {"DeltaEqualToOnePlusEpsHigh",
+       {"config.delta"},
+       kAll,
+       [](Call& c, B&) { c.config.delta = 1.0F + c.config.epsilon_high; }},
       {"DeltaBelowOne", {"config.delta"}, kAll, [](Call& c, B&) { c.config.delta = 0.5F; }},
       {"BetaNaN", {"config.beta"}, kAll, [](Call& c, B&) { c.config.beta = kNaN; }},
       {"RefLogpMissingWithBeta", {"ref_logp"}, kAll, [](Call& c, B&) { c.batch.ref_logp = {}; }},
-      {"DapoNumItemsZero", {"config.num_items_in_batch"}, kAll, [](Call& c, B&) {
+      {"DapoNumItemsZero",
+       {"config.num_items_in_batch"},
+       kAll,
+       [](Call& c, B&) {
          c.config.loss_type = LossType::dapo;
          c.config.num_items_in_batch = 0.0;
        }},
-      {"DapoNumItemsNegative", {"config.num_items_in_batch"}, kAll, [](Call& c, B&) {
+      {"DapoNumItemsNegative",
+       {"config.num_items_in_batch"},
+       kAll,
+       [](Call& c, B&) {
          c.config.loss_type = LossType::dapo;
          c.config.num_items_in_batch = -5.0;
        }},
-      {"CispoNumItemsZero", {"config.num_items_in_batch"}, kAll, [](Call& c, B&) {
+      {"CispoNumItemsZero",
+       {"config.num_items_in_batch"},
+       kAll,
+       [](Call& c, B&) {
          c.config.loss_type = LossType::cispo;
          c.config.num_items_in_batch = 0.0;
        }},
-      {"DrGrpoMaxCompletionLengthZero", {"config.max_completion_length"}, kAll, [](Call& c, B&) {
+      {"DrGrpoMaxCompletionLengthZero",
+       {"config.max_completion_length"},
+       kAll,
+       [](Call& c, B&) {
          c.config.loss_type = LossType::dr_grpo;
          c.config.max_completion_length = 0;
        }},
-      {"DrGrpoMaxCompletionLengthNegative", {"config.max_completion_length"}, kAll, [](Call& c, B&) {
+      {"DrGrpoMaxCompletionLengthNegative",
+       {"config.max_completion_length"},
+       kAll,
+       [](Call& c, B&) {
          c.config.loss_type = LossType::dr_grpo;
          c.config.max_completion_length = -3;
        }},
-      {"SapoTauZero", {"config.sapo_tau_pos", "config.sapo_tau_neg"}, kAll, [](Call& c, B&) {
+      {"SapoTauZero",
+       {"config.sapo_tau_pos", "config.sapo_tau_neg"},
+       kAll,
+       [](Call& c, B&) {
          c.config.loss_type = LossType::sapo;
          c.config.sapo_tau_neg = 0.0F;
        }},
 
       // --- shapes and options at plan creation ---
       {"ShapeBatchZero", {"shape.batch"}, kAll, [](Call& c, B&) { c.logits_shape.batch = c.head_shape.batch = 0; }},
-      {"ShapeSeqLenNegative", {"shape.seq_len"}, kAll, [](Call& c, B&) { c.logits_shape.seq_len = c.head_shape.seq_len = -1; }},
+      {"ShapeSeqLenNegative",
+       {"shape.seq_len"},
+       kAll,
+       [](Call& c, B&) { c.logits_shape.seq_len = c.head_shape.seq_len = -1; }},
       {"ShapeVocabZero", {"shape.vocab"}, kAll, [](Call& c, B&) { c.logits_shape.vocab = c.head_shape.vocab = 0; }},
-      {"ShapeVocabBeyondInt32", {"shape.vocab"}, kAll,
+      {"ShapeVocabBeyondInt32",
+       {"shape.vocab"},
+       kAll,
        [](Call& c, B&) { c.logits_shape.vocab = c.head_shape.vocab = std::int64_t{1} << 31; }},
       {"ShapeHiddenZero", {"shape.hidden"}, kHead, [](Call& c, B&) { c.head_shape.hidden = 0; }},
       {"ShapeHiddenLdTooSmall", {"shape.hidden_ld"}, kHead, [](Call& c, B&) { c.head_shape.hidden_ld = kHidden - 1; }},
-      {"MaxThreadsNegative", {"options.max_threads"}, kAll, [](Call& c, B&) {
+      {"MaxThreadsNegative",
+       {"options.max_threads"},
+       kAll,
+       [](Call& c, B&) {
          c.exec_options.max_threads = c.head_options.max_threads = c.baseline_options.max_threads = -1;
        }},
       {"TokenBlockNegative", {"options.token_block"}, kFused, [](Call& c, B&) { c.head_options.token_block = -4; }},
-      {"Bf16DweightFromF32Inputs", {"options.dweight_dtype"}, kHead, [](Call& c, B&) {
+      {"Bf16DweightFromF32Inputs",
+       {"options.dweight_dtype"},
+       kHead,
+       [](Call& c, B&) {
          c.head_options.dweight_dtype = c.baseline_options.dweight_dtype = DType::bf16;
          c.dweight.dtype = DType::bf16;
        }},
-      {"BaselineBf16LogitsFromF32Inputs", {"options.logits_dtype"}, bit(Entry::lm_head_baseline),
+      {"BaselineBf16LogitsFromF32Inputs",
+       {"options.logits_dtype"},
+       bit(Entry::lm_head_baseline),
        [](Call& c, B&) { c.baseline_options.logits_dtype = DType::bf16; }},
-      {"WorkspaceBudgetTooSmall", {"options.workspace_budget"}, kFused, [](Call& c, B&) {
+      {"WorkspaceBudgetTooSmall",
+       {"options.workspace_budget"},
+       kFused,
+       [](Call& c, B&) {
          c.head_options.token_block = 0;
          c.head_options.workspace_budget = 1024;
        }},
-      {"GradientsToForwardOnlyPlan", {"dhidden", "dweight", "dbias"}, kHead,
+      {"GradientsToForwardOnlyPlan",
+       {"dhidden", "dweight", "dbias"},
+       kHead,
        [](Call& c, B&) { c.head_options.forward_only = c.baseline_options.forward_only = true; }},
 
       // --- aliasing outputs ---
-      {"LogpInsideLogits", {"logp"}, kLogits, [](Call& c, B& b) { c.tokens.logp = std::span(b.logits).subspan(10, kRows); }},
-      {"EntropyOverlapsLogp", {"entropy", "logp"}, kAll,
+      {"LogpInsideLogits",
+       {"logp"},
+       kLogits,
+       [](Call& c, B& b) { c.tokens.logp = std::span(b.logits).subspan(10, kRows); }},
+      {"EntropyOverlapsLogp",
+       {"entropy", "logp"},
+       kAll,
        [](Call& c, B& b) { c.tokens.entropy = std::span(b.logp).subspan(3, kRows); }},
       {"KlOverlapsLogp", {"kl", "logp"}, kAll, [](Call& c, B&) { c.tokens.kl = c.tokens.logp; }},
-      {"KlOverlapsEntropy", {"kl", "entropy"}, kAll,
+      {"KlOverlapsEntropy",
+       {"kl", "entropy"},
+       kAll,
        [](Call& c, B& b) { c.tokens.kl = std::span(b.entropy).subspan(1, kRows); }},
       {"DlogitsShiftedOverLogits", {"dlogits"}, kLogits, [](Call& c, B& b) { c.dlogits.data = b.logits.data() + 1; }},
-      {"DlogitsOverLogitsWithOtherLd", {"dlogits"}, kLogits, [](Call& c, B& b) {
+      {"DlogitsOverLogitsWithOtherLd",
+       {"dlogits"},
+       kLogits,
+       [](Call& c, B& b) {
          c.logits.ld = kVocab + 1;
          c.dlogits.data = b.logits.data();
        }},
-      {"LogpInsideDlogits", {"logp", "dlogits"}, kLogits,
+      {"LogpInsideDlogits",
+       {"logp", "dlogits"},
+       kLogits,
        [](Call& c, B& b) { c.tokens.logp = std::span(b.dlogits).subspan(kVocab, kRows); }},
       {"DhiddenOverHidden", {"dhidden"}, kHead, [](Call& c, B& b) { c.dhidden.data = b.hidden.data(); }},
       {"DweightOverWeight", {"dweight"}, kHead, [](Call& c, B& b) { c.dweight.data = b.weight.data() + 3; }},
       {"DbiasOverBias", {"dbias"}, kHead, [](Call& c, B& b) { c.dbias = std::span(b.bias).first(kVocab); }},
-      {"LogpInsideHidden", {"logp"}, kHead, [](Call& c, B& b) { c.tokens.logp = std::span(b.hidden).subspan(5, kRows); }},
+      {"LogpInsideHidden",
+       {"logp"},
+       kHead,
+       [](Call& c, B& b) { c.tokens.logp = std::span(b.hidden).subspan(5, kRows); }},
       {"KlInsideWeight", {"kl"}, kHead, [](Call& c, B& b) { c.tokens.kl = std::span(b.weight).subspan(40, kRows); }},
-      {"DhiddenInsideDweight", {"dweight", "dhidden"}, kHead, [](Call& c, B& b) { c.dhidden.data = b.dweight.data() + 5; }},
-      {"LogpInsideDhidden", {"logp", "dhidden"}, kHead,
+      {"DhiddenInsideDweight",
+       {"dweight", "dhidden"},
+       kHead,
+       [](Call& c, B& b) { c.dhidden.data = b.dweight.data() + 5; }},
+      {"LogpInsideDhidden",
+       {"logp", "dhidden"},
+       kHead,
        [](Call& c, B& b) { c.tokens.logp = std::span(b.dhidden).subspan(2, kRows); }},
 
       // --- workspace and strides ---
@@ -467,7 +586,9 @@ std::vector<Refusal> refusals() {
       {"WeightLdOtherThanPlanned", {"weight"}, kHead, [](Call& c, B&) { c.head.weight.ld = kHidden + 1; }},
       {"DweightLdOtherThanPlanned", {"dweight"}, kHead, [](Call& c, B&) { c.dweight.ld = kHidden + 1; }},
       {"DhiddenLdBelowCols", {"dhidden"}, kHead, [](Call& c, B&) { c.dhidden.ld = kHidden - 1; }},
-      {"BaselineDhiddenNotDense", {"dhidden"}, bit(Entry::lm_head_baseline),
+      {"BaselineDhiddenNotDense",
+       {"dhidden"},
+       bit(Entry::lm_head_baseline),
        [](Call& c, B&) { c.dhidden.ld = kHidden + 1; }},
   };
 }

@@ -16,6 +16,7 @@
 // writes outside the views.
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -23,9 +24,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
-#include <initializer_list>
 #include <exception>
+#include <initializer_list>
 #include <limits>
 #include <span>
 #include <vector>
@@ -129,7 +129,7 @@ template <class T>
 T pick_enum(FuzzedDataProvider& fdp, int valid_count) {
   // 1 in 32: a value outside the enum, which the library must refuse.
   const int v = fdp.ConsumeIntegralInRange<int>(0, 31) == 0 ? valid_count + fdp.ConsumeIntegralInRange<int>(0, 3)
-                                                             : fdp.ConsumeIntegralInRange<int>(0, valid_count - 1);
+                                                            : fdp.ConsumeIntegralInRange<int>(0, valid_count - 1);
   return static_cast<T>(v);
 }
 
@@ -277,8 +277,10 @@ void fill_batch(FuzzedDataProvider& fdp, Problem& p) {
   p.advantages = make_vector(fdp, pick_size(fdp, fdp.ConsumeBool() ? b : n, n + b), 3.0F, 0.0F, true);
   // Log-probs: around -log V, up to 0 and down to -100; absent sometimes.
   const float typical = -std::log(static_cast<float>(p.vocab)) - 1.0F;
-  if (fdp.ConsumeIntegralInRange<int>(0, 3) != 0) p.old_logp = make_vector(fdp, pick_size(fdp, n, b), 3.0F, typical, true);
-  if (fdp.ConsumeIntegralInRange<int>(0, 3) != 0) p.ref_logp = make_vector(fdp, pick_size(fdp, n, b), 3.0F, typical, true);
+  if (fdp.ConsumeIntegralInRange<int>(0, 3) != 0)
+    p.old_logp = make_vector(fdp, pick_size(fdp, n, b), 3.0F, typical, true);
+  if (fdp.ConsumeIntegralInRange<int>(0, 3) != 0)
+    p.ref_logp = make_vector(fdp, pick_size(fdp, n, b), 3.0F, typical, true);
   if (fdp.ConsumeIntegralInRange<int>(0, 2) == 0) {
     p.is_weight = make_vector(fdp, pick_size(fdp, fdp.ConsumeBool() ? n : b, n + 1), 1.0F, 1.0F, true);
   }
@@ -349,8 +351,8 @@ void run_one(FuzzedDataProvider& fdp) {
   const int max_threads = fdp.ConsumeIntegralInRange<int>(-1, 3);
   const bool is_logits = p.entry == Entry::logits_plan || p.entry == Entry::logits_baseline;
   static const char* const kEntryNames[] = {"LogitsLossPlan", "LogitsBaseline", "LmHeadLossPlan", "LmHeadBaseline"};
-  g_context = {kEntryNames[static_cast<int>(p.entry)], p.batch, p.seq_len, p.vocab, p.hidden, static_cast<int>(dtype),
-               config};
+  g_context = {
+      kEntryNames[static_cast<int>(p.entry)], p.batch, p.seq_len, p.vocab, p.hidden, static_cast<int>(dtype), config};
 
   // Outputs: logp always (sometimes the wrong size), entropy / kl optional.
   const auto n = static_cast<std::size_t>(p.rows);
@@ -393,7 +395,7 @@ void run_one(FuzzedDataProvider& fdp) {
       out.dlogits = {p.dlogits_storage.data(), dl_dtype, p.rows, p.vocab, dl_ld};
       if (alias == 0) out.dlogits = {p.logits.storage.data(), logits.dtype, p.rows, p.vocab, logits.ld};  // in place
       if (alias == 1) out.dlogits.data = p.logits.storage.data() + 4;  // overlapping, not in place: refused
-      if (alias == 2 && p.dlogits_storage.size() >= (n + 2) * 4) {  // logp inside dlogits: refused
+      if (alias == 2 && p.dlogits_storage.size() >= (n + 2) * 4) {     // logp inside dlogits: refused
         out.tokens.logp = {reinterpret_cast<float*>(p.dlogits_storage.data()) + 1, n};
       }
     }
@@ -509,7 +511,8 @@ void run_one(FuzzedDataProvider& fdp) {
         break;
       case 4:
         if (!p.bias_storage.bytes.empty() && !out.dbias.empty()) {
-          out.dbias = {reinterpret_cast<float*>(p.bias_storage.data()), std::min(out.dbias.size(), static_cast<std::size_t>(p.vocab))};
+          out.dbias = {reinterpret_cast<float*>(p.bias_storage.data()),
+                       std::min(out.dbias.size(), static_cast<std::size_t>(p.vocab))};
         }
         break;
       default: break;
@@ -544,7 +547,7 @@ void run_one(FuzzedDataProvider& fdp) {
         base += (64 - reinterpret_cast<std::uintptr_t>(base) % 64) % 64;
         ws = {base, need};
         if (ws_kind == 1 && need > 0) ws = {base, need - 1};  // refused
-        if (ws_kind == 2) ws = {base + 16, need};              // misaligned: refused
+        if (ws_kind == 2) ws = {base + 16, need};             // misaligned: refused
       }
       plan.execute(in, out, ws);
     } else {
