@@ -16,7 +16,7 @@ packages=(
   clang-format clang-tidy
 )
 if [[ "${GRPO_WITH_FUZZ:-0}" == 1 ]]; then
-  packages+=(clang libclang-rt-14-dev)  # libFuzzer + sanitizer runtimes for clang
+  packages+=(clang libclang-rt-14-dev libomp-14-dev)  # libFuzzer + sanitizer runtimes; omp.h for clang (libgomp is linked)
 fi
 if [[ "${GRPO_WITH_PLOT:-0}" == 1 ]]; then
   packages+=(python3-matplotlib)         # scripts/plot_scaling.py
