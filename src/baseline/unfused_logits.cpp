@@ -55,12 +55,15 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
     if (!std::isfinite(m)) lse[r] = m;  // NaN / +inf / all -inf: refused below
     k.affine(row_ptr(r), in_type, vocab, temp.scale, -lse[r], full_row(log_softmax, r));
   });
-  // softmax = exp(log_softmax); entropy = -sum p log p; gather.
+  // softmax = exp(log_softmax), entropy = -sum p log p, gather: three separate
+  // ops over the whole tensor, as an eager framework runs them.
+  for_rows(threads, rows, [&](std::int64_t r) { k.exp(full_row(log_softmax, r), vocab, full_row(softmax, r)); });
   for_rows(threads, rows, [&](std::int64_t r) {
-    k.exp(full_row(log_softmax, r), vocab, full_row(softmax, r));
     entropy[r] = -k.dot_p_logp(full_row(softmax, r), full_row(log_softmax, r), vocab);
-    logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * temp.post : 0.0F;
   });
+  for (std::int64_t r = 0; r < rows; ++r) {
+    logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * temp.post : 0.0F;
+  }
   for (std::int64_t r = 0; r < rows; ++r) check_row(lse[r], logp[r], batch.mask[r] != 0.0F, r, "logits");
 
   Buffer coef_buffer(allocator, static_cast<std::size_t>(rows) * sizeof(float));

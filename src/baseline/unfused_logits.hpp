@@ -1,7 +1,10 @@
-// The unfused logits-level baseline: what an eager framework does. It
-// materializes log_softmax [N, V] and softmax [N, V] in f32, gathers, computes
-// the loss, then writes dlogits from the stored softmax. Each step is its own
-// pass over memory (the eltwise kernels, same ISA as the fused path).
+// The unfused logits-level baseline: what an eager framework does, one op at a
+// time over the whole [N, V] tensor, each op its own pass over memory:
+//   log_softmax(z / tau)  one row-wise kernel (max, sum-exp, write), as ATen's
+//   softmax = exp(log_softmax)           materialized, f32
+//   entropy = -sum(softmax * log_softmax) one reduction (no [N, V] temporary)
+//   gather, loss (scalar work), then dlogits = c / tau (onehot - softmax).
+// The eltwise kernels use the same ISA as the fused path.
 #pragma once
 
 #include "grpo/logits_loss.hpp"
