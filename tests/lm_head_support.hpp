@@ -77,7 +77,7 @@ struct HeadOutputs {
 struct HeadProblem {
   oracle::LmHeadProblem oracle;
   HostBatch batch;
-  std::vector<std::byte> hidden, weight, bias;  // library layouts / dtypes
+  std::vector<std::byte> hidden, weight, bias;   // library layouts / dtypes
   std::vector<double> dweight_init, dbias_init;  // accumulate mode: what the outputs start as
 };
 
@@ -159,7 +159,6 @@ inline HeadProblem make_head_problem(const HeadCase& c, bool with_oracle = true)
   }
   return p;
 }
-
 
 inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_threads) {
   const BatchSpec& s = c.spec;

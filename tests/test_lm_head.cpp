@@ -131,8 +131,9 @@ TEST_P(HeadVsOracle, MatchesOracle) {
       const double init = c.accumulate ? p.dbias_init[a] : 0.0;
       // The baseline sums the stored (bf16 in the bf16 path) dlogits.
       const double round = c.baseline && bf16 ? 1.0 / 256.0 * abs_sum : 0.0;
-      ASSERT_NEAR(got.dbias[a], init + want.dbias[a],
-                  sys + round + 2.0 * kEpsF32 * static_cast<double>(n) * abs_sum + 2.0 * kEpsF32 * std::abs(init) + 1e-30)
+      ASSERT_NEAR(
+          got.dbias[a], init + want.dbias[a],
+          sys + round + 2.0 * kEpsF32 * static_cast<double>(n) * abs_sum + 2.0 * kEpsF32 * std::abs(init) + 1e-30)
           << "dbias[" << a << "]";
     }
   }
@@ -143,7 +144,7 @@ std::vector<HeadCase> fused_cases() {
   // the 64-column tile (1, 63, 64, 65, 193), hidden around the 256-column chunk.
   const std::int64_t shapes[][4] = {{1, 1, 1, 16},   {1, 7, 63, 24},  {1, 31, 64, 16},  {2, 16, 65, 40},
                                     {3, 11, 193, 8}, {1, 65, 70, 20}, {5, 7, 129, 300}, {2, 20, 100, 257}};
-  const LossType types[] = {LossType::grpo, LossType::bnpo, LossType::dr_grpo,
+  const LossType types[] = {LossType::grpo, LossType::bnpo,  LossType::dr_grpo,
                             LossType::dapo, LossType::cispo, LossType::sapo};
   std::vector<HeadCase> cases;
   int i = 0;

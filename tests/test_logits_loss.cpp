@@ -146,7 +146,8 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
     }
   }
   // loss = sum_t w_t l_t moves by sum_t |c_t| tol_logp, c_t = tau a_t; plus f32 rounding.
-  EXPECT_NEAR(got.metrics.loss, want.loss, 2.0 * tau * sum_abs_a * tol_logp + 16.0 * kEpsF32 * std::abs(want.loss) + 1e-12);
+  EXPECT_NEAR(got.metrics.loss, want.loss,
+              2.0 * tau * sum_abs_a * tol_logp + 16.0 * kEpsF32 * std::abs(want.loss) + 1e-12);
   // Branch decisions agree exactly (inputs are drawn away from the kinks).
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_low, want.clip_ratio_low);
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_high, want.clip_ratio_high);
@@ -159,11 +160,10 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
 std::vector<LogitsCase> semantic_cases() {
   // (B, T, V): rows 1..9, 15-17, 63-65 and vocabularies around the 16-lane and
   // 2048-segment edges.
-  const std::int64_t shapes[][3] = {{1, 1, 1},    {1, 3, 2047},  {3, 3, 2048},  {1, 5, 2049},   {2, 4, 6145},
-                                    {1, 7, 4099}, {3, 5, 100},   {1, 16, 17},   {4, 16, 64},    {1, 17, 33},
-                                    {7, 9, 257},  {1, 65, 65},   {3, 2, 15},    {2, 1, 16},     {1, 9, 31},
-                                    {3, 21, 40},  {1, 6, 4097},  {2, 8, 2048}};
-  const LossType types[] = {LossType::grpo, LossType::bnpo, LossType::dr_grpo,
+  const std::int64_t shapes[][3] = {{1, 1, 1},   {1, 3, 2047}, {3, 3, 2048}, {1, 5, 2049}, {2, 4, 6145}, {1, 7, 4099},
+                                    {3, 5, 100}, {1, 16, 17},  {4, 16, 64},  {1, 17, 33},  {7, 9, 257},  {1, 65, 65},
+                                    {3, 2, 15},  {2, 1, 16},   {1, 9, 31},   {3, 21, 40},  {1, 6, 4097}, {2, 8, 2048}};
+  const LossType types[] = {LossType::grpo, LossType::bnpo,  LossType::dr_grpo,
                             LossType::dapo, LossType::cispo, LossType::sapo};
   std::vector<LogitsCase> cases;
   int i = 0;

@@ -45,8 +45,7 @@ constexpr double kKinkMargin = 1e-3;
 constexpr double kExact = 1e-14;
 
 std::string shape_of(const Problem& p) {
-  return " B=" + std::to_string(p.batch) + " T=" + std::to_string(p.seq_len) +
-         " V=" + std::to_string(p.vocab);
+  return " B=" + std::to_string(p.batch) + " T=" + std::to_string(p.seq_len) + " V=" + std::to_string(p.vocab);
 }
 
 class OracleFd : public ::testing::TestWithParam<std::tuple<LossType, IsLevel>> {};
@@ -103,15 +102,14 @@ TEST_P(OracleFd, DlogitsMatchCentralDifferences) {
   EXPECT_GT(above_delta, 0) << "no token reached the delta cap";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    OracleSweep, OracleFd,
-    ::testing::Combine(::testing::Values(LossType::grpo, LossType::bnpo, LossType::dr_grpo,
-                                         LossType::dapo, LossType::cispo, LossType::sapo),
-                       ::testing::Values(IsLevel::token, IsLevel::sequence)),
-    [](const auto& info) {
-      return std::string(to_string(std::get<0>(info.param))) + "_" +
-             to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(OracleSweep, OracleFd,
+                         ::testing::Combine(::testing::Values(LossType::grpo, LossType::bnpo, LossType::dr_grpo,
+                                                              LossType::dapo, LossType::cispo, LossType::sapo),
+                                            ::testing::Values(IsLevel::token, IsLevel::sequence)),
+                         [](const auto& info) {
+                           return std::string(to_string(std::get<0>(info.param))) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
 
 // The LM head on top: finite differences in hidden, weight and bias entries.
 // One entry moves a whole logits row (or column) by h * |W| or h * |h| <= h,
@@ -162,8 +160,7 @@ TEST(OracleFdLmHead, GradientsMatchCentralDifferences) {
       head.logits = lm_head_logits(lp);
       return loss_only(head);
     };
-    const auto check = [&](std::vector<double>& x, const std::vector<double>& grad,
-                           const char* name) {
+    const auto check = [&](std::vector<double>& x, const std::vector<double>& grad, const char* name) {
       ASSERT_EQ(x.size(), grad.size()) << where << " " << name;
       for (std::size_t k = 0; k < x.size(); ++k) {
         EXPECT_NEAR(grad[k], fd::central_difference(loss, x, k, kStep), kFdTolerance)
@@ -254,7 +251,7 @@ TEST(OracleClosedForm, AggregationNormalizers) {
       {LossType::bnpo, -3.0 / 3.0},                      // over all valid tokens
       {LossType::dr_grpo, -3.0 / (2.0 * 4.0)},           // over B * max_completion_length
       {LossType::dapo, -3.0 / 6.0},                      // over num_items_in_batch
-      {LossType::sapo, -2.0},  // r = 1: sig = 1/2, l = -A (4/k) / 2 = -2 (k = 1), grpo means
+      {LossType::sapo, -2.0},                            // r = 1: sig = 1/2, l = -A (4/k) / 2 = -2 (k = 1), grpo means
   };
   for (const IsLevel level : {IsLevel::token, IsLevel::sequence}) {
     for (const auto& [type, loss] : expected) {
@@ -285,7 +282,11 @@ TEST(OracleClosedForm, KlTermAndBiasCorrection) {
     config.kl_bias_correction = bias;
     Problem p = one_row({0.7, -0.4}, 0, config);
     p.advantages = {0.0};
-    const Result base = evaluate([&] { Problem q = p; q.config.beta = 0.0F; return q; }());
+    const Result base = evaluate([&] {
+      Problem q = p;
+      q.config.beta = 0.0F;
+      return q;
+    }());
     p.ref_logp = {base.logp[0] + std::log(2.0)};
     const Result r = evaluate(p);
     const double beta = config.beta, kl = 1.0 - std::log(2.0);
@@ -316,8 +317,8 @@ TEST(OracleClosedForm, LargeAndInfiniteLogits) {
 // An all-masked batch: nothing is valid, so loss, metrics, logp and dlogits are
 // exactly 0 for every loss type; entropy is still reported per row.
 TEST(OracleClosedForm, AllMaskedBatch) {
-  for (const LossType type : {LossType::grpo, LossType::bnpo, LossType::dr_grpo, LossType::dapo,
-                              LossType::cispo, LossType::sapo}) {
+  for (const LossType type :
+       {LossType::grpo, LossType::bnpo, LossType::dr_grpo, LossType::dapo, LossType::cispo, LossType::sapo}) {
     for (const IsLevel level : {IsLevel::token, IsLevel::sequence}) {
       CaseOptions o;
       o.loss_type = type;

@@ -52,7 +52,9 @@ class Guarded {
   Guarded(const Guarded&) = delete;
   Guarded& operator=(const Guarded&) = delete;
   template <class T>
-  T* as() const { return reinterpret_cast<T*>(data_); }
+  T* as() const {
+    return reinterpret_cast<T*>(data_);
+  }
   bool outside_untouched() const {
     for (const char* p = lo_; p != lo_ + body_; ++p) {
       if ((p < data_ || p >= data_ + bytes_) && static_cast<unsigned char>(*p) != 0xff) return false;
@@ -72,7 +74,7 @@ std::size_t size_of(Elem t) { return t == Elem::f32 ? 4 : 2; }
 // Independent f16 decoding (bit fields, no _Float16): the reference side.
 double f16_value(std::uint16_t h) {
   const int e = (h >> 10) & 0x1f;
-  const double mag = e == 0 ? std::ldexp(h & 0x3ff, -24)
+  const double mag = e == 0    ? std::ldexp(h & 0x3ff, -24)
                      : e == 31 ? ((h & 0x3ff) != 0 ? std::nan("") : kInf)
                                : std::ldexp(1024 + (h & 0x3ff), e - 25);
   return (h & 0x8000) != 0 ? -mag : mag;
@@ -162,12 +164,15 @@ void expect_stats(const RowStats& got, float max, const Ref& ref, double depth, 
   const double flush = double(n) * 104 * std::numeric_limits<float>::min();
   const double m = scaled ? std::fabs(double(max)) : 0.0;
   EXPECT_NEAR(got.sum, ref.sum, kU * ((depth + kExpU + m) * ref.sum + 2 * std::fabs(ref.dot)) + flush);
-  EXPECT_NEAR(got.dot, ref.dot, kU * ((depth + kExpU + 3 + m) * std::fabs(ref.dot) + 2 * ref.dot2 + m * ref.sum) + flush);
+  EXPECT_NEAR(got.dot, ref.dot,
+              kU * ((depth + kExpU + 3 + m) * std::fabs(ref.dot) + 2 * ref.dot2 + m * ref.sum) + flush);
 }
 
 // Accumulation depth of row_stats: one segment, plus 8 roundings per merge
 // (the rescale exp, its argument, the products and sums in merge()).
-double segmented_depth(std::int64_t n) { return double(std::min(n, kSegment)) + 8.0 * double((n + kSegment - 1) / kSegment); }
+double segmented_depth(std::int64_t n) {
+  return double(std::min(n, kSegment)) + 8.0 * double((n + kSegment - 1) / kSegment);
+}
 
 enum class Path { scalar, avx512 };
 
@@ -267,9 +272,10 @@ TEST_P(StageKernelsTest, DlogitsRow) {
         for (std::int64_t target : {std::int64_t{-1}, std::int64_t{0}, n_ / 2, n_ - 1, n_, n_ + 3}) {
           const bool with_bias = (combo % 2) == 0;
           const Place place = kPlaces[combo++ % 3];
-          const std::uint32_t seed = 3000u + 7u * std::uint32_t(n_) + 131u * std::uint32_t(kind) + 17u * std::uint32_t(combo);
-          SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " kind=" << kKindNames[kind] << " in="
-                                          << int(in_t) << " out=" << int(out_t) << " target=" << target);
+          const std::uint32_t seed =
+              3000u + 7u * std::uint32_t(n_) + 131u * std::uint32_t(kind) + 17u * std::uint32_t(combo);
+          SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " kind=" << kKindNames[kind]
+                                          << " in=" << int(in_t) << " out=" << int(out_t) << " target=" << target);
           std::vector<float> z = make_row(Kind(kind), n_, seed);
           // f16 holds u = x - max in the fused driver; f32/bf16 hold raw logits.
           const float zmax = expected_max(z, 1.0F);
@@ -305,9 +311,10 @@ TEST_P(StageKernelsTest, DlogitsRow) {
             const double d = x - double(lse);
             const double p = std::exp(d);
             const double g_ref = a * ((i == target ? 1.0 : 0.0) - p);
-            const double rel_p = p == 0.0 ? 0.0 : p * kU * (std::fabs(x) + std::fabs(d) + kExpU);  // -inf: p = 0 exactly
-            const double tol32 = std::fabs(a) * rel_p +
-                                 2 * kU * std::fabs(g_ref) + std::fabs(a) * std::numeric_limits<float>::min();
+            const double rel_p =
+                p == 0.0 ? 0.0 : p * kU * (std::fabs(x) + std::fabs(d) + kExpU);  // -inf: p = 0 exactly
+            const double tol32 =
+                std::fabs(a) * rel_p + 2 * kU * std::fabs(g_ref) + std::fabs(a) * std::numeric_limits<float>::min();
             const double g = out_t == Elem::f32 ? out.as<float>()[i] : bf16_to_float(out.as<std::uint16_t>()[i]);
             const double tol = tol32 + (out_t == Elem::bf16 ? kUBf16 * (std::fabs(g_ref) + tol32) : 0.0);
             ASSERT_NEAR(g, g_ref, tol) << "i=" << i;
@@ -329,7 +336,8 @@ TEST_P(StageKernelsTest, Finiteness) {
   for (Elem t : {Elem::f32, Elem::bf16, Elem::f16}) {
     for (Place place : kPlaces) {
       const std::uint32_t seed = 4000u + 7u * std::uint32_t(n_);
-      SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " type=" << int(t) << " place=" << int(place));
+      SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " type=" << int(t)
+                                      << " place=" << int(place));
       std::vector<float> z = make_row(Kind::normal, n_, seed);
       round_to(t, z);
       Guarded buf(n_, size_of(t), place);
@@ -466,7 +474,8 @@ TEST(StageKernelExp, WithinTwoUlp) {
   for (const StageKernels* k : {&scalar_kernels(), avx512_kernels()}) {
     if (k == nullptr) continue;
     SCOPED_TRACE(k->name);
-    k->dlogits_row(x.data(), Elem::f32, std::int64_t(x.size()), 1.0F, 0.0F, 0.0F, -1.0F, -1, e.data(), Elem::f32, nullptr);
+    k->dlogits_row(x.data(), Elem::f32, std::int64_t(x.size()), 1.0F, 0.0F, 0.0F, -1.0F, -1, e.data(), Elem::f32,
+                   nullptr);
     for (std::size_t i = 0; i < x.size(); ++i) {
       const double ref = std::exp(double(x[i]));
       if (ref < std::numeric_limits<float>::min()) {

@@ -40,9 +40,7 @@ struct HostBatch {
   std::vector<float> mask, advantages, old_logp, ref_logp, is_weight;
   oracle::Problem problem;  // logits filled by the caller (logits level) or by lm_head_logits
 
-  BatchInputs view() const {
-    return {ids, mask, advantages, old_logp, ref_logp, is_weight};
-  }
+  BatchInputs view() const { return {ids, mask, advantages, old_logp, ref_logp, is_weight}; }
 };
 
 inline std::string describe(const BatchSpec& s) {

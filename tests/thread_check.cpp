@@ -39,7 +39,10 @@ int main() {
   LmHeadOutputs out{{logp}, {dh.data(), DType::f32, n, h, h}, {dw.data(), DType::f32, v, h, h}};
 
   // Start every TBB worker first, so they are not mistaken for new threads.
-  tbb::parallel_for(0, 1000 * cores, [](int) { volatile double x = 0; for (int i = 0; i < 10000; ++i) x = x + i; });
+  tbb::parallel_for(0, 1000 * cores, [](int) {
+    volatile double x = 0;
+    for (int i = 0; i < 10000; ++i) x = x + i;
+  });
   const int before = os_threads();
   LmHeadLossPlan(shape, LossConfig{}).execute(in, out);
   const int after_fused = os_threads();

@@ -44,7 +44,7 @@ struct LmHeadShape {
   std::int64_t vocab = 0;    // V
   DType dtype = DType::f32;  // of hidden and weight; bf16 GEMMs accumulate in f32
   WeightLayout layout = WeightLayout::vocab_major;
-  bool has_bias = false;     // bias [V]
+  bool has_bias = false;  // bias [V]
   DType bias_dtype = DType::f32;
   // Row strides (elements) of the views execute() will get; 0 = dense. They are
   // part of the plan because the oneDNN primitives are created for them.
@@ -78,9 +78,9 @@ struct LmHeadInputs {
 
 struct LmHeadOutputs {
   TokenOutputs tokens;
-  MutMatrixView dhidden;     // [N, H], dtype = options.dhidden_dtype; empty when forward_only
-  MutMatrixView dweight;     // weight's layout, dtype = options.dweight_dtype; empty when forward_only
-  std::span<float> dbias;    // [V] when has_bias and not forward_only
+  MutMatrixView dhidden;   // [N, H], dtype = options.dhidden_dtype; empty when forward_only
+  MutMatrixView dweight;   // weight's layout, dtype = options.dweight_dtype; empty when forward_only
+  std::span<float> dbias;  // [V] when has_bias and not forward_only
   Metrics* metrics = nullptr;
 };
 
@@ -108,8 +108,7 @@ class LmHeadLossPlan {
   // Validates every argument (shapes, ids, finiteness), then computes.
   // workspace: empty = allocated through options.allocator for this call;
   // otherwise at least workspace_size() bytes, 64-byte aligned.
-  void execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
-               std::span<std::byte> workspace = {}) const;
+  void execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::span<std::byte> workspace = {}) const;
 
   struct Impl;
 

@@ -47,12 +47,12 @@ struct LossConfig {
 // The per-token tensors of one micro-batch of B sequences of T tokens (N = B * T rows).
 // Spans are contiguous float32/int32 arrays; an empty span means "absent".
 struct BatchInputs {
-  std::span<const std::int32_t> ids;      // [N] chosen token; never read on masked rows
-  std::span<const float> mask;            // [N], each 0 or 1
-  std::span<const float> advantages;      // [B] (per sequence) or [N] (per token)
-  std::span<const float> old_logp;        // [N] or empty (on-policy: r = 1, gradient flows)
-  std::span<const float> ref_logp;        // [N], required when beta != 0
-  std::span<const float> is_weight;       // [N], [B] or empty; no gradient flows into it
+  std::span<const std::int32_t> ids;  // [N] chosen token; never read on masked rows
+  std::span<const float> mask;        // [N], each 0 or 1
+  std::span<const float> advantages;  // [B] (per sequence) or [N] (per token)
+  std::span<const float> old_logp;    // [N] or empty (on-policy: r = 1, gradient flows)
+  std::span<const float> ref_logp;    // [N], required when beta != 0
+  std::span<const float> is_weight;   // [N], [B] or empty; no gradient flows into it
 };
 
 // Per-token outputs. logp is always written (trainers keep it as next epoch's

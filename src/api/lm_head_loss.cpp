@@ -30,7 +30,8 @@ void validate_lm_head_shape(const LmHeadShape& s) {
   const std::int64_t weight_cols = s.layout == WeightLayout::vocab_major ? s.hidden : s.vocab;
   if (s.hidden_ld != 0 && s.hidden_ld < s.hidden) throw Error("shape.hidden_ld", "is smaller than hidden");
   if (s.weight_ld != 0 && s.weight_ld < weight_cols) throw Error("shape.weight_ld", "is smaller than the weight's row");
-  if (s.dweight_ld != 0 && s.dweight_ld < weight_cols) throw Error("shape.dweight_ld", "is smaller than the weight's row");
+  if (s.dweight_ld != 0 && s.dweight_ld < weight_cols)
+    throw Error("shape.dweight_ld", "is smaller than the weight's row");
 }
 
 LmHeadShape resolve_lds(LmHeadShape s) {
@@ -65,8 +66,8 @@ LmHeadLossPlan::LmHeadLossPlan(const LmHeadShape& shape, const LossConfig& confi
   if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
   auto impl = std::make_unique<Impl>();
   impl->data = detail::build_lm_head_plan(shape, config, options);
-  impl->call = {impl->data->shape, config, options.forward_only, options.dweight_dtype, options.dhidden_dtype,
-                shape.bias_dtype, false, impl->data->schedule.threads};
+  impl->call = {impl->data->shape, config, options.forward_only,        options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype,  false,  impl->data->schedule.threads};
   impl_ = std::move(impl);
 }
 
@@ -100,7 +101,8 @@ void LmHeadLossPlan::execute(const LmHeadInputs& inputs, const LmHeadOutputs& ou
     ws = owned.as();
   } else {
     if (workspace.size() < need) {
-      throw Error("workspace", "has " + std::to_string(workspace.size()) + " bytes, the plan needs " + std::to_string(need));
+      throw Error("workspace",
+                  "has " + std::to_string(workspace.size()) + " bytes, the plan needs " + std::to_string(need));
     }
     if (reinterpret_cast<std::uintptr_t>(workspace.data()) % detail::kAlignment != 0) {
       throw Error("workspace", "must be 64-byte aligned");
@@ -120,7 +122,8 @@ LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& confi
   detail::validate_config(config);
   detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
   if (options.dhidden_dtype == DType::bf16 && shape.dtype != DType::bf16) {
-    throw Error("options.dhidden_dtype", "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)");
+    throw Error("options.dhidden_dtype",
+                "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)");
   }
   if (options.logits_dtype == DType::bf16 && shape.dtype != DType::bf16) {
     throw Error("options.logits_dtype", "bf16 logits need bf16 inputs");
@@ -129,7 +132,7 @@ LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& confi
   auto impl = std::make_unique<Impl>();
   impl->data = detail::build_lm_head_baseline(detail::resolve_lds(shape), config, options);
   impl->call = {impl->data->shape, config, options.forward_only, options.dweight_dtype, options.dhidden_dtype,
-                shape.bias_dtype, true, impl->data->threads};
+                shape.bias_dtype,  true,   impl->data->threads};
   impl_ = std::move(impl);
 }
 

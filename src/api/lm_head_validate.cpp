@@ -90,8 +90,9 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
                               byte_range(in.bias.data, static_cast<std::size_t>(in.bias.size) *
                                                            (in.bias.empty() ? 0 : size_of(in.bias.dtype)))};
   const char* input_names[] = {"hidden", "weight", "bias"};
-  std::vector<std::pair<ByteRange, const char*>> outputs = {
-      {span_range(out.tokens.logp), "logp"}, {span_range(out.tokens.entropy), "entropy"}, {span_range(out.tokens.kl), "kl"}};
+  std::vector<std::pair<ByteRange, const char*>> outputs = {{span_range(out.tokens.logp), "logp"},
+                                                            {span_range(out.tokens.entropy), "entropy"},
+                                                            {span_range(out.tokens.kl), "kl"}};
 
   if (spec.forward_only) {
     if (!out.dhidden.empty()) throw Error("dhidden", "was given but the plan is forward-only");
@@ -105,7 +106,8 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
     check_ld(out.dweight.ld, s.dweight_ld, "dweight");
     if (s.has_bias) {
       if (out.dbias.size() != static_cast<std::size_t>(s.vocab)) {
-        throw Error("dbias", "has " + std::to_string(out.dbias.size()) + " elements, expected " + std::to_string(s.vocab));
+        throw Error("dbias",
+                    "has " + std::to_string(out.dbias.size()) + " elements, expected " + std::to_string(s.vocab));
       }
     } else if (!out.dbias.empty()) {
       throw Error("dbias", "was given but the plan was built without has_bias");
@@ -115,7 +117,8 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
     outputs.push_back({span_range(out.dbias), "dbias"});
   }
   for (std::size_t a = 0; a < outputs.size(); ++a) {
-    for (std::size_t i = 0; i < 3; ++i) check_no_overlap(outputs[a].first, outputs[a].second, inputs[i], input_names[i]);
+    for (std::size_t i = 0; i < 3; ++i)
+      check_no_overlap(outputs[a].first, outputs[a].second, inputs[i], input_names[i]);
     for (std::size_t b = a + 1; b < outputs.size(); ++b) {
       check_no_overlap(outputs[b].first, outputs[b].second, outputs[a].first, outputs[a].second);
     }
@@ -133,16 +136,18 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
     // zeroed dbias. Refuse it here, with the other value checks.
     bool any_allowed = false;
     for (std::int64_t v = 0; v < s.vocab && !any_allowed; ++v) {
-      const float b = in.bias.dtype == DType::f32 ? static_cast<const float*>(in.bias.data)[v]
-                                                  : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
+      const float b = in.bias.dtype == DType::f32
+                          ? static_cast<const float*>(in.bias.data)[v]
+                          : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
       any_allowed = b != -std::numeric_limits<float>::infinity();
     }
     if (!any_allowed) throw Error("bias", "is -inf for every token: every row's logits would be -inf");
     for (std::int64_t r = 0; r < rows; ++r) {
       if (in.batch.mask[r] == 0.0F) continue;
       const std::int32_t id = in.batch.ids[r];
-      const float b = in.bias.dtype == DType::f32 ? static_cast<const float*>(in.bias.data)[id]
-                                                  : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[id]);
+      const float b = in.bias.dtype == DType::f32
+                          ? static_cast<const float*>(in.bias.data)[id]
+                          : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[id]);
       if (b == -std::numeric_limits<float>::infinity()) {
         throw Error("ids", "row " + std::to_string(r) + " chose token " + std::to_string(id) + " whose bias is -inf");
       }
@@ -163,8 +168,9 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
   double bias_max = 0.0;
   if (s.has_bias) {
     for (std::int64_t v = 0; v < s.vocab; ++v) {
-      const float b = in.bias.dtype == DType::f32 ? static_cast<const float*>(in.bias.data)[v]
-                                                  : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
+      const float b = in.bias.dtype == DType::f32
+                          ? static_cast<const float*>(in.bias.data)[v]
+                          : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
       if (b != -std::numeric_limits<float>::infinity()) bias_max = std::max(bias_max, static_cast<double>(std::abs(b)));
     }
   }

@@ -48,8 +48,8 @@ void validate_call(const LogitsShape& shape, const LossConfig& config, const Mat
   if (outputs.dlogits.empty()) return;
   detail::validate_matrix(outputs.dlogits, "dlogits", rows, shape.vocab);
   const detail::ByteRange out_range = detail::byte_range(outputs.dlogits.as_const());
-  const bool in_place = outputs.dlogits.data == logits.data && outputs.dlogits.ld == logits.ld &&
-                        outputs.dlogits.dtype == logits.dtype;
+  const bool in_place =
+      outputs.dlogits.data == logits.data && outputs.dlogits.ld == logits.ld && outputs.dlogits.dtype == logits.dtype;
   if (!in_place) detail::check_no_overlap(out_range, "dlogits", in_range, "logits (in place needs the same view)");
   detail::check_no_overlap(span_range(outputs.tokens.logp), "logp", out_range, "dlogits");
   detail::check_no_overlap(span_range(outputs.tokens.entropy), "entropy", out_range, "dlogits");

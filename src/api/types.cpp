@@ -29,18 +29,17 @@ const char* to_string(WeightLayout layout) {
 }
 
 Error::Error(std::string argument, const std::string& message)
-    : std::invalid_argument("grpo: invalid argument '" + argument + "': " + message),
-      argument_(std::move(argument)) {}
+    : std::invalid_argument("grpo: invalid argument '" + argument + "': " + message), argument_(std::move(argument)) {}
 
 namespace {
 
 class DefaultAllocator final : public Allocator {
  public:
   void* allocate(std::size_t bytes, std::size_t alignment) override {
-    return ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{alignment});
+    return ::operator new (bytes == 0 ? 1 : bytes, std::align_val_t{alignment});
   }
   void deallocate(void* ptr, std::size_t /*bytes*/, std::size_t alignment) override {
-    ::operator delete(ptr, std::align_val_t{alignment});
+    ::operator delete (ptr, std::align_val_t{alignment});
   }
 };
 

@@ -66,9 +66,8 @@ void validate_config(const LossConfig& c) {
     throw Error("config.num_items_in_batch",
                 "must be > 0 for dapo and cispo (the global valid-token count, passed by the caller)");
   }
-  if (c.loss_type == LossType::sapo &&
-      !(c.sapo_tau_pos > 0.0F && c.sapo_tau_neg > 0.0F && std::isfinite(c.sapo_tau_pos) &&
-        std::isfinite(c.sapo_tau_neg))) {
+  if (c.loss_type == LossType::sapo && !(c.sapo_tau_pos > 0.0F && c.sapo_tau_neg > 0.0F &&
+                                         std::isfinite(c.sapo_tau_pos) && std::isfinite(c.sapo_tau_neg))) {
     throw Error("config.sapo_tau_pos", "sapo temperatures must be finite and > 0");
   }
   switch (c.loss_type) {

@@ -27,7 +27,8 @@ struct FullBuffers {
 };
 
 FullBuffers allocate(const LmHeadBaselineData& d, Allocator& a) {
-  const auto elems = static_cast<std::size_t>(d.shape.batch * d.shape.seq_len) * static_cast<std::size_t>(d.shape.vocab);
+  const auto elems =
+      static_cast<std::size_t>(d.shape.batch * d.shape.seq_len) * static_cast<std::size_t>(d.shape.vocab);
   return {Buffer(a, elems * size_of(d.options.logits_dtype)), Buffer(a, elems * size_of(d.dlogits_dtype)),
           Buffer(a, d.max_scratchpad)};
 }
@@ -63,7 +64,8 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
   const bool vm = s.layout == WeightLayout::vocab_major;
   GemmSpec logits;
   logits.a = {s.dtype, n, s.hidden, s.hidden_ld, 1};
-  logits.b = vm ? GemmOperand{s.dtype, s.hidden, s.vocab, 1, s.weight_ld} : GemmOperand{s.dtype, s.hidden, s.vocab, s.weight_ld, 1};
+  logits.b = vm ? GemmOperand{s.dtype, s.hidden, s.vocab, 1, s.weight_ld}
+                : GemmOperand{s.dtype, s.hidden, s.vocab, s.weight_ld, 1};
   logits.c = {options.logits_dtype, n, s.vocab, s.vocab, 1};
   logits.has_bias = s.has_bias;
   logits.bias_dtype = s.bias_dtype;
@@ -73,7 +75,8 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
   if (!options.forward_only) {
     GemmSpec dh;
     dh.a = {d->dlogits_dtype, n, s.vocab, s.vocab, 1};
-    dh.b = vm ? GemmOperand{s.dtype, s.vocab, s.hidden, s.weight_ld, 1} : GemmOperand{s.dtype, s.vocab, s.hidden, 1, s.weight_ld};
+    dh.b = vm ? GemmOperand{s.dtype, s.vocab, s.hidden, s.weight_ld, 1}
+              : GemmOperand{s.dtype, s.vocab, s.hidden, 1, s.weight_ld};
     dh.c = {options.dhidden_dtype, n, s.hidden, s.hidden, 1};
     dh.threads = d->threads;
     d->dhidden = std::make_unique<Gemm>(*d->engine, dh);
@@ -135,7 +138,8 @@ LmHeadBaseline::GemmTimes run_bare_gemms(const LmHeadBaselineData& d, const LmHe
   const auto t0 = std::chrono::steady_clock::now();
   d.logits->run(in.hidden.data, in.weight.data, b.logits.as(), in.bias.data, b.scratch.as());
   t.logits_s = seconds_since(t0);
-  if (!d.options.forward_only) run_backward_gemms(d, in, out, b.dlogits.as(), b.scratch.as(), &t.dhidden_s, &t.dweight_s);
+  if (!d.options.forward_only)
+    run_backward_gemms(d, in, out, b.dlogits.as(), b.scratch.as(), &t.dhidden_s, &t.dweight_s);
   return t;
 }
 

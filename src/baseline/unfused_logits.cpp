@@ -58,9 +58,8 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
   // softmax = exp(log_softmax), entropy = -sum p log p, gather: three separate
   // ops over the whole tensor, as an eager framework runs them.
   for_rows(threads, rows, [&](std::int64_t r) { k.exp(full_row(log_softmax, r), vocab, full_row(softmax, r)); });
-  for_rows(threads, rows, [&](std::int64_t r) {
-    entropy[r] = -k.dot_p_logp(full_row(softmax, r), full_row(log_softmax, r), vocab);
-  });
+  for_rows(threads, rows,
+           [&](std::int64_t r) { entropy[r] = -k.dot_p_logp(full_row(softmax, r), full_row(log_softmax, r), vocab); });
   for (std::int64_t r = 0; r < rows; ++r) {
     logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * temp.post : 0.0F;
   }

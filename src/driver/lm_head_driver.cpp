@@ -84,8 +84,9 @@ struct Step {
     return w + static_cast<std::size_t>(vocab_major ? h : h * p.shape.weight_ld) * in_size;
   }
   std::byte* block_at(std::int64_t row, std::int64_t col, std::size_t elem) const {
-    return block + (static_cast<std::size_t>(row) * static_cast<std::size_t>(p.shape.vocab) +
-                    static_cast<std::size_t>(col)) * elem;
+    return block +
+           (static_cast<std::size_t>(row) * static_cast<std::size_t>(p.shape.vocab) + static_cast<std::size_t>(col)) *
+               elem;
   }
 
   // Logits, statistics, LSE, logp and entropy of rows [b0, b0 + nb).

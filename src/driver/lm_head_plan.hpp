@@ -46,7 +46,7 @@ struct WorkspaceLayout {
   std::size_t coef_all = 0;     // [N] coefficients + [N] entropies, recompute schedule only
   std::size_t slots = 0;        // per slot: GEMM tile [block, tile] f32 + oneDNN scratchpad
   std::size_t slot_bytes = 0;
-  std::size_t tile_bytes = 0;   // GEMM tile part of one slot
+  std::size_t tile_bytes = 0;  // GEMM tile part of one slot
   std::size_t total = 0;
 };
 
@@ -55,12 +55,12 @@ struct LmHeadPlanData {
   LossConfig config;
   LmHeadOptions options;
   LmHeadSchedule schedule;
-  std::int64_t rows = 0;             // N
-  std::int64_t block_rows_alloc = 0; // token_block rounded up to kRowQuantum
-  std::int64_t tiles = 0;            // ceil(V / vocab_tile)
-  std::int64_t hidden_chunks = 0;    // ceil(H / kHiddenChunk)
+  std::int64_t rows = 0;                          // N
+  std::int64_t block_rows_alloc = 0;              // token_block rounded up to kRowQuantum
+  std::int64_t tiles = 0;                         // ceil(V / vocab_tile)
+  std::int64_t hidden_chunks = 0;                 // ceil(H / kHiddenChunk)
   kernels::Elem store_type = kernels::Elem::f32;  // block buffer before backward
-  DType dlogits_dtype = DType::f32;  // block buffer during backward (= GEMM dtype)
+  DType dlogits_dtype = DType::f32;               // block buffer during backward (= GEMM dtype)
   WorkspaceLayout layout;
 
   std::unique_ptr<kernels::GemmEngine> engine;

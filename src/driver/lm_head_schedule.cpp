@@ -191,9 +191,9 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     p->schedule.workspace_bytes = p->layout.total;
     if (p->layout.total <= budget || options.token_block > 0) break;
     if (nb <= kRowQuantum) {
-      throw Error("options.workspace_budget",
-                  std::to_string(budget) + " bytes cannot hold one " + std::to_string(kRowQuantum) +
-                      "-row block at this vocabulary; need " + std::to_string(p->layout.total));
+      throw Error("options.workspace_budget", std::to_string(budget) + " bytes cannot hold one " +
+                                                  std::to_string(kRowQuantum) + "-row block at this vocabulary; need " +
+                                                  std::to_string(p->layout.total));
     }
     nb -= kRowQuantum;
   }

@@ -72,8 +72,7 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
           std::memset(out, 0, static_cast<std::size_t>(vocab) * out_size);
           continue;
         }
-        k.dlogits_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, batch.ids[r], out, out_type,
-                      nullptr);
+        k.dlogits_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, batch.ids[r], out, out_type, nullptr);
       }
     });
   });

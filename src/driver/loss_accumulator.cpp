@@ -33,13 +33,12 @@ LossAccumulator::LossAccumulator(const LossConfig& config, std::int64_t batch, s
 
 double LossAccumulator::advantage(std::int64_t row) const {
   return in_.advantages.size() == static_cast<std::size_t>(batch_) ? in_.advantages[row / seq_len_]
-                                                                     : in_.advantages[row];
+                                                                   : in_.advantages[row];
 }
 
 double LossAccumulator::is_weight(std::int64_t row) const {
   if (in_.is_weight.empty()) return 1.0;
-  return in_.is_weight.size() == static_cast<std::size_t>(batch_) ? in_.is_weight[row / seq_len_]
-                                                                    : in_.is_weight[row];
+  return in_.is_weight.size() == static_cast<std::size_t>(batch_) ? in_.is_weight[row / seq_len_] : in_.is_weight[row];
 }
 
 double LossAccumulator::seq_norm(std::int64_t row) {
@@ -62,8 +61,8 @@ double LossAccumulator::log_ratio(std::int64_t row, double logp) const {
   return in_.old_logp.empty() ? 0.0 : logp - static_cast<double>(in_.old_logp[row]);
 }
 
-void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy,
-                               float* coef, std::span<float> kl) {
+void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef,
+                               std::span<float> kl) {
   const bool sequence = config_.importance_sampling_level == IsLevel::sequence;
   const double lo = 1.0 - config_.epsilon_low;
   const double hi = 1.0 + config_.epsilon_high;

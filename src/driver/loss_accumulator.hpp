@@ -40,7 +40,7 @@ class LossAccumulator {
   BatchInputs in_;
   std::int64_t norm_seq_ = -1;  // sequence whose norm is cached
   double norm_seq_value_ = 0.0;
-  double norm_ = 0.0;             // the loss-type normalizer (except grpo/sapo's per-sequence one)
+  double norm_ = 0.0;  // the loss-type normalizer (except grpo/sapo's per-sequence one)
   std::int64_t num_valid_ = 0;
 
   double loss_ = 0.0;

@@ -111,8 +111,8 @@ void onehot_minus_avx512(const float* p, std::int64_t n, float a, std::int64_t t
 const EltwiseKernels* avx512_eltwise() {
   static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                 __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  static const EltwiseKernels k{"avx512", max_avx512, sum_exp_avx512, affine_avx512, exp_avx512, dot_avx512,
-                                onehot_minus_avx512};
+  static const EltwiseKernels k{"avx512",   max_avx512, sum_exp_avx512,     affine_avx512,
+                                exp_avx512, dot_avx512, onehot_minus_avx512};
   return supported ? &k : nullptr;
 }
 

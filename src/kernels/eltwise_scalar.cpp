@@ -52,13 +52,13 @@ void onehot_minus_scalar(const float* p, std::int64_t n, float a, std::int64_t t
 }  // namespace
 
 const EltwiseKernels& scalar_eltwise() {
-  static const EltwiseKernels k{"scalar",     max_scalar, sum_exp_scalar, affine_scalar, exp_scalar, dot_scalar,
-                                onehot_minus_scalar};
+  static const EltwiseKernels k{"scalar",   max_scalar, sum_exp_scalar,     affine_scalar,
+                                exp_scalar, dot_scalar, onehot_minus_scalar};
   return k;
 }
 
 const EltwiseKernels& eltwise() {
-  static const EltwiseKernels& chosen = [] () -> const EltwiseKernels& {
+  static const EltwiseKernels& chosen = []() -> const EltwiseKernels& {
     const EltwiseKernels* simd = avx512_eltwise();
     return simd != nullptr && std::strcmp(kernels().name, "scalar") != 0 ? *simd : scalar_eltwise();
   }();

@@ -67,8 +67,8 @@ Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec) {
   try {
     if (spec.has_bias) {
       impl->bias = memory::desc({1, spec.c.cols}, to_dnnl(spec.bias_dtype), memory::dims{spec.c.cols, 1});
-      impl->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a, impl->b, impl->bias, impl->c), attr,
-                                              impl->engine);
+      impl->pd =
+          dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a, impl->b, impl->bias, impl->c), attr, impl->engine);
     } else {
       impl->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a, impl->b, impl->c), attr, impl->engine);
     }

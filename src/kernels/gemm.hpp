@@ -34,13 +34,13 @@ struct GemmOperand {
 };
 
 struct GemmSpec {
-  GemmOperand a;  // [M, K]
-  GemmOperand b;  // [K, N]
-  GemmOperand c;  // [M, N]
+  GemmOperand a;            // [M, K]
+  GemmOperand b;            // [K, N]
+  GemmOperand c;            // [M, N]
   bool accumulate = false;  // c += a * b, else c = a * b
   bool has_bias = false;    // c += bias[j], bias is [1, N] contiguous
   DType bias_dtype = DType::f32;
-  int threads = 1;          // OpenMP threads oneDNN may use inside the call
+  int threads = 1;  // OpenMP threads oneDNN may use inside the call
 };
 
 // The CPU engine; plans own one each (no process-wide engine).

@@ -52,8 +52,8 @@ struct StageKernels {
   // written to out (f32 or bf16, round to nearest even). out may alias in exactly
   // (same pointer) when the element sizes match. When dbias is non-null, also
   // dbias[v] += g_v (f32), added in the order rows are processed.
-  void (*dlogits_row)(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
-                      float a, std::int64_t target, void* out, Elem out_type, float* dbias);
+  void (*dlogits_row)(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse, float a,
+                      std::int64_t target, void* out, Elem out_type, float* dbias);
 
   // True when every element is finite (no NaN, no +-inf).
   bool (*all_finite)(const void* data, Elem type, std::int64_t n);

@@ -28,7 +28,9 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 __mmask16 tail_mask(std::int64_t count) { return static_cast<__mmask16>((1U << count) - 1U); }
 
 // fl(a * b), never fused with a following add or sub.
-Batch round_mul(Batch a, Batch b) { return Batch(_mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)); }
+Batch round_mul(Batch a, Batch b) {
+  return Batch(_mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 
 // Sixteen elements at p + i as f32 (exact for every Elem).
 template <Elem T>
@@ -301,24 +303,18 @@ void dlogits_in(const void* in, std::int64_t n, float in_scale, float in_shift, 
 void dlogits_row_avx512(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
                         float a, std::int64_t target, void* out, Elem out_type, float* dbias) {
   switch (in_type) {
-    case Elem::f32:
-      return dlogits_in<Elem::f32>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
-    case Elem::bf16:
-      return dlogits_in<Elem::bf16>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
-    case Elem::f16:
-      return dlogits_in<Elem::f16>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
+    case Elem::f32: return dlogits_in<Elem::f32>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
+    case Elem::bf16: return dlogits_in<Elem::bf16>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
+    case Elem::f16: return dlogits_in<Elem::f16>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
   }
 }
 
 template <int kClasses>
 bool scan_clean_any(const void* data, Elem type, std::int64_t n) {
   switch (type) {
-    case Elem::f32:
-      return scan_clean<Elem::f32, kClasses>(data, 0, n);
-    case Elem::bf16:
-      return scan_clean<Elem::bf16, kClasses>(data, 0, n);
-    case Elem::f16:
-      return scan_clean<Elem::f16, kClasses>(data, 0, n);
+    case Elem::f32: return scan_clean<Elem::f32, kClasses>(data, 0, n);
+    case Elem::bf16: return scan_clean<Elem::bf16, kClasses>(data, 0, n);
+    case Elem::f16: return scan_clean<Elem::f16, kClasses>(data, 0, n);
   }
   return false;
 }
@@ -352,12 +348,9 @@ float max_abs_of(const void* data, std::int64_t n) {
 
 float max_abs_avx512(const void* data, Elem type, std::int64_t n) {
   switch (type) {
-    case Elem::f32:
-      return max_abs_of<Elem::f32>(data, n);
-    case Elem::bf16:
-      return max_abs_of<Elem::bf16>(data, n);
-    case Elem::f16:
-      return max_abs_of<Elem::f16>(data, n);
+    case Elem::f32: return max_abs_of<Elem::f32>(data, n);
+    case Elem::bf16: return max_abs_of<Elem::bf16>(data, n);
+    case Elem::f16: return max_abs_of<Elem::f16>(data, n);
   }
   return std::numeric_limits<float>::infinity();
 }
@@ -380,9 +373,9 @@ namespace detail {
 
 // Only called by dispatch.cpp after __builtin_cpu_supports said yes.
 const StageKernels& avx512_table() {
-  static constexpr StageKernels k{"avx512",           row_stats_avx512,         row_stats_store_avx512,
-                                  dlogits_row_avx512, all_finite_avx512,        no_nan_or_pos_inf_avx512,
-                                  max_abs_avx512,     f32_to_bf16_avx512,       bf16_to_f32_avx512};
+  static constexpr StageKernels k{"avx512",           row_stats_avx512,   row_stats_store_avx512,
+                                  dlogits_row_avx512, all_finite_avx512,  no_nan_or_pos_inf_avx512,
+                                  max_abs_avx512,     f32_to_bf16_avx512, bf16_to_f32_avx512};
   return k;
 }
 

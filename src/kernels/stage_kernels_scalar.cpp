@@ -19,10 +19,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 float load(const void* data, Elem type, std::int64_t i) {
   switch (type) {
-    case Elem::f32:
-      return static_cast<const float*>(data)[i];
-    case Elem::bf16:
-      return bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case Elem::f32: return static_cast<const float*>(data)[i];
+    case Elem::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
     case Elem::f16: {
       // g++ 12 supports _Float16 on x86-64 (conversions go through libgcc
       // without F16C), rounding to nearest even like vcvtps2ph.
@@ -36,12 +34,8 @@ float load(const void* data, Elem type, std::int64_t i) {
 
 void store(void* data, Elem type, std::int64_t i, float v) {
   switch (type) {
-    case Elem::f32:
-      static_cast<float*>(data)[i] = v;
-      return;
-    case Elem::bf16:
-      static_cast<std::uint16_t*>(data)[i] = float_to_bf16(v);
-      return;
+    case Elem::f32: static_cast<float*>(data)[i] = v; return;
+    case Elem::bf16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(v); return;
     case Elem::f16: {
       const auto h = static_cast<_Float16>(v);
       std::memcpy(static_cast<std::uint16_t*>(data) + i, &h, sizeof(h));
@@ -186,9 +180,9 @@ std::uint16_t float_to_bf16(float v) {
 namespace detail {
 
 const StageKernels& scalar_table() {
-  static constexpr StageKernels k{"scalar",          row_stats_scalar,         row_stats_store_scalar,
-                                  dlogits_row_scalar, all_finite_scalar,       no_nan_or_pos_inf_scalar,
-                                  max_abs_scalar,     f32_to_bf16_scalar,      bf16_to_f32_scalar};
+  static constexpr StageKernels k{"scalar",           row_stats_scalar,   row_stats_store_scalar,
+                                  dlogits_row_scalar, all_finite_scalar,  no_nan_or_pos_inf_scalar,
+                                  max_abs_scalar,     f32_to_bf16_scalar, bf16_to_f32_scalar};
   return k;
 }
 

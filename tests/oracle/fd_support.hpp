@@ -36,9 +36,8 @@ struct CaseOptions {
     return std::string(to_string(loss_type)) + " level=" + to_string(level) +
            " on_logp=" + std::to_string(temperature_on_logp) + " tau=" + std::to_string(tau) +
            " beta=" + std::to_string(beta) + " kl_bias=" + std::to_string(kl_bias_correction) +
-           " adv_per_token=" + std::to_string(per_token_advantages) +
-           " old=" + std::to_string(with_old) + " delta=" + std::to_string(with_delta) +
-           " is_weight=" + std::to_string(static_cast<int>(is_weight)) +
+           " adv_per_token=" + std::to_string(per_token_advantages) + " old=" + std::to_string(with_old) +
+           " delta=" + std::to_string(with_delta) + " is_weight=" + std::to_string(static_cast<int>(is_weight)) +
            " mask=" + std::to_string(with_mask);
   }
 };
@@ -56,8 +55,7 @@ inline std::vector<CaseOptions> sweep(LossType type, IsLevel level) {
           for (int adv = 0; adv < 2; ++adv)
             for (int old = 0; old < 2; ++old)
               for (int delta = 0; delta < 2; ++delta)
-                for (const IsWeightKind isw :
-                     {IsWeightKind::none, IsWeightKind::per_token, IsWeightKind::per_sequence})
+                for (const IsWeightKind isw : {IsWeightKind::none, IsWeightKind::per_token, IsWeightKind::per_sequence})
                   for (int mask = 0; mask < 2; ++mask) {
                     CaseOptions o;
                     o.loss_type = type;

@@ -33,8 +33,7 @@ void check_problem(const Problem& pb) {
   require(pb.ids.size() == un && pb.mask.size() == un, "ids/mask size");
   require(pb.advantages.size() == ub || pb.advantages.size() == un, "advantages size");
   require(pb.old_logp.empty() || pb.old_logp.size() == un, "old_logp size");
-  require(pb.is_weight.empty() || pb.is_weight.size() == ub || pb.is_weight.size() == un,
-          "is_weight size");
+  require(pb.is_weight.empty() || pb.is_weight.size() == ub || pb.is_weight.size() == un, "is_weight size");
   require(pb.config.beta == 0.0F || pb.ref_logp.size() == un, "ref_logp needed");
   require(pb.config.temperature > 0.0F, "temperature");
   for (std::int64_t t = 0; t < n; ++t) {
@@ -44,17 +43,14 @@ void check_problem(const Problem& pb) {
     require(m == 0.0 || (y >= 0 && y < pb.vocab), "id out of range on a valid row");
   }
   const LossType type = pb.config.loss_type;
-  require(type != LossType::dr_grpo || pb.config.max_completion_length > 0,
-          "max_completion_length");
-  require((type != LossType::dapo && type != LossType::cispo) ||
-              pb.config.num_items_in_batch > 0.0,
+  require(type != LossType::dr_grpo || pb.config.max_completion_length > 0, "max_completion_length");
+  require((type != LossType::dapo && type != LossType::cispo) || pb.config.num_items_in_batch > 0.0,
           "num_items_in_batch");
 }
 
 // A [B] tensor is read per sequence, an [N] tensor per token. When T == 1 the
 // two coincide (i == t), so the size alone decides without ambiguity.
-double per_row(const std::vector<double>& v, const Problem& pb, std::int64_t t,
-               double absent) {
+double per_row(const std::vector<double>& v, const Problem& pb, std::int64_t t, double absent) {
   if (v.empty()) return absent;
   const bool per_sequence = static_cast<std::int64_t>(v.size()) == pb.batch;
   return v[static_cast<std::size_t>(per_sequence ? t / pb.seq_len : t)];
@@ -68,8 +64,7 @@ struct RowSoftmax {
   std::vector<double> p;
 };
 
-RowSoftmax row_softmax(const double* z, std::int64_t vocab, const LossConfig& config,
-                       bool valid, std::int32_t id) {
+RowSoftmax row_softmax(const double* z, std::int64_t vocab, const LossConfig& config, bool valid, std::int32_t id) {
   const long double tau = config.temperature;
   const bool on_logp = config.temperature_on_logp;
   std::vector<long double> x(static_cast<std::size_t>(vocab));
@@ -121,12 +116,9 @@ double aggregation_weight(const Problem& pb, std::int64_t seq_valid, std::int64_
   const auto batch = static_cast<double>(pb.batch);
   switch (pb.config.loss_type) {
     case LossType::grpo:
-    case LossType::sapo:
-      return 1.0 / (batch * static_cast<double>(std::max<std::int64_t>(seq_valid, 1)));
-    case LossType::bnpo:
-      return 1.0 / static_cast<double>(std::max<std::int64_t>(num_valid, 1));
-    case LossType::dr_grpo:
-      return 1.0 / (batch * static_cast<double>(pb.config.max_completion_length));
+    case LossType::sapo: return 1.0 / (batch * static_cast<double>(std::max<std::int64_t>(seq_valid, 1)));
+    case LossType::bnpo: return 1.0 / static_cast<double>(std::max<std::int64_t>(num_valid, 1));
+    case LossType::dr_grpo: return 1.0 / (batch * static_cast<double>(pb.config.max_completion_length));
     case LossType::dapo:
     case LossType::cispo:
       // The caller's global count; never guessed from this micro-batch.
@@ -151,8 +143,8 @@ Forward forward(const Problem& pb) {
   for (std::int64_t t = 0; t < n; ++t) {
     f.valid[t] = pb.mask[t] != 0.0;
     // ids of masked rows are never read: pass -1 so a slip would show.
-    f.rows.push_back(row_softmax(&pb.logits[static_cast<std::size_t>(t * pb.vocab)], pb.vocab,
-                                 pb.config, f.valid[t], f.valid[t] ? pb.ids[t] : -1));
+    f.rows.push_back(row_softmax(&pb.logits[static_cast<std::size_t>(t * pb.vocab)], pb.vocab, pb.config, f.valid[t],
+                                 f.valid[t] ? pb.ids[t] : -1));
     if (f.valid[t]) ++f.seq_valid[t / pb.seq_len];
   }
   for (const std::int64_t c : f.seq_valid) f.num_valid += c;
@@ -163,12 +155,8 @@ Forward forward(const Problem& pb) {
   for (std::int64_t t = 0; t < n; ++t) {
     if (f.valid[t] && !pb.old_logp.empty()) log_ratio[t] = f.rows[t].logp - pb.old_logp[t];
   }
-  const auto clamp_q = [](double raw) {
-    return std::clamp(raw, -kLogRatioClamp, kLogRatioClamp);
-  };
-  const auto unclamped = [](double raw) {
-    return raw > -kLogRatioClamp && raw < kLogRatioClamp;
-  };
+  const auto clamp_q = [](double raw) { return std::clamp(raw, -kLogRatioClamp, kLogRatioClamp); };
+  const auto unclamped = [](double raw) { return raw > -kLogRatioClamp && raw < kLogRatioClamp; };
   if (pb.config.importance_sampling_level == IsLevel::token) {
     for (std::int64_t t = 0; t < n; ++t) {
       f.q[t] = clamp_q(log_ratio[t]);

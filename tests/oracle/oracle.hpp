@@ -13,9 +13,9 @@ namespace grpo::oracle {
 
 // One problem at the logits level. Absent optional tensors are empty vectors.
 struct Problem {
-  std::int64_t batch = 0;    // B
-  std::int64_t seq_len = 0;  // T
-  std::int64_t vocab = 0;    // V
+  std::int64_t batch = 0;          // B
+  std::int64_t seq_len = 0;        // T
+  std::int64_t vocab = 0;          // V
   std::vector<double> logits;      // [N * V], row-major; may hold -inf
   std::vector<std::int32_t> ids;   // [N]
   std::vector<double> mask;        // [N], 0 or 1
@@ -48,18 +48,18 @@ double loss_only(const Problem& problem);
 
 // The LM head on top: logits = hidden * W^T + bias, all in double.
 struct LmHeadProblem {
-  Problem head;                 // head.logits is ignored (computed from below)
-  std::int64_t hidden_size = 0; // H
-  std::vector<double> hidden;   // [N * H]
-  std::vector<double> weight;   // [V * H] (vocab-major, whatever the layout under test)
-  std::vector<double> bias;     // [V] or empty
+  Problem head;                  // head.logits is ignored (computed from below)
+  std::int64_t hidden_size = 0;  // H
+  std::vector<double> hidden;    // [N * H]
+  std::vector<double> weight;    // [V * H] (vocab-major, whatever the layout under test)
+  std::vector<double> bias;      // [V] or empty
 };
 
 struct LmHeadResult {
-  Result head;                   // head.dlogits filled as well
-  std::vector<double> dhidden;   // [N * H]
-  std::vector<double> dweight;   // [V * H], vocab-major
-  std::vector<double> dbias;     // [V] (empty without bias)
+  Result head;                  // head.dlogits filled as well
+  std::vector<double> dhidden;  // [N * H]
+  std::vector<double> dweight;  // [V * H], vocab-major
+  std::vector<double> dbias;    // [V] (empty without bias)
 };
 
 LmHeadResult evaluate_lm_head(const LmHeadProblem& problem);

@@ -64,8 +64,7 @@ inline TokenTerms policy_term(const LossConfig& config, const TokenInputs& in) {
       break;
     }
     case LossType::sapo: {
-      const double k = a > 0.0 ? static_cast<double>(config.sapo_tau_pos)
-                               : static_cast<double>(config.sapo_tau_neg);
+      const double k = a > 0.0 ? static_cast<double>(config.sapo_tau_pos) : static_cast<double>(config.sapo_tau_neg);
       const double sig = 1.0 / (1.0 + std::exp(-k * (r - 1.0)));
       out.loss = -a * (4.0 / k) * sig;
       // d sig / dq = sig (1 - sig) * k * r; the k cancels the 4/k.
