@@ -2,6 +2,8 @@
 // <grpo/version.hpp>. The choice is made once (a function-local static, so
 // thread-safe) and never changes afterwards: every call in a process, and so
 // every result, comes from the same ISA path.
+#include <cpuid.h>
+
 #include <cstdlib>
 #include <string_view>
 
@@ -19,6 +21,16 @@ const StageKernels& avx512_table();  // stage_kernels_avx512.cpp
 
 const StageKernels& scalar_kernels() { return detail::scalar_table(); }
 
+namespace {
+
+// CPUID.1:ECX.F16C (clang 14's __builtin_cpu_supports has no "f16c").
+bool has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+}
+
+}  // namespace
+
 const StageKernels* avx512_kernels() {
   // BW for the 16-bit masked loads/stores, DQ for vfpclassps, VL for the
   // 256-bit masked forms; FMA and F16C come with every AVX-512F CPU but the
@@ -26,7 +38,7 @@ const StageKernels* avx512_kernels() {
   // flags). libgcc also checks that the OS saves the zmm state (XCR0).
   static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                 __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+                                __builtin_cpu_supports("fma") && has_f16c();
   return supported ? &detail::avx512_table() : nullptr;
 }
 
