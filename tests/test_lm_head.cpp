@@ -205,3 +205,60 @@ INSTANTIATE_TEST_SUITE_P(Baseline, HeadVsOracle, ::testing::ValuesIn(baseline_ca
 
 }  // namespace
 }  // namespace grpo::test
+
+namespace grpo::test {
+namespace {
+
+// Regression (found by the fuzzer): forward-only, sequence-level IS and a token
+// block that is not a multiple of T used to read past the block.
+TEST(HeadForwardOnly, SequenceLevelWithUnalignedBlockMatchesOracle) {
+  HeadCase c;
+  c.spec = {3, 3, 37, config_for(LossType::grpo)};
+  c.spec.config.importance_sampling_level = IsLevel::sequence;
+  c.spec.mask_fraction = 0.0;
+  c.spec.seed = 9;
+  c.hidden = 4;
+  const HeadProblem p = make_head_problem(c);
+  const oracle::LmHeadResult want = oracle::evaluate_lm_head(p.oracle);
+  const std::int64_t n = 9;
+  std::vector<float> logp(n, -1.0F);
+  Metrics m;
+  LmHeadOptions opt;
+  opt.forward_only = true;
+  opt.token_block = 4;
+  LmHeadShape shape{3, 3, 4, 37, DType::f32};
+  LmHeadLossPlan plan(shape, c.spec.config, opt);
+  plan.execute({{p.hidden.data(), DType::f32, n, 4, 4}, {p.weight.data(), DType::f32, 37, 4, 4}, {}, p.batch.view()},
+               {{logp}, {}, {}, {}, &m});
+  // Tiny shape: logits error ~ eps * H * |h||w|, logp within 1e-5 of the oracle.
+  for (std::int64_t t = 0; t < n; ++t) EXPECT_NEAR(logp[t], want.head.logp[t], 1e-5) << "row " << t;
+  EXPECT_NEAR(m.loss, want.head.loss, 1e-5);
+}
+
+// A token far less likely under the policy than under the reference
+// (ref - logp > 88) used to overflow e^(ref - logp) in f32: the KL exponent is
+// clamped at 20, so every output stays finite and matches the oracle.
+TEST(HeadKl, HugeReferenceGapStaysFinite) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    HeadCase c;
+    c.spec = {1, 8, 50, config_for(LossType::grpo)};
+    c.spec.config.beta = 0.04F;
+    c.spec.config.temperature = 0.05F;  // logits / tau of a few hundred: logp ~ -300
+    c.spec.mask_fraction = 0.0;
+    c.spec.seed = 13;
+    c.hidden = 16;
+    c.dtype = dtype;
+    HeadProblem p = make_head_problem(c);
+    for (float& r : p.batch.ref_logp) r = -0.5F;  // ref - logp >> 88 on most rows
+    p.oracle.head.ref_logp.assign(p.batch.ref_logp.begin(), p.batch.ref_logp.end());
+    const HeadOutputs got = run_head(c, p);
+    EXPECT_TRUE(std::isfinite(got.metrics.loss));
+    for (float k : got.kl) EXPECT_TRUE(std::isfinite(k));
+    for (float x : to_float(got.dhidden.data(), c.dhidden_dtype, got.dhidden.size() / 4)) ASSERT_TRUE(std::isfinite(x));
+    const oracle::LmHeadResult want = oracle::evaluate_lm_head(p.oracle);
+    EXPECT_NEAR(got.metrics.loss, want.head.loss, 1e-4 * std::abs(want.head.loss));
+  }
+}
+
+}  // namespace
+}  // namespace grpo::test

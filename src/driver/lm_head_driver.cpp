@@ -234,7 +234,7 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
     std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
   }
 
-  if (!p.schedule.recompute_logits) {
+  if (!p.sequence_spans_blocks) {
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, backward);
@@ -244,7 +244,8 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
     }
   } else {
     // Sequence-level ratios of sequences longer than a block: a first forward
-    // pass for every logp, then the coefficients, then forward again + backward.
+    // pass for every logp, then the coefficients, then (with gradients) the
+    // logits again, block by block, and the backward.
     float* entropy_all = step.coef_all + p.rows;
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
@@ -253,7 +254,7 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
       std::memcpy(entropy_all + b0, step.entropy, static_cast<std::size_t>(rows) * sizeof(float));
     }
     acc.add_rows(0, p.rows, outputs.tokens.logp.data(), entropy_all, step.coef_all, outputs.tokens.kl);
-    for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
+    for (std::int64_t b0 = 0; backward && b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, true);
       step.backward(b0, rows, step.coef_all + b0, &dweight_written);

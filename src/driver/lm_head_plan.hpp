@@ -55,10 +55,13 @@ struct LmHeadPlanData {
   LossConfig config;
   LmHeadOptions options;
   LmHeadSchedule schedule;
-  std::int64_t rows = 0;                          // N
-  std::int64_t block_rows_alloc = 0;              // token_block rounded up to kRowQuantum
-  std::int64_t tiles = 0;                         // ceil(V / vocab_tile)
-  std::int64_t hidden_chunks = 0;                 // ceil(H / kHiddenChunk)
+  std::int64_t rows = 0;              // N
+  std::int64_t block_rows_alloc = 0;  // token_block rounded up to kRowQuantum
+  std::int64_t tiles = 0;             // ceil(V / vocab_tile)
+  std::int64_t hidden_chunks = 0;     // ceil(H / kHiddenChunk)
+  // Sequence-level IS with sequences longer than a block: the loss needs a
+  // forward pass over all blocks before any coefficient (see recompute_logits).
+  bool sequence_spans_blocks = false;
   kernels::Elem store_type = kernels::Elem::f32;  // block buffer before backward
   DType dlogits_dtype = DType::f32;               // block buffer during backward (= GEMM dtype)
   WorkspaceLayout layout;

@@ -81,7 +81,7 @@ WorkspaceLayout lay_out(const LmHeadPlanData& p) {
   l.rows = take(rows * (5 * sizeof(float) + sizeof(std::int64_t)));
   l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * in_size : 0);
   l.dhidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
-  l.coef_all = take(p.schedule.recompute_logits ? 2 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
+  l.coef_all = take(p.sequence_spans_blocks ? 2 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
   l.tile_bytes = align_up(rows * static_cast<std::size_t>(p.schedule.vocab_tile) * sizeof(float));
   l.slot_bytes = l.tile_bytes + align_up(p.max_scratchpad);
   l.slots = take(l.slot_bytes * static_cast<std::size_t>(p.schedule.threads));
@@ -177,11 +177,15 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   for (;;) {
     std::int64_t block = nb;
     p->schedule.recompute_logits = false;
-    if (sequence && !options.forward_only) {
+    p->sequence_spans_blocks = false;
+    if (sequence) {
       if (shape.seq_len <= block) {
         block = block / shape.seq_len * shape.seq_len;  // whole sequences per block
       } else {
-        p->schedule.recompute_logits = true;  // a sequence spans blocks: coefficients need a first pass
+        // A sequence spans blocks: its ratio needs every block's logp first
+        // (forward pass over all blocks), and the backward then recomputes logits.
+        p->sequence_spans_blocks = true;
+        p->schedule.recompute_logits = !options.forward_only;
       }
     }
     p->schedule.token_block = block;

@@ -41,9 +41,9 @@ std::uint16_t float_to_half(float f) {
   const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000U);
   x &= 0x7fffffffU;
   if (x >= 0x7f800000U) return sign | (x > 0x7f800000U ? 0x7e00U : 0x7c00U);  // NaN (quiet) / inf
-  if (x >= 0x477ff000U) return sign | 0x7c00U;  // >= 65520 rounds to inf
-  if (x < 0x38800000U) {                         // below 2^-14: a half subnormal or zero
-    if (x < 0x33000000U) return sign;            // <= 2^-25 rounds to zero (the tie goes to even 0)
+  if (x >= 0x477ff000U) return sign | 0x7c00U;                                // >= 65520 rounds to inf
+  if (x < 0x38800000U) {                                                      // below 2^-14: a half subnormal or zero
+    if (x < 0x33000000U) return sign;  // <= 2^-25 rounds to zero (the tie goes to even 0)
     const std::uint32_t e = x >> 23;
     const std::uint32_t m = (x & 0x7fffffU) | 0x800000U;
     const std::uint32_t shift = 126 - e;  // f / 2^-24 = m * 2^(e - 126)

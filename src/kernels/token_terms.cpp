@@ -52,10 +52,15 @@ TokenTerms token_terms(const LossConfig& config, double log_ratio, double logp, 
   t.d_ratio = is_weight * p.d_ratio;
   t.d_direct = is_weight * p.d_direct;
   if (config.beta != 0.0F) {
-    const double diff = ref_logp - logp;
+    // k3 with d = ref - logp clamped above at kLogRatioClamp: e^d stays finite in
+    // f32 (a very unlikely token under the policy, e.g. logp = -300 at a low
+    // temperature, would otherwise make the KL and every gradient inf). Beyond
+    // the clamp the term is constant, so its derivative is 0.
+    const double raw = ref_logp - logp;
+    const double diff = std::min(raw, kLogRatioClamp);
     const double e = std::exp(diff);
     t.kl = e - diff - 1.0;
-    const double dkl = 1.0 - e;
+    const double dkl = raw < kLogRatioClamp ? 1.0 - e : 0.0;
     const double beta = config.beta;
     if (config.kl_bias_correction) {
       t.loss += beta * t.kl * r;

@@ -87,9 +87,12 @@ inline TokenTerms token_terms(const LossConfig& config, const TokenInputs& in) {
   // k3 estimator with d = ref - logp: KL = e^d - d - 1. expm1 keeps the tiny
   // values near d = 0 exact instead of cancelling 1 - 1 (truth should not
   // carry the float path's rounding).
-  const double d = in.ref_logp - in.logp;
+  // d is clamped above at 20 (the library's choice, like the log ratio's
+  // clamp): e^d stays finite in f32; beyond the clamp the term is constant.
+  const double d_raw = in.ref_logp - in.logp;
+  const double d = std::min(d_raw, 20.0);
   out.kl = std::expm1(d) - d;
-  const double d_kl = -std::expm1(d);  // dKL/dlogp = 1 - e^d
+  const double d_kl = d_raw < 20.0 ? -std::expm1(d) : 0.0;  // dKL/dlogp = 1 - e^d
   if (config.kl_bias_correction) {
     // KL * r with r live: both the q path and the direct path see it.
     const double r = std::exp(in.q);
