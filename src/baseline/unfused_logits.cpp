@@ -6,7 +6,7 @@
 #include <tbb/parallel_for.h>
 
 #include "api/buffer.hpp"
-#include "driver/loss_accumulator.hpp"
+#include "driver/logits_driver.hpp"
 #include "driver/parallel.hpp"
 #include "driver/row_math.hpp"
 #include "kernels/eltwise.hpp"
@@ -63,17 +63,9 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
   for (std::int64_t r = 0; r < rows; ++r) {
     logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * temp.post : 0.0F;
   }
-  for (std::int64_t r = 0; r < rows; ++r) check_row(lse[r], logp[r], batch.mask[r] != 0.0F, r, "logits");
-
   Buffer coef_buffer(allocator, static_cast<std::size_t>(rows) * sizeof(float));
   float* coef = coef_buffer.as<float>();
-  LossAccumulator acc(config, shape.batch, shape.seq_len, batch);
-  acc.add_rows(0, rows, logp, entropy, coef, outputs.tokens.kl);
-  std::memcpy(outputs.tokens.logp.data(), logp, static_cast<std::size_t>(rows) * sizeof(float));
-  if (!outputs.tokens.entropy.empty()) {
-    std::memcpy(outputs.tokens.entropy.data(), entropy, static_cast<std::size_t>(rows) * sizeof(float));
-  }
-  if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
+  logits_loss_stage(shape, config, batch, lse, logp, entropy, coef, outputs);
   if (outputs.dlogits.empty()) return;
 
   // dlogits = c / tau * (onehot - softmax), every row (an eager framework does

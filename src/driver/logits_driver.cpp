@@ -14,6 +14,19 @@
 
 namespace grpo::detail {
 
+void logits_loss_stage(const LogitsShape& shape, const LossConfig& config, const BatchInputs& batch, const float* lse,
+                       const float* logp, const float* entropy, float* coef, const LogitsOutputs& outputs) {
+  const std::int64_t rows = shape.batch * shape.seq_len;
+  for (std::int64_t r = 0; r < rows; ++r) check_row(lse[r], logp[r], batch.mask[r] != 0.0F, r, "logits");
+  LossAccumulator acc(config, shape.batch, shape.seq_len, batch);
+  acc.add_rows(0, rows, logp, entropy, coef, outputs.tokens.kl);
+  std::memcpy(outputs.tokens.logp.data(), logp, static_cast<std::size_t>(rows) * sizeof(float));
+  if (!outputs.tokens.entropy.empty()) {
+    std::memcpy(outputs.tokens.entropy.data(), entropy, static_cast<std::size_t>(rows) * sizeof(float));
+  }
+  if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
+}
+
 void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int threads, Allocator& allocator,
                      const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) {
   const std::int64_t rows = shape.batch * shape.seq_len;
@@ -46,17 +59,7 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
     });
   });
   // Errors are raised here, after the read-only pass and before any output.
-  for (std::int64_t r = 0; r < rows; ++r) {
-    check_row(lse[r], logp[r], batch.mask[r] != 0.0F, r, "logits");
-  }
-
-  LossAccumulator acc(config, shape.batch, shape.seq_len, batch);
-  acc.add_rows(0, rows, logp, entropy, coef, outputs.tokens.kl);
-  std::memcpy(outputs.tokens.logp.data(), logp, static_cast<std::size_t>(rows) * sizeof(float));
-  if (!outputs.tokens.entropy.empty()) {
-    std::memcpy(outputs.tokens.entropy.data(), entropy, static_cast<std::size_t>(rows) * sizeof(float));
-  }
-  if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
+  logits_loss_stage(shape, config, batch, lse, logp, entropy, coef, outputs);
   if (outputs.dlogits.empty()) return;
 
   const kernels::Elem out_type = elem_of(outputs.dlogits.dtype);

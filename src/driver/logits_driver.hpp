@@ -12,4 +12,10 @@ namespace grpo::detail {
 void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int threads, Allocator& allocator,
                      const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs);
 
+// The loss stage of both logits-level paths: refuses bad rows (NaN / +inf
+// logits, an all -inf row, a chosen token at -inf), then computes the
+// coefficients into coef[N] and writes logp, entropy, kl and the metrics.
+void logits_loss_stage(const LogitsShape& shape, const LossConfig& config, const BatchInputs& batch, const float* lse,
+                       const float* logp, const float* entropy, float* coef, const LogitsOutputs& outputs);
+
 }  // namespace grpo::detail
