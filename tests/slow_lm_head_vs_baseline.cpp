@@ -68,7 +68,11 @@ TEST_P(HeadVsBaseline, RealVocabulary) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, HeadVsBaseline,
                          ::testing::Combine(::testing::Values(DType::f32, DType::bf16),
-                                            ::testing::Values(WeightLayout::vocab_major, WeightLayout::hidden_major)));
+                                            ::testing::Values(WeightLayout::vocab_major, WeightLayout::hidden_major)),
+                         [](const auto& info) {
+                           return std::string(to_string(std::get<0>(info.param))) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
 
 }  // namespace
 }  // namespace grpo::test
