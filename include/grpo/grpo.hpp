@@ -8,7 +8,7 @@
 //   grpo::LmHeadShape shape{.batch = B, .seq_len = T, .hidden = H, .vocab = V,
 //                           .dtype = grpo::DType::bf16};
 //   grpo::LmHeadLossPlan plan(shape, config);      // validate, choose schedule, create primitives
-//   std::vector<std::byte> workspace(plan.workspace_size());
+//   std::span<std::byte> workspace = ...;          // >= plan.workspace_size() bytes, 64-byte aligned
 //   grpo::Metrics metrics;
 //   plan.execute({.hidden = {h, grpo::DType::bf16, N, H, H},
 //                 .weight = {w, grpo::DType::bf16, V, H, H},

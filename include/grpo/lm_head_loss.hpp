@@ -4,7 +4,7 @@
 //   grpo::LmHeadShape shape{.batch = 1, .seq_len = 8192, .hidden = 4096,
 //                           .vocab = 151936, .dtype = grpo::DType::bf16};
 //   grpo::LmHeadLossPlan plan(shape, config);          // validates, creates oneDNN primitives
-//   std::vector<std::byte> ws(plan.workspace_size());  // or let execute allocate it
+//   std::span<std::byte> ws = ...;  // >= plan.workspace_size() bytes, 64-byte aligned; or {} to let execute allocate
 //   plan.execute({hidden, weight, {}, batch},
 //                {.tokens = {logp}, .dhidden = dh, .dweight = dw, .metrics = &m},
 //                ws);
