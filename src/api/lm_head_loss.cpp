@@ -65,7 +65,7 @@ LmHeadLossPlan::LmHeadLossPlan(const LmHeadShape& shape, const LossConfig& confi
   if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
   if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
   auto impl = std::make_unique<Impl>();
-  impl->data = detail::build_lm_head_plan(shape, config, options);
+  impl->data = detail::build_lm_head_plan(detail::resolve_lds(shape), config, options);
   impl->call = {impl->data->shape, config, options.forward_only,        options.dweight_dtype, options.dhidden_dtype,
                 shape.bias_dtype,  false,  impl->data->schedule.threads};
   impl_ = std::move(impl);

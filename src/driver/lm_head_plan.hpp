@@ -77,7 +77,8 @@ struct LmHeadPlanData {
   std::size_t max_scratchpad = 0;
 };
 
-// Chooses the schedule, creates the GEMMs, lays out the workspace.
+// Chooses the schedule, creates the GEMMs, lays out the workspace. shape's
+// *_ld must be resolved (no zeros).
 // Throws grpo::Error for shapes/options it cannot serve.
 std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, const LossConfig& config,
                                                    const LmHeadOptions& options);

@@ -145,11 +145,7 @@ std::size_t bytes_per_row(const LmHeadPlanData& p) {
 std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, const LossConfig& config,
                                                    const LmHeadOptions& options) {
   auto p = std::make_unique<LmHeadPlanData>();
-  p->shape = shape;
-  const std::int64_t weight_cols = shape.layout == WeightLayout::vocab_major ? shape.hidden : shape.vocab;
-  if (p->shape.hidden_ld == 0) p->shape.hidden_ld = shape.hidden;
-  if (p->shape.weight_ld == 0) p->shape.weight_ld = weight_cols;
-  if (p->shape.dweight_ld == 0) p->shape.dweight_ld = weight_cols;
+  p->shape = shape;  // strides already resolved by the caller
   p->config = config;
   p->options = options;
   p->rows = shape.batch * shape.seq_len;
