@@ -3,8 +3,6 @@
 #include <cmath>
 #include <cstring>
 
-#include <tbb/parallel_for.h>
-
 #include "api/buffer.hpp"
 #include "driver/logits_driver.hpp"
 #include "driver/parallel.hpp"
@@ -12,18 +10,6 @@
 #include "kernels/eltwise.hpp"
 
 namespace grpo::detail {
-namespace {
-
-template <class F>
-void for_rows(int threads, std::int64_t rows, F&& f) {
-  run_with_threads(threads, [&] {
-    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, rows, 1), [&](const auto& range) {
-      for (std::int64_t r = range.begin(); r != range.end(); ++r) f(r);
-    });
-  });
-}
-
-}  // namespace
 
 void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int threads, Allocator& allocator,
                         const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) {

@@ -4,8 +4,6 @@
 #include <cstring>
 #include <string>
 
-#include <tbb/parallel_for.h>
-
 #include "api/buffer.hpp"
 #include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
@@ -45,18 +43,14 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
   float* entropy = logp + rows;
   float* coef = entropy + rows;
 
-  run_with_threads(threads, [&] {
-    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, rows, 1), [&](const auto& range) {
-      for (std::int64_t r = range.begin(); r != range.end(); ++r) {
-        const kernels::RowStats st = k.row_stats(row_ptr(r), in_type, vocab, temp.scale);
-        const bool valid = batch.mask[r] != 0.0F;
-        const float target = valid ? load_scaled(row_ptr(r), in_type, batch.ids[r], temp.scale) : 0.0F;
-        const RowResult res = finish_row(st, target, valid, temp);
-        lse[r] = res.lse;
-        logp[r] = res.logp;
-        entropy[r] = res.entropy;
-      }
-    });
+  for_rows(threads, rows, [&](std::int64_t r) {
+    const kernels::RowStats st = k.row_stats(row_ptr(r), in_type, vocab, temp.scale);
+    const bool valid = batch.mask[r] != 0.0F;
+    const float target = valid ? load_scaled(row_ptr(r), in_type, batch.ids[r], temp.scale) : 0.0F;
+    const RowResult res = finish_row(st, target, valid, temp);
+    lse[r] = res.lse;
+    logp[r] = res.logp;
+    entropy[r] = res.entropy;
   });
   // Errors are raised here, after the read-only pass and before any output.
   logits_loss_stage(shape, config, batch, lse, logp, entropy, coef, outputs);
@@ -65,19 +59,15 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
   const kernels::Elem out_type = elem_of(outputs.dlogits.dtype);
   const std::size_t out_size = size_of(outputs.dlogits.dtype);
   auto* out_base = static_cast<std::byte*>(outputs.dlogits.data);
-  run_with_threads(threads, [&] {
-    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, rows, 1), [&](const auto& range) {
-      for (std::int64_t r = range.begin(); r != range.end(); ++r) {
-        std::byte* out = out_base + static_cast<std::size_t>(r * outputs.dlogits.ld) * out_size;
-        const float a = coef[r] * temp.grad_scale;
-        if (a == 0.0F) {
-          // Masked, clipped or zero-advantage row: exact zeros, no exp.
-          std::memset(out, 0, static_cast<std::size_t>(vocab) * out_size);
-          continue;
-        }
-        k.dlogits_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, batch.ids[r], out, out_type, nullptr);
-      }
-    });
+  for_rows(threads, rows, [&](std::int64_t r) {
+    std::byte* out = out_base + static_cast<std::size_t>(r * outputs.dlogits.ld) * out_size;
+    const float a = coef[r] * temp.grad_scale;
+    if (a == 0.0F) {
+      // Masked, clipped or zero-advantage row: exact zeros, no exp.
+      std::memset(out, 0, static_cast<std::size_t>(vocab) * out_size);
+      return;
+    }
+    k.dlogits_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, batch.ids[r], out, out_type, nullptr);
   });
 }
 

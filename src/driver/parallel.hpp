@@ -31,6 +31,17 @@ void run_with_threads(int threads, F&& f) {
   }
 }
 
+// Calls f(row) for every row in [0, rows), one row per task (a row is a whole
+// vocabulary: enough work to amortize the task), with at most `threads` threads.
+template <class F>
+void for_rows(int threads, std::int64_t rows, F&& f) {
+  run_with_threads(threads, [&] {
+    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, rows, 1), [&](const tbb::blocked_range<std::int64_t>& range) {
+      for (std::int64_t r = range.begin(); r != range.end(); ++r) f(r);
+    });
+  });
+}
+
 // Calls f(item, slot) for every item in [0, count) with at most `slots`
 // concurrent callers; slot in [0, slots) is exclusive to one caller at a time,
 // so it can index per-slot scratch (a GEMM tile, a oneDNN scratchpad). Items
