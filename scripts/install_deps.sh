@@ -7,6 +7,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config
   libdnnl-dev        # oneDNN 2.6.3 (OpenMP CPU runtime): matmuls
+  ocl-icd-opencl-dev # Debian's dnnl-config.cmake calls find_package(OpenCL); not pulled in with --no-install-recommends
   libtbb-dev         # oneTBB 2021.8: task parallelism
   libxsimd-dev       # xsimd 8.1: SIMD wrappers for the stage kernels
   libbenchmark-dev   # Google Benchmark 1.7: microbench
