@@ -76,12 +76,24 @@ struct LmHeadInputs {
   BatchInputs batch;
 };
 
+// What a step executed, for FLOP accounting (a benchmark's executed GFLOP/s):
+// rows that went through the logits GEMM (N per pass over the blocks; 2N when
+// the plan recomputes logits), and rows that went through each of the two
+// backward GEMMs (dweight and dhidden), zero padding to the GEMM row quantum
+// included, rows with a zero coefficient excluded. Each row costs 2 * V * H
+// FLOPs per GEMM.
+struct LmHeadStepStats {
+  std::int64_t logits_gemm_rows = 0;
+  std::int64_t backward_gemm_rows = 0;
+};
+
 struct LmHeadOutputs {
   TokenOutputs tokens;
   MutMatrixView dhidden;   // [N, H], dtype = options.dhidden_dtype; empty when forward_only
   MutMatrixView dweight;   // weight's layout, dtype = options.dweight_dtype; empty when forward_only
   std::span<float> dbias;  // [V] when has_bias and not forward_only
   Metrics* metrics = nullptr;
+  LmHeadStepStats* stats = nullptr;  // optional
 };
 
 // The schedule a plan chose (see LmHeadLossPlan::describe()).

@@ -45,6 +45,7 @@ struct Step {
   float* dhidden_act;
   float* coef_all;
   std::byte* slots;
+  LmHeadStepStats stats;
 
   Step(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* ws)
       : p(plan), in(inputs), out(outputs), temp(plan.config) {
@@ -95,6 +96,7 @@ struct Step {
     const std::int64_t vocab = p.shape.vocab;
     const bool last_block = b0 + nb == p.rows && nb != p.schedule.token_block;
     const std::size_t bias_size = in.bias.empty() ? 0 : size_of(in.bias.dtype);
+    stats.logits_gemm_rows += nb;
     for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
@@ -152,6 +154,7 @@ struct Step {
       return;
     }
     const std::int64_t padded = (na + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+    stats.backward_gemm_rows += padded;
     const std::size_t hidden_bytes = static_cast<std::size_t>(hidden) * in_size;
     for (std::int64_t i = 0; i < na; ++i) {
       std::memcpy(hidden_act + i * hidden_bytes, hidden_row(b0 + active[i]), hidden_bytes);
@@ -262,6 +265,7 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
   }
   if (backward && !dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
   if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
+  if (outputs.stats != nullptr) *outputs.stats = step.stats;
 }
 
 }  // namespace grpo::detail
