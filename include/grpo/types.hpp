@@ -47,15 +47,28 @@ struct VectorView {
   bool empty() const { return data == nullptr; }
 };
 
+// What kind of refusal an Error is.
+enum class ErrorKind : std::uint8_t {
+  invalid_argument,  // a size, stride, value or option the contract refuses
+  unsupported,       // a valid request this build cannot serve (a dtype combination, a shape oneDNN cannot take)
+  out_of_memory,     // an allocation the library needed failed
+};
+
+const char* to_string(ErrorKind kind);
+
 // Every refusal of the library. argument() names the offending argument
-// ("ids", "logits", "config.temperature", ...); what() is a full sentence.
-class Error : public std::invalid_argument {
+// ("ids", "logits", "config.temperature", ...); kind() says what sort of
+// refusal it is; what() is a full sentence naming both. Whatever the kind,
+// no output was written when an Error leaves execute().
+class Error : public std::runtime_error {
  public:
-  Error(std::string argument, const std::string& message);
+  Error(std::string argument, const std::string& message, ErrorKind kind = ErrorKind::invalid_argument);
   const std::string& argument() const { return argument_; }
+  ErrorKind kind() const { return kind_; }
 
  private:
   std::string argument_;
+  ErrorKind kind_;
 };
 
 // Where the library's memory comes from. Plans and baselines take an

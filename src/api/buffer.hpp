@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstddef>
+#include <new>
+#include <string>
 #include <utility>
 
 #include "grpo/types.hpp"
@@ -14,8 +16,9 @@ inline constexpr std::size_t kAlignment = 64;  // one cache line, one AVX-512 re
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(Allocator& allocator, std::size_t bytes)
-      : allocator_(&allocator), bytes_(bytes), data_(bytes ? allocator.allocate(bytes, kAlignment) : nullptr) {}
+  // A failed allocation becomes Error(what, ..., ErrorKind::out_of_memory).
+  Buffer(Allocator& allocator, std::size_t bytes, const char* what = "workspace")
+      : allocator_(&allocator), bytes_(bytes), data_(allocate_or_throw(allocator, bytes, what)) {}
   ~Buffer() { reset(); }
   Buffer(Buffer&& other) noexcept { *this = std::move(other); }
   Buffer& operator=(Buffer&& other) noexcept {
@@ -42,6 +45,15 @@ class Buffer {
   std::size_t size() const { return bytes_; }
 
  private:
+  static void* allocate_or_throw(Allocator& allocator, std::size_t bytes, const char* what) {
+    if (bytes == 0) return nullptr;
+    try {
+      return allocator.allocate(bytes, kAlignment);
+    } catch (const std::bad_alloc&) {
+      throw Error(what, "allocating " + std::to_string(bytes) + " bytes failed", ErrorKind::out_of_memory);
+    }
+  }
+
   Allocator* allocator_ = nullptr;
   std::size_t bytes_ = 0;
   void* data_ = nullptr;

@@ -100,7 +100,7 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
     if (!out.dbias.empty()) throw Error("dbias", "was given but the plan is forward-only");
   } else {
     validate_matrix(out.dhidden, "dhidden", rows, s.hidden, spec.dhidden_dtype);
-    if (spec.dhidden_dense && out.dhidden.ld != s.hidden) throw Error("dhidden", "must be dense (ld == hidden)");
+    if (spec.dhidden_dense && out.dhidden.ld != s.hidden) throw Error("dhidden", "must be dense (ld == hidden) for the baseline", ErrorKind::unsupported);
     validate_matrix(out.dweight, "dweight", vocab_major ? s.vocab : s.hidden, vocab_major ? s.hidden : s.vocab,
                     spec.dweight_dtype);
     check_ld(out.dweight.ld, s.dweight_ld, "dweight");

@@ -28,8 +28,19 @@ const char* to_string(WeightLayout layout) {
   return layout == WeightLayout::vocab_major ? "vocab_major" : "hidden_major";
 }
 
-Error::Error(std::string argument, const std::string& message)
-    : std::invalid_argument("grpo: invalid argument '" + argument + "': " + message), argument_(std::move(argument)) {}
+const char* to_string(ErrorKind kind) {
+  switch (kind) {
+    case ErrorKind::invalid_argument: return "invalid argument";
+    case ErrorKind::unsupported: return "unsupported";
+    case ErrorKind::out_of_memory: return "out of memory";
+  }
+  return "?";
+}
+
+Error::Error(std::string argument, const std::string& message, ErrorKind kind)
+    : std::runtime_error(std::string("grpo: ") + to_string(kind) + " '" + argument + "': " + message),
+      argument_(std::move(argument)),
+      kind_(kind) {}
 
 namespace {
 

@@ -73,7 +73,7 @@ Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec) {
       impl->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a, impl->b, impl->c), attr, impl->engine);
     }
   } catch (const dnnl::error& e) {
-    throw Error("gemm", std::string("oneDNN cannot create this matmul: ") + e.what());
+    throw Error("gemm", std::string("oneDNN cannot create this matmul: ") + e.what(), ErrorKind::unsupported);
   }
   impl->scratch = impl->pd.scratchpad_desc();
   impl->primitive = dnnl::matmul(impl->pd);
