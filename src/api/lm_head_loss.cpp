@@ -44,7 +44,8 @@ LmHeadShape resolve_lds(LmHeadShape s) {
 
 void validate_grad_dtypes(const LmHeadShape& s, DType dweight, DType dhidden) {
   if (dweight == DType::bf16 && s.dtype != DType::bf16) {
-    throw Error("options.dweight_dtype", "bf16 gradients need bf16 inputs (oneDNN has no f32 x f32 -> bf16 matmul)");
+    throw Error("options.dweight_dtype", "bf16 gradients need bf16 inputs (oneDNN has no f32 x f32 -> bf16 matmul)",
+                ErrorKind::unsupported);
   }
   if (dweight != DType::f32 && dweight != DType::bf16) throw Error("options.dweight_dtype", "must be f32 or bf16");
   if (dhidden != DType::f32 && dhidden != DType::bf16) throw Error("options.dhidden_dtype", "must be f32 or bf16");
@@ -84,9 +85,9 @@ std::string LmHeadLossPlan::describe() const {
   const int passes = d.options.forward_only ? 1 : (s.recompute_logits ? 4 : 3);
   std::ostringstream os;
   os << "fused lm-head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
-     << " tiles) hidden_chunk=" << detail::kHiddenChunk << " threads=" << s.threads << " gemm_passes=" << passes
+     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk << " threads=" << s.threads << " gemm_passes=" << passes
      << (s.recompute_logits ? " (logits recomputed: sequence-level IS)" : "") << " workspace=" << s.workspace_bytes
-     << "B forward_gemm=" << d.forward.full.full->implementation();
+     << "B forward_gemm=" << d.forward.full->implementation();
   return os.str();
 }
 
@@ -123,10 +124,10 @@ LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& confi
   detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
   if (options.dhidden_dtype == DType::bf16 && shape.dtype != DType::bf16) {
     throw Error("options.dhidden_dtype",
-                "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)");
+                "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)", ErrorKind::unsupported);
   }
   if (options.logits_dtype == DType::bf16 && shape.dtype != DType::bf16) {
-    throw Error("options.logits_dtype", "bf16 logits need bf16 inputs");
+    throw Error("options.logits_dtype", "bf16 logits need bf16 inputs", ErrorKind::unsupported);
   }
   if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
   auto impl = std::make_unique<Impl>();

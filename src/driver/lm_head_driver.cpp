@@ -41,6 +41,7 @@ struct Step {
   float* entropy;
   float* coef;
   std::int64_t* active;
+  std::byte* stage;
   std::byte* hidden_act;
   float* dhidden_act;
   float* coef_all;
@@ -63,6 +64,7 @@ struct Step {
     entropy = logp + n;
     coef = entropy + n;
     active = reinterpret_cast<std::int64_t*>(coef + n);
+    stage = ws + l.stage;
     hidden_act = ws + l.hidden_act;
     dhidden_act = reinterpret_cast<float*>(ws + l.dhidden_act);
     coef_all = reinterpret_cast<float*>(ws + l.coef_all);
@@ -90,29 +92,46 @@ struct Step {
                elem;
   }
 
-  // Logits, statistics, LSE, logp and entropy of rows [b0, b0 + nb).
+  // Logits, statistics, LSE, logp and entropy of rows [b0, b0 + nb). Every
+  // logits GEMM call has exactly forward_rows rows (see kForwardRows): a
+  // partial last chunk is copied to the stage buffer and zero-padded.
   void forward(std::int64_t b0, std::int64_t nb, bool keep) {
     const std::int64_t vt = p.schedule.vocab_tile;
     const std::int64_t vocab = p.shape.vocab;
-    const bool last_block = b0 + nb == p.rows && nb != p.schedule.token_block;
+    const std::int64_t fr = p.forward_rows;
+    const std::int64_t chunks = (nb + fr - 1) / fr;
+    const std::int64_t partial = nb - (chunks - 1) * fr;  // rows of the last chunk
+    const bool staged = partial != fr;
+    if (staged) {
+      const std::size_t row_bytes = static_cast<std::size_t>(p.shape.hidden_ld) * in_size;
+      const std::byte* src = hidden_row(b0 + (chunks - 1) * fr);
+      std::memcpy(stage, src, static_cast<std::size_t>(partial - 1) * row_bytes + p.shape.hidden * in_size);
+      std::memset(stage + static_cast<std::size_t>(partial - 1) * row_bytes + p.shape.hidden * in_size, 0,
+                  static_cast<std::size_t>(fr) * row_bytes - (static_cast<std::size_t>(partial - 1) * row_bytes +
+                                                              static_cast<std::size_t>(p.shape.hidden) * in_size));
+    }
+    stats.logits_gemm_rows += chunks * fr;
     const std::size_t bias_size = in.bias.empty() ? 0 : size_of(in.bias.dtype);
-    stats.logits_gemm_rows += nb;
     for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
       float* tile = slot_tile(slot);
-      const kernels::Gemm& gemm = *p.forward.pick(last_block).pick(j == p.tiles - 1);
+      const kernels::Gemm& gemm = *p.forward.pick(j == p.tiles - 1);
       const void* bias = in.bias.empty() ? nullptr : static_cast<const std::byte*>(in.bias.data) + c0 * bias_size;
-      gemm.run(hidden_row(b0), weight_at_vocab(c0), tile, bias, slot_scratch(slot));
-      for (std::int64_t r = 0; r < nb; ++r) {
-        const float* z = tile + r * cols;
-        tile_stats[r * p.tiles + j] =
-            keep ? k.row_stats_store(z, cols, temp.scale, block_at(r, c0, store_size), p.store_type)
-                 : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
-        const std::int64_t row = b0 + r;
-        if (valid(row)) {
-          const std::int64_t id = in.batch.ids[row];
-          if (id >= c0 && id < c0 + cols) target[r] = z[id - c0] * temp.scale;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        const std::int64_t r0 = c * fr;
+        const bool last = c == chunks - 1;
+        gemm.run(last && staged ? stage : hidden_row(b0 + r0), weight_at_vocab(c0), tile, bias, slot_scratch(slot));
+        for (std::int64_t r = r0; r < (last ? nb : r0 + fr); ++r) {
+          const float* z = tile + (r - r0) * cols;
+          tile_stats[r * p.tiles + j] =
+              keep ? k.row_stats_store(z, cols, temp.scale, block_at(r, c0, store_size), p.store_type)
+                   : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
+          const std::int64_t row = b0 + r;
+          if (valid(row)) {
+            const std::int64_t id = in.batch.ids[row];
+            if (id >= c0 && id < c0 + cols) target[r] = z[id - c0] * temp.scale;
+          }
         }
       }
     });
@@ -248,15 +267,22 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
   } else {
     // Sequence-level ratios of sequences longer than a block: a first forward
     // pass for every logp, then the coefficients, then (with gradients) the
-    // logits again, block by block, and the backward.
+    // logits again, block by block, and the backward. Token outputs are
+    // written only after the coefficients have read every old_logp (logp may
+    // be the very array old_logp is: the next epoch's old_logp).
     float* entropy_all = step.coef_all + p.rows;
+    float* logp_all = entropy_all + p.rows;
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, false);
-      step.write_token_outputs(b0, rows);
+      std::memcpy(logp_all + b0, step.logp, static_cast<std::size_t>(rows) * sizeof(float));
       std::memcpy(entropy_all + b0, step.entropy, static_cast<std::size_t>(rows) * sizeof(float));
     }
-    acc.add_rows(0, p.rows, outputs.tokens.logp.data(), entropy_all, step.coef_all, outputs.tokens.kl);
+    acc.add_rows(0, p.rows, logp_all, entropy_all, step.coef_all, outputs.tokens.kl);
+    std::memcpy(outputs.tokens.logp.data(), logp_all, static_cast<std::size_t>(p.rows) * sizeof(float));
+    if (!outputs.tokens.entropy.empty()) {
+      std::memcpy(outputs.tokens.entropy.data(), entropy_all, static_cast<std::size_t>(p.rows) * sizeof(float));
+    }
     for (std::int64_t b0 = 0; backward && b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, true);

@@ -25,9 +25,24 @@ inline constexpr std::int64_t kRowQuantum = 32;
 // shape, enough to balance 2-8 threads; each is a K = V GEMM that streams its
 // column slice of W once (measured 760-830 GFLOP/s bf16 on 2 cores).
 inline constexpr std::int64_t kHiddenChunk = 256;
-// Default vocab tile: a [block, 2048] f32 GEMM tile (2 MiB at a 256-row block)
-// is consumed by the row-statistics stage while still in L2/L3.
+// Default vocab tile: a [forward_rows, 2048] f32 GEMM tile (1.25 MiB at 160
+// rows) is consumed by the row-statistics stage while still in L2.
 inline constexpr std::int64_t kDefaultVocabTile = 2048;
+// Rows of every forward (logits) GEMM call. oneDNN's bf16 brgemm picks its K
+// blocking from M (measured on AMX: rows computed in a 7-row and a 608-row
+// call differ in ~80% of their logits), so a row's logits, and so its logp and
+// entropy, would depend on the batch it came in. Every forward call therefore
+// has exactly forward_rows rows (a partial chunk is staged and zero-padded),
+// and forward_rows depends on the shape, options and budget, never on N.
+// 160 = 5 x kRowQuantum: single-thread bf16 AMX brgemm with K = 4096 over a
+// 2048-column tile measured 348 / 508 / 622 / 665 / 588 GFLOP/s at M = 32 / 64 /
+// 128 / 160 / 640, and f32 83 / 150 / 165 / 175 / 176.
+inline constexpr std::int64_t kForwardRows = 160;
+// Share of the workspace budget the per-slot GEMM tiles and oneDNN scratchpads
+// may take; the token block is sized from the rest. Fixing the split (rather
+// than sizing the block after the slots) keeps the token block, and so the
+// order of every reduction, independent of the thread count.
+inline constexpr std::size_t kSlotBudgetDivisor = 8;
 
 // A value with a "full" and a "remainder" variant (last block, last tile, last chunk).
 template <class T>
@@ -39,12 +54,13 @@ struct FullAndLast {
 
 struct WorkspaceLayout {
   std::size_t block = 0;        // [block_rows_alloc, V] stored logits, then dlogits in place
+  std::size_t stage = 0;        // [forward_rows, hidden_ld] input dtype: a partial forward chunk, zero-padded
   std::size_t tile_stats = 0;   // [block_rows_alloc, tiles] RowStats
   std::size_t rows = 0;         // per block row: target x, lse, logp, entropy, coef (floats), active index (int64)
   std::size_t hidden_act = 0;   // [block_rows_alloc, H] active hidden rows (input dtype)
   std::size_t dhidden_act = 0;  // [block_rows_alloc, H] f32
-  std::size_t coef_all = 0;     // [N] coefficients + [N] entropies, recompute schedule only
-  std::size_t slots = 0;        // per slot: GEMM tile [block, tile] f32 + oneDNN scratchpad
+  std::size_t coef_all = 0;     // [N] coefficients, entropies, logp: recompute schedule only
+  std::size_t slots = 0;        // per slot: GEMM tile [forward_rows, tile] f32 + oneDNN scratchpad
   std::size_t slot_bytes = 0;
   std::size_t tile_bytes = 0;  // GEMM tile part of one slot
   std::size_t total = 0;
@@ -56,7 +72,8 @@ struct LmHeadPlanData {
   LmHeadOptions options;
   LmHeadSchedule schedule;
   std::int64_t rows = 0;              // N
-  std::int64_t block_rows_alloc = 0;  // token_block rounded up to kRowQuantum
+  std::int64_t forward_rows = 0;      // rows of every forward GEMM call (see kForwardRows)
+  std::int64_t block_rows_alloc = 0;  // token_block rounded up to forward_rows
   std::int64_t tiles = 0;             // ceil(V / vocab_tile)
   std::int64_t hidden_chunks = 0;     // ceil(H / kHiddenChunk)
   // Sequence-level IS with sequences longer than a block: the loss needs a
@@ -67,8 +84,8 @@ struct LmHeadPlanData {
   WorkspaceLayout layout;
 
   std::unique_ptr<kernels::GemmEngine> engine;
-  // Forward logits tile: [block or last block] x [tile or last tile].
-  FullAndLast<FullAndLast<std::unique_ptr<kernels::Gemm>>> forward;
+  // Forward logits tile: [forward_rows] x [tile or last tile].
+  FullAndLast<std::unique_ptr<kernels::Gemm>> forward;
   // Backward, indexed by padded active rows / kRowQuantum - 1.
   // dweight tile: [tile kind][overwrite=0 / accumulate=1].
   std::vector<FullAndLast<std::array<std::unique_ptr<kernels::Gemm>, 2>>> dweight;

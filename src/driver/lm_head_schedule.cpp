@@ -2,6 +2,7 @@
 // workspace budget, the oneDNN GEMMs for every shape the schedule produces,
 // and the workspace layout.
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "driver/lm_head_plan.hpp"
@@ -63,11 +64,30 @@ GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std:
   return g;
 }
 
+std::size_t store_bytes(const LmHeadPlanData& p) { return p.store_type == kernels::Elem::f32 ? 4 : 2; }
+
+// Bytes that grow with the token block, per block row (thread count excluded).
+std::size_t bytes_per_row(const LmHeadPlanData& p) {
+  const LmHeadShape& s = p.shape;
+  std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 5 * sizeof(float) + 8;
+  if (!p.options.forward_only) {
+    b += static_cast<std::size_t>(s.vocab) * store_bytes(p) +
+         static_cast<std::size_t>(s.hidden) * (size_of(s.dtype) + sizeof(float));
+  }
+  return b;
+}
+
+// Bytes that depend on neither the block nor the threads.
+std::size_t fixed_bytes(const LmHeadPlanData& p, std::int64_t forward_rows) {
+  const auto stage = static_cast<std::size_t>(forward_rows * p.shape.hidden_ld) * size_of(p.shape.dtype);
+  const std::size_t coef_all = p.sequence_spans_blocks ? 3 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
+  return align_up(stage) + align_up(coef_all) + 8 * kAlign;
+}
+
 WorkspaceLayout lay_out(const LmHeadPlanData& p) {
   const LmHeadShape& s = p.shape;
   const auto rows = static_cast<std::size_t>(p.block_rows_alloc);
   const std::size_t in_size = size_of(s.dtype);
-  const std::size_t store_size = p.store_type == kernels::Elem::f32 ? 4 : 2;
   const bool backward = !p.options.forward_only;
   WorkspaceLayout l;
   std::size_t at = 0;
@@ -76,13 +96,14 @@ WorkspaceLayout lay_out(const LmHeadPlanData& p) {
     at += align_up(bytes);
     return offset;
   };
-  l.block = take(backward ? rows * static_cast<std::size_t>(s.vocab) * store_size : 0);
+  l.block = take(backward ? rows * static_cast<std::size_t>(s.vocab) * store_bytes(p) : 0);
+  l.stage = take(static_cast<std::size_t>(p.forward_rows * s.hidden_ld) * in_size);
   l.tile_stats = take(rows * static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats));
   l.rows = take(rows * (5 * sizeof(float) + sizeof(std::int64_t)));
   l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * in_size : 0);
   l.dhidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
-  l.coef_all = take(p.sequence_spans_blocks ? 2 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
-  l.tile_bytes = align_up(rows * static_cast<std::size_t>(p.schedule.vocab_tile) * sizeof(float));
+  l.coef_all = take(p.sequence_spans_blocks ? 3 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
+  l.tile_bytes = align_up(static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float));
   l.slot_bytes = l.tile_bytes + align_up(p.max_scratchpad);
   l.slots = take(l.slot_bytes * static_cast<std::size_t>(p.schedule.threads));
   l.total = at;
@@ -91,9 +112,7 @@ WorkspaceLayout lay_out(const LmHeadPlanData& p) {
 
 void create_gemms(LmHeadPlanData& p) {
   const LmHeadShape& s = p.shape;
-  const std::int64_t nb = p.schedule.token_block;
   const std::int64_t vt = p.schedule.vocab_tile;
-  const std::int64_t last_block = p.rows - (p.rows - 1) / nb * nb;
   const std::int64_t last_tile = s.vocab - (p.tiles - 1) * vt;
   const kernels::GemmEngine& e = *p.engine;
   std::size_t scratch = 0;
@@ -102,12 +121,8 @@ void create_gemms(LmHeadPlanData& p) {
     scratch = std::max(scratch, g->scratchpad_bytes());
     return g;
   };
-  for (int b = 0; b < 2; ++b) {
-    const std::int64_t rows = b ? last_block : nb;
-    auto& slot = b ? p.forward.last : p.forward.full;
-    slot.full = make(forward_spec(s, rows, vt, vt));
-    slot.last = make(forward_spec(s, rows, last_tile, last_tile));
-  }
+  p.forward.full = make(forward_spec(s, p.forward_rows, vt, vt));
+  p.forward.last = make(forward_spec(s, p.forward_rows, last_tile, last_tile));
   p.dweight.clear();
   p.dhidden.clear();
   if (!p.options.forward_only) {
@@ -127,17 +142,9 @@ void create_gemms(LmHeadPlanData& p) {
   p.max_scratchpad = scratch;
 }
 
-// Bytes per block row, to size the block from the budget before the GEMMs exist.
-std::size_t bytes_per_row(const LmHeadPlanData& p) {
-  const LmHeadShape& s = p.shape;
-  const std::size_t store_size = p.store_type == kernels::Elem::f32 ? 4 : 2;
-  std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 5 * sizeof(float) + 8 +
-                  static_cast<std::size_t>(p.schedule.vocab_tile) * sizeof(float) * p.schedule.threads;
-  if (!p.options.forward_only) {
-    b += static_cast<std::size_t>(s.vocab) * store_size +
-         static_cast<std::size_t>(s.hidden) * (size_of(s.dtype) + sizeof(float));
-  }
-  return b;
+std::string budget_error(std::size_t budget, std::size_t need) {
+  return std::to_string(budget) + " bytes cannot hold one " + std::to_string(kRowQuantum) +
+         "-row block at this shape; need " + std::to_string(need);
 }
 
 }  // namespace
@@ -149,7 +156,6 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->config = config;
   p->options = options;
   p->rows = shape.batch * shape.seq_len;
-  p->schedule.threads = resolve_threads(options.max_threads);
   p->schedule.vocab_tile = std::min(options.vocab_tile > 0 ? options.vocab_tile : kDefaultVocabTile, shape.vocab);
   p->tiles = (shape.vocab + p->schedule.vocab_tile - 1) / p->schedule.vocab_tile;
   p->hidden_chunks = (shape.hidden + kHiddenChunk - 1) / kHiddenChunk;
@@ -159,19 +165,33 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->dlogits_dtype = shape.dtype;
   p->engine = std::make_unique<kernels::GemmEngine>();
 
+  // The schedule is a function of the shape, the options and the budget: the
+  // thread count only decides how many slots run at once (see kSlotBudgetDivisor).
   const bool sequence = config.importance_sampling_level == IsLevel::sequence;
   const std::size_t budget = options.workspace_budget;
-  const std::int64_t cap = options.forward_only ? std::min(kMaxForwardOnlyBlock, p->rows) : p->rows;
-  std::int64_t nb = options.token_block > 0 ? std::min(options.token_block, p->rows) : 0;
-  if (nb == 0) {
-    // Leave 1/16 of the budget for oneDNN scratchpads and alignment; checked exactly below.
-    const std::size_t usable = budget - budget / 16;
-    const auto fit = static_cast<std::int64_t>(usable / bytes_per_row(*p));
-    nb = std::min(cap, fit / kRowQuantum * kRowQuantum);
-    if (nb <= 0) nb = std::min<std::int64_t>(cap, kRowQuantum);
+  const std::size_t block_budget = budget - budget / kSlotBudgetDivisor;
+  const std::int64_t cap = options.forward_only ? kMaxForwardOnlyBlock : std::numeric_limits<std::int64_t>::max();
+  std::int64_t limit = options.token_block > 0 ? options.token_block : 0;
+  if (limit == 0) {
+    // The recompute schedule's [N] arrays are fixed bytes; whether it applies
+    // depends on the block, so size the block once without them, then check.
+    p->sequence_spans_blocks = sequence;  // conservative: the block decides below
+    const std::size_t fixed = fixed_bytes(*p, kForwardRows);
+    p->sequence_spans_blocks = false;
+    const std::size_t per_row = bytes_per_row(*p);
+    limit = block_budget > fixed ? static_cast<std::int64_t>((block_budget - fixed) / per_row) : 0;
+    if (limit < kRowQuantum) throw Error("options.workspace_budget", budget_error(budget, fixed + 32 * per_row));
   }
+  limit = std::min(limit, cap);
+  // Rows per forward call: kForwardRows, or fewer (a multiple of kRowQuantum)
+  // when the budget or the requested block is smaller. Never from N.
+  p->forward_rows = std::max(kRowQuantum, std::min(kForwardRows, limit / kRowQuantum * kRowQuantum));
+  std::int64_t nb = std::max(p->forward_rows, limit / p->forward_rows * p->forward_rows);
+  nb = std::min(nb, round_up(p->rows, p->forward_rows));  // no block longer than the batch needs
+
+  const int threads = resolve_threads(options.max_threads);
   for (;;) {
-    std::int64_t block = nb;
+    std::int64_t block = std::min(nb, p->rows);
     p->schedule.recompute_logits = false;
     p->sequence_spans_blocks = false;
     if (sequence) {
@@ -185,17 +205,21 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
       }
     }
     p->schedule.token_block = block;
-    p->block_rows_alloc = round_up(block, kRowQuantum);
+    p->block_rows_alloc = round_up(block, p->forward_rows);
+    p->schedule.threads = 1;
     create_gemms(*p);
+    p->layout = lay_out(*p);
+    // Slots (concurrent tile tasks): one per thread, as many as the budget
+    // holds beside everything else, at least one.
+    const std::size_t base = p->layout.total - p->layout.slot_bytes;
+    const std::size_t room = budget > base ? budget - base : 0;
+    const auto fit_slots = static_cast<int>(std::min<std::size_t>(room / p->layout.slot_bytes, 1024));
+    p->schedule.threads = std::max(1, std::min(threads, fit_slots));
     p->layout = lay_out(*p);
     p->schedule.workspace_bytes = p->layout.total;
     if (p->layout.total <= budget || options.token_block > 0) break;
-    if (nb <= kRowQuantum) {
-      throw Error("options.workspace_budget", std::to_string(budget) + " bytes cannot hold one " +
-                                                  std::to_string(kRowQuantum) + "-row block at this vocabulary; need " +
-                                                  std::to_string(p->layout.total));
-    }
-    nb -= kRowQuantum;
+    if (nb <= p->forward_rows) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));
+    nb -= p->forward_rows;
   }
   if (p->layout.total > budget) {
     throw Error("options.token_block", "token block " + std::to_string(nb) + " needs " +
