@@ -6,7 +6,7 @@ namespace {
 const std::vector<std::pair<std::string, Impl>> kImpls = {
     {"fused", Impl::fused},
     {"baseline", Impl::baseline},
-    {"bare_gemm", Impl::bare_gemm},
+    {"unfused_gemms", Impl::unfused_gemms},
     {"logits_fused", Impl::logits_fused},
     {"logits_baseline", Impl::logits_baseline},
     {"copy", Impl::copy},
@@ -27,7 +27,7 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   c.description = r.get_string("description").value_or("");
   if (!r.has("impl"))
     throw ConfigError(r.field("impl"),
-                      "is required (fused | baseline | bare_gemm | logits_fused | logits_baseline | copy)");
+                      "is required (fused | baseline | unfused_gemms | logits_fused | logits_baseline | copy)");
   c.impl = *r.get_enum<Impl>("impl", kImpls);
   const bool lm_head = is_lm_head(c.impl);
   c.shape = parse_shape(r, lm_head, to_string(c.impl));
@@ -45,8 +45,8 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   c.forward_only = r.get_bool("forward_only").value_or(false);
   c.in_place = r.get_bool("in_place").value_or(false);
   c.measure_backward = r.get_bool("measure_backward").value_or(false);
-  c.measure_roofline = r.get_bool("measure_roofline").value_or(lm_head);
-  c.roofline_steps = positive_int(r, "roofline_steps", 1, 1);
+  c.measure_unfused_gemms = r.get_bool("measure_unfused_gemms").value_or(lm_head);
+  c.unfused_gemms_steps = positive_int(r, "unfused_gemms_steps", 1, 1);
   c.allocator =
       r.get_enum<AllocatorKind>("allocator", {{"caching", AllocatorKind::caching}, {"system", AllocatorKind::system}})
           .value_or(c.allocator);
@@ -62,8 +62,8 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   if (c.in_place && c.impl != Impl::logits_fused && c.impl != Impl::logits_baseline) {
     throw ConfigError(r.field("in_place"), "applies to the logits-level impls only");
   }
-  if (c.measure_roofline && !lm_head) {
-    throw ConfigError(r.field("measure_roofline"), "needs an LM-head impl (fused | baseline | bare_gemm)");
+  if (c.measure_unfused_gemms && !lm_head) {
+    throw ConfigError(r.field("measure_unfused_gemms"), "needs an LM-head impl (fused | baseline | unfused_gemms)");
   }
   if (c.measure_backward && c.forward_only) {
     throw ConfigError(r.field("measure_backward"), "makes no sense with forward_only: true");
@@ -110,7 +110,7 @@ const char* to_string(Impl impl) {
   return "?";
 }
 
-bool is_lm_head(Impl impl) { return impl == Impl::fused || impl == Impl::baseline || impl == Impl::bare_gemm; }
+bool is_lm_head(Impl impl) { return impl == Impl::fused || impl == Impl::baseline || impl == Impl::unfused_gemms; }
 
 BenchConfig parse_bench_config(const YAML::Node& tree, const std::string& source) {
   try {

@@ -14,7 +14,7 @@ namespace grpo::bench {
 enum class Impl : std::uint8_t {
   fused,            // LmHeadLossPlan
   baseline,         // LmHeadBaseline (full logits)
-  bare_gemm,        // LmHeadBaseline::run_bare_gemms: the three GEMMs, no loss work
+  unfused_gemms,    // the unfused step's three oneDNN GEMMs alone, no loss work (unfused_gemms.hpp)
   logits_fused,     // LogitsLossPlan on materialized logits
   logits_baseline,  // LogitsBaseline
   copy,             // memcpy of the logits bytes: the bandwidth yardstick
@@ -50,9 +50,10 @@ struct BenchConfig {
   // Also time a forward-only run of the same impl on the same inputs;
   // backward_s = step time - forward-only time.
   bool measure_backward = false;
-  // LM head: time the three bare GEMMs at this shape for gemm_roofline_frac.
-  bool measure_roofline = true;
-  int roofline_steps = 1;  // best of this many bare-GEMM runs
+  // LM head: also time the unfused step's three oneDNN GEMMs alone at this
+  // shape (unfused_gemms_s), a reference point, not a bound.
+  bool measure_unfused_gemms = true;
+  int unfused_gemms_steps = 1;  // best of this many runs of them
   AllocatorKind allocator = AllocatorKind::caching;
   int threads = 0;  // 0 = every core of the current task_arena
   int warmup = 1;   // untimed steps after the (separately timed) first call

@@ -4,6 +4,7 @@
 //                   [--config FILE ...] [--set key.path=value ...]
 //                   [--sweep key.path=v1,v2,...] [--quiet] [Google Benchmark flags]
 //   grpo-microbench --compare A.yaml B.yaml [--set ...]
+//   grpo-microbench --machine-peak
 //
 // Our flags are taken out first; everything else goes to benchmark::Initialize
 // (--benchmark_out=FILE --benchmark_out_format=json, --benchmark_filter, ...).
@@ -20,6 +21,7 @@
 #include "bench_config.hpp"
 #include "bench_run.hpp"
 #include "compare.hpp"
+#include "machine_peak.hpp"
 
 namespace {
 
@@ -29,10 +31,13 @@ constexpr const char* kUsage =
     "usage: grpo-microbench --config FILE [--config FILE ...] [--set key.path=value ...]\n"
     "                       [--sweep key.path=v1,v2,...] [--quiet] [Google Benchmark flags]\n"
     "       grpo-microbench --compare A.yaml B.yaml [--set key.path=value ...]\n"
+    "       grpo-microbench --machine-peak\n"
     "Configs: configs/microbench/*.yaml (fields: configs/README.md).\n"
     "--set overrides a field of every config (e.g. --set shape.seq_len=1024 --set steps=2).\n"
     "--sweep registers each config once per value (e.g. --sweep shape.seq_len=512,1024,2048).\n"
-    "--compare measures A and B each in a fresh child process and prints a table with B/A ratios.\n";
+    "--compare measures A and B each in a fresh child process and prints a table with B/A ratios.\n"
+    "--machine-peak measures the arithmetic peak of each unit (f32 FMA, avx512 bf16, AMX bf16) on\n"
+    "  1 thread and on every allowed CPU, as the LM-head runs do for machine_peak_gflops.\n";
 
 struct Args {
   std::vector<std::string> configs;
@@ -41,6 +46,7 @@ struct Args {
   std::vector<std::string> sweep_values;
   std::vector<std::string> compare;
   bool quiet = false;
+  bool machine_peak = false;
   std::vector<char*> passthrough;  // argv[0] + Google Benchmark flags
 };
 
@@ -86,11 +92,27 @@ Args parse_args(int argc, char** argv) {
       i += 2;
     } else if (std::strcmp(argv[i], "--quiet") == 0) {
       a.quiet = true;
+    } else if (std::strcmp(argv[i], "--machine-peak") == 0) {
+      a.machine_peak = true;
     } else {
       a.passthrough.push_back(argv[i]);
     }
   }
   return a;
+}
+
+// One line per thread count (1, then every allowed CPU): the peak of each unit.
+int print_machine_peak() {
+  const int all = grpo::bench::allowed_cpus();
+  std::printf("%-8s %18s %22s %19s\n", "threads", "f32 FMA GFLOP/s", "avx512 bf16 GFLOP/s", "AMX bf16 GFLOP/s");
+  std::string missing;
+  for (int threads : all > 1 ? std::vector<int>{1, all} : std::vector<int>{1}) {
+    const grpo::bench::MachinePeak p = grpo::bench::measure_machine_peak({.threads = threads});
+    std::printf("%-8d %18.1f %22.1f %19.1f\n", threads, p.f32_fma_gflops, p.avx512_bf16_gflops, p.amx_bf16_gflops);
+    missing = p.missing;
+  }
+  if (!missing.empty()) std::printf("not measured (reported as 0): %s\n", missing.c_str());
+  return 0;
 }
 
 std::atomic<bool> g_failed{false};
@@ -128,6 +150,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "grpo-microbench: %s\n%s", e.what(), kUsage);
     return 2;
   }
+  if (args.machine_peak) return print_machine_peak();
   if (!args.compare.empty()) {
     std::vector<std::string> forwarded;
     for (const std::string& s : args.sets) forwarded.push_back("--set=" + s);

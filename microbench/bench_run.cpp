@@ -1,7 +1,9 @@
 #include "bench_run.hpp"
 
+#include <cstdio>
 #include <memory>
 
+#include "machine_peak.hpp"
 #include "measure.hpp"
 #include "runners.hpp"
 
@@ -17,15 +19,30 @@ void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
   out["peak_bytes"] = static_cast<double>(s.peak_bytes);
   out["peak_rss_delta_bytes"] = static_cast<double>(s.peak_rss_delta_bytes);
   out["workspace_bytes"] = static_cast<double>(s.workspace_bytes);
-  // Rates use the p50 step and the nominal work (rows the fused path skips
-  // still count). 0 = does not apply (gflops and the roofline for logits-level
-  // runs, GB/s for LM-head runs).
+  // Rates use the p50 step. gflops: the nominal work (three GEMMs' worth,
+  // rows the fused path skips still count), so it compares implementations
+  // on the same work. executed_gflops: the FLOPs the step's GEMMs really
+  // executed; peak_frac: that over the machine's measured peak for the
+  // dtype, an upper bound nothing can exceed. 0 = does not apply (the FLOP
+  // counters for logits-level runs, GB/s for LM-head runs).
   const double flops = nominal_flops(c), bytes = nominal_bytes(c);
   out["gflops"] = s.p50() > 0.0 ? flops / s.p50() * 1e-9 : 0.0;
   out["gbytes_per_s"] = s.p50() > 0.0 ? bytes / s.p50() * 1e-9 : 0.0;
-  out["bare_gemm_s"] = s.bare_gemm_s.value_or(0.0);
-  // Achieved GEMM rate over the bare GEMMs' rate at the same shapes = bare time / step time.
-  out["gemm_roofline_frac"] = s.bare_gemm_s && s.p50() > 0.0 ? *s.bare_gemm_s / s.p50() : 0.0;
+  const double executed = s.executed_flops && s.p50() > 0.0 ? *s.executed_flops / s.p50() * 1e-9 : 0.0;
+  out["executed_gflops"] = executed;
+  out["machine_peak_gflops"] = 0.0;
+  out["peak_frac"] = 0.0;
+  if (is_lm_head(c.impl)) {
+    const MachinePeak& peak = machine_peak();
+    out["machine_peak_gflops"] = peak.for_dtype(c.dtype);
+    out["peak_f32_fma_gflops"] = peak.f32_fma_gflops;
+    out["peak_avx512_bf16_gflops"] = peak.avx512_bf16_gflops;
+    out["peak_amx_bf16_gflops"] = peak.amx_bf16_gflops;
+    out["machine_peak_threads"] = peak.threads;
+    if (peak.for_dtype(c.dtype) > 0.0) out["peak_frac"] = executed / peak.for_dtype(c.dtype);
+  }
+  // The unfused step's oneDNN GEMMs timed alone (a reference, not a bound).
+  out["unfused_gemms_s"] = s.unfused_gemms_s.value_or(0.0);
   out["loss"] = s.metrics.loss;
   out["clip_ratio_low"] = s.metrics.clip_ratio_low;
   out["clip_ratio_high"] = s.metrics.clip_ratio_high;
@@ -65,16 +82,24 @@ void add_reference_counters(const std::string& ref, Impl ref_impl, const RunStat
 
 BenchResult run_bench(const BenchConfig& config, bool show_progress) {
   Progress progress(config.name, show_progress);
+  if (is_lm_head(config.impl)) {
+    // Measured first, on an otherwise idle process (once per process).
+    progress.update("measuring the machine's peak");
+    const MachinePeak& peak = machine_peak();
+    if (show_progress && !peak.missing.empty()) {
+      std::fprintf(stderr, "grpo-microbench: machine peak: not measured: %s\n", peak.missing.c_str());
+    }
+  }
   progress.update("synthesizing inputs");
   const ProblemSpec spec = problem_spec(config);
   auto problem = std::make_unique<Problem>(synthesize(spec));
 
-  // A bare_gemm reference already measures the roofline; do not pay twice.
-  const BenchConfig::Reference* bare_ref = nullptr;
+  // An unfused_gemms reference measures them anyway; do not pay twice.
+  const BenchConfig::Reference* gemms_ref = nullptr;
   for (const auto& r : config.references) {
-    if (r.config.impl == Impl::bare_gemm) bare_ref = &r;
+    if (r.config.impl == Impl::unfused_gemms) gemms_ref = &r;
   }
-  RunStats main = measure_run(config, *problem, progress, config.measure_roofline && bare_ref == nullptr);
+  RunStats main = measure_run(config, *problem, progress, config.measure_unfused_gemms && gemms_ref == nullptr);
 
   BenchResult result;
   std::vector<std::pair<const BenchConfig::Reference*, RunStats>> refs;
@@ -88,9 +113,9 @@ BenchResult run_bench(const BenchConfig& config, bool show_progress) {
     }
     refs.emplace_back(&r, measure_run(r.config, own ? *own : *problem, ref_progress, false));
   }
-  if (bare_ref != nullptr) {
+  if (gemms_ref != nullptr && config.measure_unfused_gemms) {
     for (const auto& [r, s] : refs) {
-      if (r == bare_ref) main.bare_gemm_s = s.p50();
+      if (r == gemms_ref) main.unfused_gemms_s = s.p50();
     }
   }
   add_run_counters(config, main, result.counters);

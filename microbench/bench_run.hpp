@@ -16,8 +16,9 @@ namespace grpo::bench {
 using Counters = std::map<std::string, double>;
 
 inline constexpr const char* kCoreCounters[] = {
-    "step_s_mean", "step_s_p50",         "step_s_p90", "first_call_s",   "peak_bytes",      "peak_rss_delta_bytes",
-    "gflops",      "gemm_roofline_frac", "loss",       "clip_ratio_low", "clip_ratio_high", "clip_ratio_region",
+    "step_s_mean",          "step_s_p50", "step_s_p90",      "first_call_s",        "peak_bytes",
+    "peak_rss_delta_bytes", "gflops",     "executed_gflops", "machine_peak_gflops", "peak_frac",
+    "unfused_gemms_s",      "loss",       "clip_ratio_low",  "clip_ratio_high",     "clip_ratio_region",
 };
 
 struct BenchResult {

@@ -115,7 +115,10 @@ std::string format_compare_table(const JsonRun& a, const JsonRun& b) {
       {"peak bytes (tracked)", "peak_bytes", human_bytes, true},
       {"peak RSS delta", "peak_rss_delta_bytes", human_bytes, true},
       {"GFLOP/s (nominal)", "gflops", plain, true},
-      {"GEMM roofline fraction", "gemm_roofline_frac", plain, true},
+      {"GFLOP/s (executed)", "executed_gflops", plain, true},
+      {"machine peak GFLOP/s", "machine_peak_gflops", plain, true},
+      {"fraction of machine peak", "peak_frac", plain, true},
+      {"unfused GEMMs alone", "unfused_gemms_s", human_seconds, true},
       {"loss", "loss", plain, false},
       {"clip ratio (region)", "clip_ratio_region", plain, false},
   };

@@ -124,7 +124,7 @@ std::optional<double> RunStats::backward_s() const {
   return p50() - *forward_s;
 }
 
-RunStats measure_run(const BenchConfig& config, const Problem& problem, Progress& progress, bool roofline) {
+RunStats measure_run(const BenchConfig& config, const Problem& problem, Progress& progress, bool unfused_gemms) {
   RunStats stats;
   {
     // Declared in this order so the runner (and its plan) goes first.
@@ -147,10 +147,13 @@ RunStats measure_run(const BenchConfig& config, const Problem& problem, Progress
     stats.workspace_bytes = runner->workspace_bytes();
     timed_steps(*runner, tracker, config.warmup, config.steps, progress, "", stats);
     stats.metrics = runner->metrics();
-    if (roofline) {
-      progress.update("bare GEMMs for the roofline");
-      stats.bare_gemm_s = runner->bare_gemm_seconds(config.roofline_steps);
-      if (!stats.bare_gemm_s && config.impl == Impl::bare_gemm) stats.bare_gemm_s = stats.p50();
+    if (const std::optional<LmHeadStepStats> rows = runner->step_stats()) {
+      stats.executed_flops = executed_flops(config, *rows);
+    }
+    if (unfused_gemms) {
+      progress.update("the unfused step's GEMMs alone");
+      stats.unfused_gemms_s = runner->unfused_gemms_seconds(config.unfused_gemms_steps);
+      if (!stats.unfused_gemms_s && config.impl == Impl::unfused_gemms) stats.unfused_gemms_s = stats.p50();
     }
   }
   if (config.measure_backward) {

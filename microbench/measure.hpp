@@ -50,8 +50,11 @@ struct RunStats {
   Metrics metrics;  // of the last step
   std::string describe;
   std::size_t workspace_bytes = 0;
-  std::optional<double> bare_gemm_s;  // when measured (LM head, measure_roofline)
-  std::optional<double> forward_s;    // p50 of a forward-only run (measure_backward)
+  // FLOPs one step's GEMMs executed (LM head: rows the fused path skips
+  // excluded, padding to the GEMM row quantum included), from the last step.
+  std::optional<double> executed_flops;
+  std::optional<double> unfused_gemms_s;  // when measured (LM head, measure_unfused_gemms)
+  std::optional<double> forward_s;        // p50 of a forward-only run (measure_backward)
 
   double mean() const;
   double percentile(double q) const;  // nearest-rank on the sorted step times
@@ -60,7 +63,8 @@ struct RunStats {
 };
 
 // Synthesizes nothing: problem must match problem_spec(config).
-// roofline: measure the bare GEMMs after the steps (config.measure_roofline).
-RunStats measure_run(const BenchConfig& config, const Problem& problem, Progress& progress, bool roofline);
+// unfused_gemms: also time the unfused step's GEMMs alone after the steps
+// (config.measure_unfused_gemms, unless a reference measures them anyway).
+RunStats measure_run(const BenchConfig& config, const Problem& problem, Progress& progress, bool unfused_gemms);
 
 }  // namespace grpo::bench

@@ -8,6 +8,8 @@
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include "unfused_gemms.hpp"
+
 namespace grpo::bench {
 namespace {
 
@@ -28,11 +30,12 @@ struct HeadOutputs {
     if (c.bias) dbias.assign(v, 0.0F);
   }
 
-  LmHeadOutputs view(const BenchConfig& c, Metrics* metrics) {
+  LmHeadOutputs view(const BenchConfig& c, Metrics* metrics, LmHeadStepStats* stats = nullptr) {
     const std::int64_t n = c.shape.rows(), h = c.shape.hidden, v = c.shape.vocab;
     LmHeadOutputs o;
     o.tokens.logp = logp;
     o.metrics = metrics;
+    o.stats = stats;
     if (dhidden.empty()) return o;
     o.dhidden = {dhidden.data(), c.dhidden_dtype, n, h, h};
     o.dweight = c.layout == WeightLayout::vocab_major ? MutMatrixView{dweight.data(), c.dweight_dtype, v, h, h}
@@ -53,10 +56,15 @@ LmHeadBaselineOptions baseline_options(const BenchConfig& c, DType logits_dtype,
   return o;
 }
 
-double best_bare_gemms(const LmHeadBaseline& b, const LmHeadInputs& in, const LmHeadOutputs& out, int reps) {
+// The unfused step's GEMMs alone at the problem's shapes, best of reps. Their
+// [N, V] operands come from the default allocator: this runs after the timed
+// steps and must not count in the run's tracked peak.
+double best_unfused_gemms(const BenchConfig& c, const Problem& p, DType logits_dtype, const LmHeadOutputs& out,
+                          int reps) {
+  const UnfusedGemms gemms(p.lm_head_shape(), p.config, baseline_options(c, logits_dtype, nullptr));
   double best = 0.0;
   for (int i = 0; i < reps; ++i) {
-    const double t = b.run_bare_gemms(in, out).total();
+    const double t = gemms.run(p.lm_head_inputs(), out).total();
     best = i == 0 ? t : std::min(best, t);
   }
   return best;
@@ -70,16 +78,16 @@ class FusedRunner final : public Runner {
   std::optional<double> step() override {
     // No workspace passed: the plan allocates it through the tracker each
     // call (from the caching allocator's free list in steady state).
-    plan_->execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
+    plan_->execute(p_.lm_head_inputs(), out_.view(c_, &metrics_, &rows_));
     return std::nullopt;
   }
   std::string describe() const override { return plan_->describe(); }
   std::size_t workspace_bytes() const override { return plan_->workspace_size(); }
-  std::optional<double> bare_gemm_seconds(int reps) override {
+  std::optional<LmHeadStepStats> step_stats() const override { return rows_; }
+  std::optional<double> unfused_gemms_seconds(int reps) override {
     // The fused forward GEMM writes f32 logit tiles; its backward reads
-    // dlogits in the input dtype, as the baseline's bare GEMMs do.
-    const LmHeadBaseline b(p_.lm_head_shape(), p_.config, baseline_options(c_, DType::f32, nullptr));
-    return best_bare_gemms(b, p_.lm_head_inputs(), out_.view(c_, nullptr), reps);
+    // dlogits in the input dtype, as the unfused step's GEMMs do.
+    return best_unfused_gemms(c_, p_, DType::f32, out_.view(c_, nullptr), reps);
   }
 
  private:
@@ -99,6 +107,7 @@ class FusedRunner final : public Runner {
   const Problem& p_;
   Allocator& a_;
   HeadOutputs out_;
+  LmHeadStepStats rows_;
   std::optional<LmHeadLossPlan> plan_;
 };
 
@@ -110,20 +119,18 @@ class BaselineRunner final : public Runner {
     baseline_.emplace(p_.lm_head_shape(), p_.config, baseline_options(c_, c_.logits_dtype, &a_));
   }
   std::optional<double> step() override {
-    if (c_.impl == Impl::bare_gemm)
-      return baseline_->run_bare_gemms(p_.lm_head_inputs(), out_.view(c_, nullptr)).total();
-    baseline_->execute(p_.lm_head_inputs(), out_.view(c_, &metrics_));
+    baseline_->execute(p_.lm_head_inputs(), out_.view(c_, &metrics_, &rows_));
     return std::nullopt;
   }
   std::string describe() const override {
     std::ostringstream os;
-    os << (c_.impl == Impl::bare_gemm ? "bare GEMMs" : "unfused lm-head") << ": logits=" << to_string(c_.logits_dtype)
-       << " dlogits=" << to_string(c_.dtype) << (c_.forward_only ? " forward-only" : "");
+    os << "unfused lm-head: logits=" << to_string(c_.logits_dtype) << " dlogits=" << to_string(c_.dtype)
+       << (c_.forward_only ? " forward-only" : "");
     return os.str();
   }
-  std::optional<double> bare_gemm_seconds(int reps) override {
-    if (c_.impl == Impl::bare_gemm) return std::nullopt;  // the step itself is the bare GEMMs
-    return best_bare_gemms(*baseline_, p_.lm_head_inputs(), out_.view(c_, nullptr), reps);
+  std::optional<LmHeadStepStats> step_stats() const override { return rows_; }
+  std::optional<double> unfused_gemms_seconds(int reps) override {
+    return best_unfused_gemms(c_, p_, c_.logits_dtype, out_.view(c_, nullptr), reps);
   }
 
  private:
@@ -131,7 +138,36 @@ class BaselineRunner final : public Runner {
   const Problem& p_;
   Allocator& a_;
   HeadOutputs out_;
+  LmHeadStepStats rows_;
   std::optional<LmHeadBaseline> baseline_;
+};
+
+// The unfused step's three GEMMs alone as the run itself (impl unfused_gemms):
+// their operands come from the run's allocator, so the tracked peak counts them.
+class UnfusedGemmsRunner final : public Runner {
+ public:
+  UnfusedGemmsRunner(const BenchConfig& c, const Problem& p, Allocator& a)
+      : c_(c), p_(p), a_(a), out_(c, c.forward_only) {}
+
+  void create() override { gemms_.emplace(p_.lm_head_shape(), p_.config, baseline_options(c_, c_.logits_dtype, &a_)); }
+  std::optional<double> step() override { return gemms_->run(p_.lm_head_inputs(), out_.view(c_, nullptr)).total(); }
+  std::string describe() const override {
+    std::ostringstream os;
+    os << "the unfused step's oneDNN GEMMs alone: logits=" << to_string(c_.logits_dtype)
+       << " dlogits=" << to_string(c_.dtype) << (c_.forward_only ? " forward-only" : "");
+    return os.str();
+  }
+  std::optional<LmHeadStepStats> step_stats() const override {
+    const std::int64_t n = c_.shape.rows();
+    return LmHeadStepStats{n, c_.forward_only ? 0 : n};  // every row, no loss work
+  }
+
+ private:
+  const BenchConfig& c_;
+  const Problem& p_;
+  Allocator& a_;
+  HeadOutputs out_;
+  std::optional<UnfusedGemms> gemms_;
 };
 
 class LogitsRunner final : public Runner {
@@ -234,8 +270,8 @@ bool same_loss(const LossConfig& a, const LossConfig& b) {
 std::unique_ptr<Runner> make_runner(const BenchConfig& config, const Problem& problem, Allocator& allocator) {
   switch (config.impl) {
     case Impl::fused: return std::make_unique<FusedRunner>(config, problem, allocator);
-    case Impl::baseline:
-    case Impl::bare_gemm: return std::make_unique<BaselineRunner>(config, problem, allocator);
+    case Impl::baseline: return std::make_unique<BaselineRunner>(config, problem, allocator);
+    case Impl::unfused_gemms: return std::make_unique<UnfusedGemmsRunner>(config, problem, allocator);
     case Impl::logits_fused:
     case Impl::logits_baseline: return std::make_unique<LogitsRunner>(config, problem, allocator);
     case Impl::copy: return std::make_unique<CopyRunner>(config, problem);
@@ -273,6 +309,11 @@ double nominal_flops(const BenchConfig& c) {
   const double one = 2.0 * static_cast<double>(c.shape.rows()) * static_cast<double>(c.shape.vocab) *
                      static_cast<double>(c.shape.hidden);
   return one * (c.forward_only ? 1.0 : 3.0);
+}
+
+double executed_flops(const BenchConfig& c, const LmHeadStepStats& rows) {
+  const double per_row = 2.0 * static_cast<double>(c.shape.vocab) * static_cast<double>(c.shape.hidden);
+  return per_row * (static_cast<double>(rows.logits_gemm_rows) + 2.0 * static_cast<double>(rows.backward_gemm_rows));
 }
 
 double nominal_bytes(const BenchConfig& c) {

@@ -1,4 +1,4 @@
-// One implementation (fused, baseline, bare GEMMs, logits-level paths, copy)
+// One implementation (fused, baseline, unfused GEMMs, logits-level paths, copy)
 // bound to one synthesized problem: creates its plan and outputs, then runs
 // steps. Outputs are host buffers allocated and touched here, outside the
 // library's allocator, so a step's tracked peak is the step's own memory.
@@ -21,16 +21,18 @@ class Runner {
   virtual void create() {}
   // Untimed preparation before each step (in place: restore the logits).
   virtual void before_step() {}
-  // Runs one step. Returns its duration when the impl times itself (the bare
-  // GEMMs, which exclude building their operands); nullopt = time the call.
+  // Runs one step. Returns its duration when the impl times itself (the
+  // unfused GEMMs, which exclude building their operands); nullopt = time the call.
   virtual std::optional<double> step() = 0;
   virtual std::string describe() const = 0;
   virtual Metrics metrics() const { return metrics_; }
   // The fused plan's workspace (0 for the others).
   virtual std::size_t workspace_bytes() const { return 0; }
-  // LM head: the three bare GEMMs (one when forward-only) at this run's
-  // shapes, best of `reps`, through LmHeadBaseline::run_bare_gemms.
-  virtual std::optional<double> bare_gemm_seconds(int reps) { return std::nullopt; }
+  // LM head: rows the last step put through its GEMMs (LmHeadOutputs::stats).
+  virtual std::optional<LmHeadStepStats> step_stats() const { return std::nullopt; }
+  // LM head: the unfused step's three GEMMs (one when forward-only) at this
+  // run's shapes, timed alone, best of `reps` (unfused_gemms.hpp).
+  virtual std::optional<double> unfused_gemms_seconds(int reps) { return std::nullopt; }
 
  protected:
   Metrics metrics_;
@@ -50,5 +52,9 @@ bool same_problem(const ProblemSpec& a, const ProblemSpec& b);
 // so the rates compare implementations on the same work.
 double nominal_flops(const BenchConfig& config);
 double nominal_bytes(const BenchConfig& config);
+
+// The FLOPs an LM-head step's GEMMs executed: 2 * V * H per row of the logits
+// GEMM and per row of each of the two backward GEMMs.
+double executed_flops(const BenchConfig& config, const LmHeadStepStats& rows);
 
 }  // namespace grpo::bench

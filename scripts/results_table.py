@@ -4,8 +4,9 @@
     scripts/results_table.py microbench/results/headline_*.json
 
 One row per benchmark: step time (p50, mean), first call, tracked peak bytes,
-peak RSS delta, GFLOP/s, fraction of the bare-GEMM rate, clip ratio, loss, and
-the reference ratios when the config measured references.
+peak RSS delta, nominal and executed GFLOP/s, the machine's measured peak for
+the dtype and the executed fraction of it, the unfused GEMMs' time alone, clip
+ratio, loss, and the reference ratios when the config measured references.
 """
 import json
 import sys
@@ -25,7 +26,10 @@ def row(bench):
         gib(get("peak_bytes", 0)),
         gib(get("peak_rss_delta_bytes", 0)),
         f"{get('gflops', 0):.0f}" if get("gflops") else "-",
-        f"{get('gemm_roofline_frac', 0):.2f}" if get("gemm_roofline_frac") else "-",
+        f"{get('executed_gflops', 0):.0f}" if get("executed_gflops") else "-",
+        f"{get('machine_peak_gflops', 0):.0f}" if get("machine_peak_gflops") else "-",
+        f"{get('peak_frac', 0):.3f}" if get("peak_frac") else "-",
+        f"{get('unfused_gemms_s', 0):.3f} s" if get("unfused_gemms_s") else "-",
         f"{get('clip_ratio_region', 0):.3f}",
         f"{get('loss', 0):.6f}",
     ]
@@ -36,9 +40,10 @@ def row(bench):
 
 
 def main(paths):
-    print("| run | step p50 | step mean | first call | peak (tracked) | peak RSS delta | GFLOP/s | of bare GEMMs "
-          "| clip region | loss | ratios |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | step p50 | step mean | first call | peak (tracked) | peak RSS delta | GFLOP/s (nominal) "
+          "| GFLOP/s (executed) | machine peak GFLOP/s | peak_frac | unfused GEMMs alone | clip region | loss "
+          "| ratios |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in paths:
         with open(path) as f:
             for bench in json.load(f)["benchmarks"]:

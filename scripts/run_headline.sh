@@ -24,7 +24,7 @@ done
 if [[ "${GRPO_SKIP_SWEEP:-0}" != 1 ]]; then
   "$bench" --config configs/microbench/headline_fused_bf16_tile2048.yaml \
     --config configs/microbench/headline_baseline_bf16_logits.yaml \
-    --sweep shape.seq_len=512,1024,2048,4096 --set steps=2 --set measure_roofline=false \
+    --sweep shape.seq_len=512,1024,2048,4096 --set steps=2 --set measure_unfused_gemms=false \
     --benchmark_out="$out/scaling.json" --benchmark_out_format=json
 fi
 

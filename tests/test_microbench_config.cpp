@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -27,7 +28,7 @@ dtype: f32
 vocab_tile: 256
 warmup: 0
 steps: 2
-measure_roofline: false
+measure_unfused_gemms: false
 loss: {loss_type: dapo, num_items_in_batch: auto, delta: 1.5, epsilon_high: 0.28}
 inputs: {seed: 3, old_logp_noise: 0.3, advantage_per_token: true}
 )";
@@ -211,7 +212,7 @@ TEST(MicrobenchPeak, FusedTrackedPeakEqualsWorkspace) {
 
 TEST(MicrobenchPeak, BaselinePeakCoversMaterializedLogits) {
   const std::string shape =
-      "shape: {batch: 2, seq_len: 24, hidden: 64, vocab: 1000}\nmeasure_roofline: false\nsteps: 1\nwarmup: 0\n";
+      "shape: {batch: 2, seq_len: 24, hidden: 64, vocab: 1000}\nmeasure_unfused_gemms: false\nsteps: 1\nwarmup: 0\n";
   const std::size_t rows_x_vocab = 48 * 1000;
   for (const char* logits : {"f32", "bf16"}) {
     const BenchConfig c = parse(std::string("impl: baseline\ndtype: bf16\nlogits_dtype: ") + logits + "\n" + shape);
@@ -222,6 +223,41 @@ TEST(MicrobenchPeak, BaselinePeakCoversMaterializedLogits) {
   // The logits-level baseline keeps log_softmax and softmax, both f32 [N, V].
   const BenchConfig c = parse("impl: logits_baseline\nshape: {batch: 2, seq_len: 24, vocab: 1000}\nsteps: 1\n");
   EXPECT_GE(run(c).peak_bytes, 2 * rows_x_vocab * sizeof(float));
+}
+
+// Executed FLOPs come from the rows each step put through its GEMMs: the
+// baseline and the unfused GEMMs do every row of all three; the fused path
+// drops every backward row when no coefficient is nonzero (all advantages 0,
+// beta 0) and still runs the logits GEMM on all of them.
+TEST(MicrobenchFlops, ExecutedFlopsCountTheRowsTheGemmsRan) {
+  const std::string shape =
+      "shape: {batch: 2, seq_len: 24, hidden: 64, vocab: 1000}\nmeasure_unfused_gemms: false\nsteps: 1\nwarmup: 0\n";
+  const double per_row = 2.0 * 1000 * 64, rows = 48;
+  for (const char* impl : {"baseline", "unfused_gemms"}) {
+    const BenchConfig c = parse(std::string("impl: ") + impl + "\n" + shape);
+    SCOPED_TRACE(impl);
+    const RunStats s = run(c);
+    ASSERT_TRUE(s.executed_flops.has_value());
+    EXPECT_EQ(*s.executed_flops, nominal_flops(c));
+    EXPECT_EQ(*s.executed_flops, 3 * per_row * rows);
+  }
+  const BenchConfig unfused = parse("impl: unfused_gemms\n" + shape);
+  EXPECT_GE(run(unfused).peak_bytes, 48 * 1000 * 2 * sizeof(float));  // its [N, V] logits and dlogits
+
+  // All advantages 0: the logits GEMM sees every row (plus its zero padding)
+  // and no backward GEMM runs, exactly as in a forward-only step.
+  const BenchConfig idle = parse("impl: fused\ninputs: {zero_advantage_fraction: 1.0}\n" + shape);
+  BenchConfig forward = idle;
+  forward.forward_only = true;
+  const RunStats s = run(idle), f = run(forward);
+  ASSERT_TRUE(s.executed_flops.has_value() && f.executed_flops.has_value());
+  EXPECT_GE(*s.executed_flops, per_row * rows);
+  EXPECT_EQ(*s.executed_flops, *f.executed_flops);
+  // Active rows add two backward GEMM rows each (whole rows, padding included).
+  const RunStats a = run(parse("impl: fused\n" + shape));
+  ASSERT_TRUE(a.executed_flops.has_value());
+  EXPECT_GT(*a.executed_flops, *s.executed_flops);
+  EXPECT_EQ(std::fmod(*a.executed_flops - *s.executed_flops, 2 * per_row), 0.0);
 }
 
 TEST(MicrobenchInputs, ReachBothClipBranches) {
@@ -256,12 +292,23 @@ TEST(MicrobenchRun, ProducesEveryNamedCounter) {
   EXPECT_EQ(r.counters.count("speedup_vs_baseline"), 1U);
   EXPECT_EQ(r.counters.count("peak_ratio_vs_baseline"), 1U);
   EXPECT_EQ(r.step_s.size(), 2U);
+  // f32: measured against the f32 FMA peak, which nothing executes beyond.
+  if (r.counters.at("peak_f32_fma_gflops") > 0.0) {
+    EXPECT_EQ(r.counters.at("machine_peak_gflops"), r.counters.at("peak_f32_fma_gflops"));
+    EXPECT_GT(r.counters.at("peak_frac"), 0.0);
+    EXPECT_LE(r.counters.at("peak_frac"), 1.0);
+  }
+  EXPECT_GT(r.counters.at("executed_gflops"), 0.0);
   const BenchResult logits =
       run_bench(parse("impl: logits_fused\nshape: {batch: 1, seq_len: 16, vocab: 4096}\nsteps: 2\n"
                       "references:\n  - {name: copy, impl: copy}\n"),
                 false);
   EXPECT_GT(logits.counters.at("copy_bw_frac"), 0.0);
   EXPECT_GT(logits.counters.at("gbytes_per_s"), 0.0);
+  // No GEMM at the logits level: the FLOP counters do not apply.
+  EXPECT_EQ(logits.counters.at("executed_gflops"), 0.0);
+  EXPECT_EQ(logits.counters.at("peak_frac"), 0.0);
+  EXPECT_EQ(logits.counters.count("peak_f32_fma_gflops"), 0U);
 }
 
 TEST(MicrobenchCompare, TableShowsRatios) {

@@ -27,6 +27,7 @@
 // before any output is written.
 #pragma once
 
+#include "grpo/baseline.hpp"
 #include "grpo/lm_head_loss.hpp"
 #include "grpo/logits_loss.hpp"
 #include "grpo/loss_config.hpp"

@@ -128,46 +128,4 @@ class LmHeadLossPlan {
   std::unique_ptr<Impl> impl_;
 };
 
-// The unfused comparison: full logits by one oneDNN matmul, then LogitsBaseline,
-// then dhidden and dweight by two matmuls on the materialized dlogits.
-// bf16 inputs produce bf16 logits and dlogits (the "bf16 logits" baseline)
-// unless logits_dtype says f32.
-struct LmHeadBaselineOptions {
-  DType logits_dtype = DType::f32;
-  int max_threads = 0;
-  bool forward_only = false;
-  DType dweight_dtype = DType::f32;
-  DType dhidden_dtype = DType::f32;
-  bool accumulate_weight_grads = false;
-  Allocator* allocator = nullptr;
-};
-
-class LmHeadBaseline {
- public:
-  LmHeadBaseline(const LmHeadShape& shape, const LossConfig& config, const LmHeadBaselineOptions& options = {});
-  ~LmHeadBaseline();
-  LmHeadBaseline(LmHeadBaseline&&) noexcept;
-  LmHeadBaseline& operator=(LmHeadBaseline&&) noexcept;
-
-  // dhidden must be dense (ld == hidden): the baseline writes it with one GEMM.
-  void execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const;
-
-  // The three bare GEMMs of a step at this shape (logits, dhidden, dweight)
-  // with no loss work: the roofline the fused kernel is measured against.
-  // Allocates its [N, V] operands before timing and frees them after; returns
-  // the seconds each GEMM took.
-  struct GemmTimes {
-    double logits_s = 0.0;
-    double dhidden_s = 0.0;
-    double dweight_s = 0.0;
-    double total() const { return logits_s + dhidden_s + dweight_s; }
-  };
-  GemmTimes run_bare_gemms(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const;
-
-  struct Impl;
-
- private:
-  std::unique_ptr<Impl> impl_;
-};
-
 }  // namespace grpo

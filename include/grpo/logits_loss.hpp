@@ -6,9 +6,8 @@
 //   plan.execute(logits, batch, {.tokens = {logp}, .dlogits = dlogits, .metrics = &metrics});
 //
 // The fused kernel streams each row once forward (online max / sum-exp /
-// entropy) and once backward ((onehot - p) * c). LogitsBaseline is the
-// unfused comparison path: it materializes log_softmax and softmax as full
-// [N, V] arrays, as an eager framework would.
+// entropy) and once backward ((onehot - p) * c). The unfused comparison
+// path, LogitsBaseline, is in baseline.hpp.
 #pragma once
 
 #include <cstdint>
@@ -55,22 +54,6 @@ class LogitsLossPlan {
 
   const LogitsShape& shape() const;
   const LossConfig& config() const;
-
-  struct Impl;
-
- private:
-  std::unique_ptr<Impl> impl_;
-};
-
-// The unfused baseline with the same contract (same validation, same outputs).
-class LogitsBaseline {
- public:
-  LogitsBaseline(const LogitsShape& shape, const LossConfig& config, const ExecOptions& options = {});
-  ~LogitsBaseline();
-  LogitsBaseline(LogitsBaseline&&) noexcept;
-  LogitsBaseline& operator=(LogitsBaseline&&) noexcept;
-
-  void execute(const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) const;
 
   struct Impl;
 

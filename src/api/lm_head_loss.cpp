@@ -12,6 +12,7 @@
 #include "baseline/unfused_lm_head.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/parallel.hpp"
+#include "grpo/baseline.hpp"
 
 namespace grpo {
 
@@ -144,12 +145,6 @@ LmHeadBaseline& LmHeadBaseline::operator=(LmHeadBaseline&&) noexcept = default;
 void LmHeadBaseline::execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const {
   detail::validate_lm_head_call(impl_->call, inputs, outputs);
   detail::run_lm_head_baseline(*impl_->data, inputs, outputs);
-}
-
-LmHeadBaseline::GemmTimes LmHeadBaseline::run_bare_gemms(const LmHeadInputs& inputs,
-                                                         const LmHeadOutputs& outputs) const {
-  detail::validate_lm_head_call(impl_->call, inputs, outputs);
-  return detail::run_bare_gemms(*impl_->data, inputs, outputs);
 }
 
 }  // namespace grpo

@@ -7,6 +7,7 @@
 #include "baseline/unfused_logits.hpp"
 #include "driver/logits_driver.hpp"
 #include "driver/parallel.hpp"
+#include "grpo/baseline.hpp"
 
 namespace grpo {
 

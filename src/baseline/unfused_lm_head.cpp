@@ -1,8 +1,6 @@
 #include "baseline/unfused_lm_head.hpp"
 
 #include <algorithm>
-#include <chrono>
-#include <cstring>
 
 #include "api/buffer.hpp"
 #include "baseline/unfused_logits.hpp"
@@ -16,10 +14,6 @@ using kernels::Gemm;
 using kernels::GemmOperand;
 using kernels::GemmSpec;
 
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 struct FullBuffers {
   Buffer logits;
   Buffer dlogits;
@@ -29,23 +23,18 @@ struct FullBuffers {
 FullBuffers allocate(const LmHeadBaselineData& d, Allocator& a) {
   const auto elems =
       static_cast<std::size_t>(d.shape.batch * d.shape.seq_len) * static_cast<std::size_t>(d.shape.vocab);
-  return {Buffer(a, elems * size_of(d.options.logits_dtype)), Buffer(a, elems * size_of(d.dlogits_dtype)),
-          Buffer(a, d.max_scratchpad)};
+  return {Buffer(a, elems * size_of(d.options.logits_dtype), "logits"),
+          Buffer(a, elems * size_of(d.dlogits_dtype), "dlogits"), Buffer(a, d.max_scratchpad)};
 }
 
 void run_backward_gemms(const LmHeadBaselineData& d, const LmHeadInputs& in, const LmHeadOutputs& out,
-                        const void* dlogits, void* scratch, double* dh_s, double* dw_s) {
-  const bool vm = d.shape.layout == WeightLayout::vocab_major;
-  auto t0 = std::chrono::steady_clock::now();
+                        const void* dlogits, void* scratch) {
   d.dhidden->run(dlogits, in.weight.data, out.dhidden.data, nullptr, scratch);
-  if (dh_s != nullptr) *dh_s = seconds_since(t0);
-  t0 = std::chrono::steady_clock::now();
-  if (vm) {
+  if (d.shape.layout == WeightLayout::vocab_major) {
     d.dweight->run(dlogits, in.hidden.data, out.dweight.data, nullptr, scratch);
   } else {
     d.dweight->run(in.hidden.data, dlogits, out.dweight.data, nullptr, scratch);
   }
-  if (dw_s != nullptr) *dw_s = seconds_since(t0);
 }
 
 }  // namespace
@@ -115,7 +104,7 @@ void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, c
   run_unfused_logits(ls, d.config, d.threads, alloc, {b.logits.as(), d.options.logits_dtype, n, s.vocab, s.vocab},
                      in.batch, lo);
   if (d.options.forward_only) return;
-  run_backward_gemms(d, in, out, b.dlogits.as(), b.scratch.as(), nullptr, nullptr);
+  run_backward_gemms(d, in, out, b.dlogits.as(), b.scratch.as());
   if (!out.dbias.empty()) {
     // dbias = column sums of dlogits, accumulated row by row in f32.
     if (!d.options.accumulate_weight_grads) std::fill(out.dbias.begin(), out.dbias.end(), 0.0F);
@@ -127,21 +116,6 @@ void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, c
       }
     }
   }
-}
-
-LmHeadBaseline::GemmTimes run_bare_gemms(const LmHeadBaselineData& d, const LmHeadInputs& in,
-                                         const LmHeadOutputs& out) {
-  FullBuffers b = allocate(d, resolve(d.options.allocator));
-  // Operands are touched before timing so page faults are not counted.
-  std::memset(b.logits.as(), 0, b.logits.size());
-  std::memset(b.dlogits.as(), 0, b.dlogits.size());
-  LmHeadBaseline::GemmTimes t;
-  const auto t0 = std::chrono::steady_clock::now();
-  d.logits->run(in.hidden.data, in.weight.data, b.logits.as(), in.bias.data, b.scratch.as());
-  t.logits_s = seconds_since(t0);
-  if (!d.options.forward_only)
-    run_backward_gemms(d, in, out, b.dlogits.as(), b.scratch.as(), &t.dhidden_s, &t.dweight_s);
-  return t;
 }
 
 }  // namespace grpo::detail

@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "grpo/lm_head_loss.hpp"
+#include "grpo/baseline.hpp"
 #include "kernels/gemm.hpp"
 
 namespace grpo::detail {
@@ -28,8 +28,5 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
                                                            const LmHeadBaselineOptions& options);
 
 void run_lm_head_baseline(const LmHeadBaselineData& data, const LmHeadInputs& inputs, const LmHeadOutputs& outputs);
-
-LmHeadBaseline::GemmTimes run_bare_gemms(const LmHeadBaselineData& data, const LmHeadInputs& inputs,
-                                         const LmHeadOutputs& outputs);
 
 }  // namespace grpo::detail

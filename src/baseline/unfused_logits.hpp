@@ -7,7 +7,7 @@
 // The eltwise kernels use the same ISA as the fused path.
 #pragma once
 
-#include "grpo/logits_loss.hpp"
+#include "grpo/baseline.hpp"
 
 namespace grpo::detail {
 

@@ -1,0 +1,123 @@
+#include "machine_peak.hpp"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "cpu_features.hpp"
+#include "peak_kernels.hpp"
+
+namespace grpo::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Loop trips per call between two looks at the clock: ~20-100 us of work for
+// each unit at a few GHz, so the clock is read rarely and the overshoot past
+// the deadline is negligible against 0.1 s.
+constexpr std::int64_t kFmaTripsPerCall = 1 << 14;
+constexpr std::int64_t kAmxTripsPerCall = 1 << 10;
+
+struct Unit {
+  float (*chains)(std::int64_t);
+  std::int64_t trips_per_call;
+  double flop_per_trip;
+};
+
+// `threads` threads start together and each runs unit.chains until the
+// shared deadline. The rate is all retired FLOPs over the time from the
+// common start to the last thread's end, so a thread that was descheduled
+// for a while lowers the number rather than inflating it.
+double run_once(const Unit& unit, int threads, double seconds) {
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  Clock::time_point start, deadline;
+  std::vector<std::int64_t> trips(static_cast<std::size_t>(threads), 0);
+  std::vector<Clock::time_point> ends(static_cast<std::size_t>(threads));
+  std::vector<float> sinks(static_cast<std::size_t>(threads), 0.0F);
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<std::size_t>(threads));
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
+      std::int64_t n = 0;
+      float sink = 0.0F;
+      do {
+        sink += unit.chains(unit.trips_per_call);
+        n += unit.trips_per_call;
+      } while (Clock::now() < deadline);
+      ends[static_cast<std::size_t>(t)] = Clock::now();
+      trips[static_cast<std::size_t>(t)] = n;
+      sinks[static_cast<std::size_t>(t)] = sink;
+    });
+  }
+  while (ready.load() < threads) std::this_thread::yield();
+  start = Clock::now();
+  deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  go.store(true, std::memory_order_release);
+  for (std::thread& th : pool) th.join();
+  std::int64_t total = 0;
+  for (std::int64_t n : trips) total += n;
+  const Clock::time_point last = *std::max_element(ends.begin(), ends.end());
+  const double elapsed = std::chrono::duration<double>(last - start).count();
+  // A NaN sink would mean the chains computed garbage (wrong encoding, bad
+  // tile config): report no peak rather than a number from broken code.
+  for (float s : sinks) {
+    if (!(s == s)) return 0.0;
+  }
+  return elapsed > 0.0 ? static_cast<double>(total) * unit.flop_per_trip / elapsed * 1e-9 : 0.0;
+}
+
+// A warm-up run first (AVX-512 and AMX units power up and the core may change
+// frequency when they start), then the best of the repetitions.
+double best_rate(const Unit& unit, const PeakProbeOptions& o, int threads) {
+  run_once(unit, threads, o.seconds / 2);
+  double best = 0.0;
+  for (int r = 0; r < std::max(o.repetitions, 1); ++r) best = std::max(best, run_once(unit, threads, o.seconds));
+  return best;
+}
+
+}  // namespace
+
+double MachinePeak::for_dtype(DType dtype) const {
+  return dtype == DType::bf16 ? std::max(avx512_bf16_gflops, amx_bf16_gflops) : f32_fma_gflops;
+}
+
+int allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(CPU_COUNT(&set), 1);
+  return std::max(static_cast<int>(std::thread::hardware_concurrency()), 1);
+}
+
+MachinePeak measure_machine_peak(const PeakProbeOptions& options) {
+  const CpuFeatures f = detect_cpu_features();
+  MachinePeak p;
+  p.threads = options.threads > 0 ? options.threads : allowed_cpus();
+  p.missing = f.missing;
+  if (f.avx512f)
+    p.f32_fma_gflops = best_rate({f32_fma_chains, kFmaTripsPerCall, kF32FmaFlopPerIteration}, options, p.threads);
+  if (f.avx512_bf16) {
+    p.avx512_bf16_gflops =
+        best_rate({avx512_bf16_chains, kFmaTripsPerCall, kBf16DotFlopPerIteration}, options, p.threads);
+  }
+  if (f.amx_bf16) {
+    p.amx_bf16_gflops = best_rate({amx_bf16_chains, kAmxTripsPerCall, kAmxBf16FlopPerIteration}, options, p.threads);
+  }
+  return p;
+}
+
+const MachinePeak& machine_peak() {
+  // A function-local static: the microbench is one process per measurement,
+  // and every config it runs is compared with the same machine.
+  static const MachinePeak peak = measure_machine_peak({});
+  return peak;
+}
+
+}  // namespace grpo::bench

@@ -1,0 +1,52 @@
+// The machine's physical arithmetic peak, measured in the benchmark's own
+// process: every CPU the process may run on executes independent register
+// chains of one instruction (no memory traffic, no dependencies between
+// chains) for a fixed time, and the FLOPs they retire per second are the
+// most that unit can deliver. It is the yardstick for executed GFLOP/s
+// (peak_frac): an upper bound no GEMM library can beat, unlike a library's
+// own GEMM time.
+//
+//   f32 FMA      vfmadd231ps zmm   32 FLOP per instruction
+//   avx512 bf16  vdpbf16ps zmm     64 FLOP per instruction
+//   AMX bf16     tdpbf16ps         16384 FLOP per instruction (16x16 += 16x32 * 32x16)
+//
+// A unit the CPU (or the OS) lacks is reported as 0 with the reason.
+#pragma once
+
+#include <string>
+
+#include "grpo/types.hpp"
+
+namespace grpo::bench {
+
+struct MachinePeak {
+  int threads = 0;  // threads that ran chains at the same time (one per allowed CPU)
+  double f32_fma_gflops = 0.0;
+  double avx512_bf16_gflops = 0.0;
+  double amx_bf16_gflops = 0.0;
+  std::string missing;  // units not measured and why; empty when all were
+
+  // The peak of the units that could execute GEMMs of this dtype: bf16 ->
+  // the faster of vdpbf16ps and AMX (oneDNN picks AMX where it exists);
+  // f32 -> FMA.
+  double for_dtype(DType dtype) const;
+};
+
+struct PeakProbeOptions {
+  int threads = 0;       // 0 = one per CPU in the process's affinity mask
+  double seconds = 0.1;  // per repetition and unit, after a warm-up of half that
+  int repetitions = 3;   // best of
+};
+
+// Measures every available unit with these options (about
+// units x (repetitions + 0.5) x seconds of wall time).
+MachinePeak measure_machine_peak(const PeakProbeOptions& options);
+
+// measure_machine_peak({}) once per process, on first use: every config of an
+// invocation is measured against the same numbers.
+const MachinePeak& machine_peak();
+
+// CPUs in this process's affinity mask (what TBB's default arena uses too).
+int allowed_cpus();
+
+}  // namespace grpo::bench
