@@ -1,29 +1,9 @@
 // Bitwise-identical outputs for any thread count (1, 2, 3, 7) and run to run:
 // work is split by the shape and reduced in index order, never by thread.
-#include <gtest/gtest.h>
-
-#include <tbb/global_control.h>
-#include <tbb/task_arena.h>
-
-#include <cstring>
-
-#include "lm_head_support.hpp"
+#include "determinism_support.hpp"
 
 namespace grpo::test {
 namespace {
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-
-constexpr int kThreadCounts[] = {1, 2, 3, 7};
-
-// TBB caps workers at cores - 1 by default; the tests lift it so 7 threads
-// really run (oversubscribing the 2-core machine on purpose).
-constexpr std::size_t kMaxThreads = 8;
 
 TEST(Determinism, LogitsLevelAcrossThreadCounts) {
   tbb::global_control allow(tbb::global_control::max_allowed_parallelism, kMaxThreads);
@@ -108,6 +88,33 @@ TEST(Determinism, LmHeadAcrossThreadCounts) {
     }
     // The schedule really used the threads it was given.
     EXPECT_NE(runs.back().schedule.find("threads=7"), std::string::npos) << runs.back().schedule;
+  }
+}
+
+// Default options: the plan picks the token block and the vocab tile itself,
+// and they must not follow the thread count. Small V so several blocks and
+// tiles run in the fast tier; the slow tier repeats it at V = 151936.
+TEST(Determinism, LmHeadDefaultOptionsAcrossThreadCounts) {
+  for (DType dtype : {DType::bf16, DType::f32}) {
+    HeadCase c;
+    c.spec = {1, 700, 5003, config_for(LossType::grpo)};
+    c.spec.config.beta = 0.04F;
+    c.spec.seed = 211;
+    c.hidden = 64;
+    c.dtype = dtype;
+    c.bias = true;
+    expect_default_options_deterministic(c);
+  }
+}
+
+TEST(BatchInvariance, LogpAndEntropyOfARowDoNotDependOnItsBatch) {
+  for (DType dtype : {DType::bf16, DType::f32}) {
+    HeadCase c;
+    c.spec = {1, 1100, 3001, config_for(LossType::grpo)};
+    c.spec.seed = 223;
+    c.hidden = 96;
+    c.dtype = dtype;
+    expect_batch_invariant(c);
   }
 }
 
