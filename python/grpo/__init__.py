@@ -1,0 +1,58 @@
+"""grpo: the fused GRPO policy loss of an LM head on CPUs.
+
+The C++ core (grpo._core) is usable without PyTorch: build a plan for a shape
+and a loss configuration, then execute it on DLPack arrays (numpy, torch, ...)
+viewed in place. `grpo.torch` holds the PyTorch module (torch is imported
+only there).
+
+    import grpo
+    cache = grpo.PlanCache()
+    plan = cache.get("lm_head_loss", key, lambda: grpo.LmHeadLossPlan(shape, config, options))
+    metrics = plan.execute(cache.workspace, hidden, weight, None, ids, mask, advantages,
+                           None, None, None, logp, None, None, dhidden, dweight, None)
+
+Refusals raise grpo.Error (a ValueError), grpo.ArgumentTypeError (a
+TypeError) or grpo.UnsupportedError (a NotImplementedError); each has
+.argument, the name of the refused argument. No output is written then.
+"""
+
+from grpo._core import (
+    ArgumentTypeError,
+    DType,
+    Error,
+    IsLevel,
+    LmHeadLossPlan,
+    LmHeadOptions,
+    LmHeadShape,
+    LossConfig,
+    LossType,
+    Metrics,
+    UnsupportedError,
+    WeightLayout,
+    Workspace,
+    __version__,
+    simd_path,
+    version,
+)
+from grpo._plan_cache import PlanCache, default_plan_cache
+
+__all__ = [
+    "ArgumentTypeError",
+    "DType",
+    "Error",
+    "IsLevel",
+    "LmHeadLossPlan",
+    "LmHeadOptions",
+    "LmHeadShape",
+    "LossConfig",
+    "LossType",
+    "Metrics",
+    "PlanCache",
+    "UnsupportedError",
+    "WeightLayout",
+    "Workspace",
+    "__version__",
+    "default_plan_cache",
+    "simd_path",
+    "version",
+]

@@ -1,0 +1,73 @@
+"""A cache of built plans, generic over plan kinds, sharing one workspace.
+
+Building a plan validates the configuration and creates its oneDNN primitives
+(a few ms); a training loop calls the loss with the same shapes every step, so
+plans are kept per key. Every plan of a cache executes in the cache's one
+Workspace, which grows to the largest plan's size and is then reused: steady
+state allocates neither plans nor workspace.
+
+The key is whatever determines a plan: for the LM-head loss, (B, T, H, V,
+dtypes, layout, bias, row strides, loss config, options). `kind` keeps the
+kinds of plan apart ("lm_head_loss" today; a log-prob head later).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Hashable
+
+from grpo._core import Workspace
+
+
+class PlanCache:
+    """Plans by (kind, key), least recently used evicted beyond `max_plans`."""
+
+    def __init__(self, max_plans: int = 64) -> None:
+        if max_plans < 1:
+            raise ValueError("max_plans must be >= 1")
+        self.max_plans = max_plans
+        self.workspace = Workspace()
+        self.builds = 0  # plans built so far (a training loop's count stops growing)
+        self._plans: OrderedDict[tuple[str, Hashable], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The plan for (kind, key); `build()` makes it on a miss."""
+        full_key = (kind, key)
+        with self._lock:
+            plan = self._plans.get(full_key)
+            if plan is not None:
+                self._plans.move_to_end(full_key)
+                return plan
+        # Built outside the lock (it releases the GIL); a concurrent miss on the
+        # same key builds twice and keeps one, which is harmless.
+        plan = build()
+        with self._lock:
+            plan = self._plans.setdefault(full_key, plan)
+            self._plans.move_to_end(full_key)
+            self.builds += 1
+            while len(self._plans) > self.max_plans:
+                self._plans.popitem(last=False)
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        """Drops every plan; the workspace stays allocated."""
+        with self._lock:
+            self._plans.clear()
+
+
+_default: PlanCache | None = None
+_default_lock = threading.Lock()
+
+
+def default_plan_cache() -> PlanCache:
+    """The process-wide cache the torch module uses unless given its own."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = PlanCache()
+        return _default

@@ -1,0 +1,603 @@
+"""grpo.torch: the fused GRPO LM-head loss as PyTorch autograd ops (CPU).
+
+- `LmHeadGRPOLoss`: a drop-in for Liger-Kernel 0.8.5's
+  `LigerFusedLinearGRPOLoss` (same constructor and forward arguments, same
+  return value: `(loss, (kl_mean if beta != 0, clip_ratio))`).
+- `lm_head_grpo_loss`: the functional form with grpo's own semantics and
+  every output (per-token logp, entropy, KL, all metrics).
+
+Both run the C++ fused kernel once in forward: it computes the loss and the
+gradients of hidden, weight and bias together (the [N, V] logits never exist);
+backward only scales them by grad_output. Large tensors (hidden, weight, bias,
+the gradients) are passed to C++ without copies; the small per-token tensors
+(ids, mask, advantages, log-probs) are converted to int32 / float32 when they
+are not already. Plans are cached per shape / dtype / stride / config /
+options in a `grpo.PlanCache` (the process-wide one unless `plan_cache` is
+given), and share its workspace. The GIL is released while the kernel runs.
+Threads: `num_threads`, else `torch.get_num_threads()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+
+import grpo
+from grpo import _core
+
+__all__ = ["LmHeadGRPOLoss", "LmHeadLossResult", "lm_head_grpo_loss"]
+
+_LOSS_TYPES = {
+    "grpo": _core.LossType.grpo,
+    "bnpo": _core.LossType.bnpo,
+    "dr_grpo": _core.LossType.dr_grpo,
+    "dapo": _core.LossType.dapo,
+    "cispo": _core.LossType.cispo,
+    "sapo": _core.LossType.sapo,
+}
+# Liger / TRL loss types the C++ core does not compute (yet).
+_UNSUPPORTED_LOSS_TYPES = ("luspo", "vespo")
+_IS_LEVELS = {"token": _core.IsLevel.token, "sequence": _core.IsLevel.sequence}
+_FLOAT_DTYPES = {torch.float32: _core.DType.f32, torch.bfloat16: _core.DType.bf16}
+
+
+# --------------------------------------------------------------------------
+# Argument checks. Every refusal names the argument (as the caller spelled it)
+# and happens before any output exists.
+# --------------------------------------------------------------------------
+
+
+def _refuse(argument: str, message: str, kind: type = grpo.Error) -> Exception:
+    error = kind(f"grpo: invalid argument '{argument}': {message}")
+    error.argument = argument
+    return error
+
+
+def _check_cpu(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise _refuse(name, f"must be a torch.Tensor, got {type(t).__name__}", grpo.ArgumentTypeError)
+    if t.device.type != "cpu":
+        raise _refuse(name, f"must be a CPU tensor, got device '{t.device}'")
+    if t.layout != torch.strided:
+        raise _refuse(name, f"must be a strided (dense) tensor, got {t.layout}")
+
+
+def _check_float(t: torch.Tensor, name: str) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise _refuse(name, f"must be float32 or bfloat16, got {t.dtype}", grpo.ArgumentTypeError)
+
+
+def _check_shape(t: torch.Tensor, name: str, *shapes: tuple[int, ...]) -> None:
+    if tuple(t.shape) not in shapes:
+        expected = " or ".join(str(list(s)) for s in shapes)
+        raise _refuse(name, f"has shape {list(t.shape)}, expected {expected}")
+
+
+def _per_token(t: Optional[torch.Tensor], name: str, b: int, s: int, *, dtype=torch.float32,
+               extra_shapes: tuple[tuple[int, ...], ...] = ()) -> Optional[torch.Tensor]:
+    """A small [B, T] (or extra-shaped) tensor as a contiguous float32 / int32 one."""
+    if t is None:
+        return None
+    _check_cpu(t, name)
+    _check_shape(t, name, (b, s), *extra_shapes)
+    if dtype == torch.int32:
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise _refuse(name, f"must have an integer dtype, got {t.dtype}", grpo.ArgumentTypeError)
+        converted = t.to(torch.int32)
+        if t.dtype != torch.int32 and not torch.equal(converted.to(t.dtype), t):
+            raise _refuse(name, "holds values outside the int32 range")
+        return converted.contiguous()
+    if t.dtype.is_complex:
+        raise _refuse(name, f"must be real, got {t.dtype}", grpo.ArgumentTypeError)
+    return t.detach().to(torch.float32).contiguous()
+
+
+def _row_stride(m: torch.Tensor) -> int:
+    # As the C++ binding computes it: a single row's stride means nothing.
+    return m.stride(0) if m.shape[0] > 1 else m.shape[1]
+
+
+def _as_rows(hidden: torch.Tensor, name: str, n: int) -> torch.Tensor:
+    """hidden [B, T, H] or [N, H] as an [N, H] view with unit inner stride.
+
+    A view when the rows share one stride (contiguous, or a row-strided
+    slice); a [B, T, H] slice whose sequences are not evenly spaced (e.g. the
+    last T positions of longer sequences) is copied once.
+    """
+    if hidden.dim() not in (2, 3):
+        raise _refuse(name, f"must be [B, T, H] or [B*T, H], got {hidden.dim()} dimensions")
+    if hidden.shape[-1] > 1 and hidden.stride(-1) != 1:
+        raise _refuse(name, f"must have unit inner stride, got {hidden.stride(-1)}")
+    rows = hidden.reshape(-1, hidden.shape[-1]) if hidden.dim() == 3 else hidden
+    if rows.shape[0] != n:
+        raise _refuse(name, f"has {rows.shape[0]} rows, expected B*T = {n}")
+    return rows
+
+
+# --------------------------------------------------------------------------
+# The autograd op: gradients computed in forward, scaled in backward.
+# --------------------------------------------------------------------------
+
+
+class _ScaledGradients(torch.autograd.Function):
+    """Attaches precomputed (unscaled) gradients to the loss.
+
+    `scale` is the factor the kernel's gradients still need (1/normalizer for
+    dapo / cispo, whose plans are built with a unit normalizer so they can be
+    reused while num_items_in_batch changes every step); backward multiplies
+    by grad_output * scale and casts to each input's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, grads, scale):  # noqa: D401
+        dhidden, dweight, dbias = grads
+        ctx.save_for_backward(dhidden, dweight, dbias)
+        ctx.scale = scale
+        ctx.meta = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dhidden, dweight, dbias = ctx.saved_tensors
+        hidden_shape, hidden_dtype, weight_dtype, bias_dtype = ctx.meta
+        factor = grad_loss.to(torch.float32) * ctx.scale
+        unit = ctx.scale == 1.0 and bool(grad_loss == 1.0)
+
+        def scaled(g, dtype):
+            return (g if unit else g * factor).to(dtype)
+
+        gh = scaled(dhidden, hidden_dtype).view(hidden_shape) if ctx.needs_input_grad[1] else None
+        gw = scaled(dweight, weight_dtype) if ctx.needs_input_grad[2] else None
+        gb = scaled(dbias, bias_dtype) if (bias_dtype is not None and ctx.needs_input_grad[3]) else None
+        return None, gh, gw, gb, None, None
+
+
+@dataclasses.dataclass
+class LmHeadLossResult:
+    """What `lm_head_grpo_loss` returns.
+
+    loss: 0-dim float32, differentiable w.r.t. hidden / weight / bias.
+    per_token_logps: [B, T] float32 (0 on masked rows): the next epoch's old_logp.
+    entropy: [B, T] float32 when requested. kl: [B, T] float32 raw k3 when beta != 0.
+    metrics: clip_ratio_low / high / region, kl_mean, entropy_mean (masked
+    means over valid rows), num_valid.
+    """
+
+    loss: torch.Tensor
+    per_token_logps: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    kl: Optional[torch.Tensor]
+    metrics: dict[str, float]
+
+
+def lm_head_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    old_logp: Optional[torch.Tensor] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    is_weight: Optional[torch.Tensor] = None,
+    loss_type: str = "grpo",
+    importance_sampling_level: str = "token",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: Optional[float] = None,
+    beta: float = 0.0,
+    kl_bias_correction: bool = False,
+    temperature: float = 1.0,
+    temperature_on_logp: bool = False,
+    max_completion_length: Optional[int] = None,
+    num_items_in_batch: Optional[float] = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    return_entropy: bool = False,
+    num_threads: Optional[int] = None,
+    workspace_budget: Optional[int] = None,
+    plan_cache: Optional[grpo.PlanCache] = None,
+    _names: Optional[dict[str, str]] = None,
+) -> LmHeadLossResult:
+    """The GRPO loss of an LM head, fused (grpo's semantics: README "What it computes").
+
+    hidden [B, T, H] or [B*T, H] and weight [V, H] (lm_head.weight), both
+    float32 or both bfloat16, unit inner stride (any row stride); bias [V];
+    ids / mask [B, T]; advantages [B] or [B, T]; old_logp / ref_logp [B, T];
+    is_weight [B, T], [B, 1] or [B]. dapo / cispo need num_items_in_batch
+    (the global valid-token count); dr_grpo needs max_completion_length.
+    """
+    names = {k: k for k in ("hidden", "weight", "bias", "ids", "mask", "advantages", "old_logp", "ref_logp",
+                            "is_weight", "loss_type", "importance_sampling_level", "num_items_in_batch")}
+    if _names:
+        names.update(_names)
+    if loss_type in _UNSUPPORTED_LOSS_TYPES:
+        raise _refuse(names["loss_type"], f"'{loss_type}' is not implemented by grpo", NotImplementedError)
+    if loss_type not in _LOSS_TYPES:
+        raise _refuse(names["loss_type"], f"unknown loss type '{loss_type}' (one of {', '.join(_LOSS_TYPES)})")
+    if importance_sampling_level not in _IS_LEVELS:
+        raise _refuse(names["importance_sampling_level"], f"must be 'token' or 'sequence', got '{importance_sampling_level}'")
+
+    _check_cpu(ids, names["ids"])
+    if ids.dim() != 2:
+        raise _refuse(names["ids"], f"must be [B, T], got shape {list(ids.shape)}")
+    b, s = ids.shape
+    n = b * s
+    for t, key in ((hidden, "hidden"), (weight, "weight")):
+        _check_cpu(t, names[key])
+        _check_float(t, names[key])
+    if weight.dtype != hidden.dtype:
+        raise _refuse(names["weight"], f"has dtype {weight.dtype} but {names['hidden']} has {hidden.dtype}; "
+                      "grpo needs both float32 or both bfloat16", grpo.ArgumentTypeError)
+    rows = _as_rows(hidden, names["hidden"], n)
+    h = rows.shape[1]
+    if weight.dim() != 2 or weight.shape[1] != h:
+        raise _refuse(names["weight"], f"has shape {list(weight.shape)}, expected [V, {h}]")
+    if weight.shape[1] > 1 and weight.stride(1) != 1:
+        raise _refuse(names["weight"], f"must have unit inner stride, got {weight.stride(1)}")
+    v = weight.shape[0]
+    if bias is not None:
+        _check_cpu(bias, names["bias"])
+        _check_float(bias, names["bias"])
+        _check_shape(bias, names["bias"], (v,))
+        if v > 1 and bias.stride(0) != 1:
+            raise _refuse(names["bias"], f"must be contiguous, got stride {bias.stride(0)}")
+
+    ids32 = _per_token(ids, names["ids"], b, s, dtype=torch.int32)
+    mask32 = _per_token(mask, names["mask"], b, s)
+    adv32 = _per_token(advantages, names["advantages"], b, s, extra_shapes=((b,),))
+    old32 = _per_token(old_logp, names["old_logp"], b, s)
+    ref32 = _per_token(ref_logp, names["ref_logp"], b, s)
+    isw32 = _per_token(is_weight, names["is_weight"], b, s, extra_shapes=((b, 1), (b,)))
+
+    # dapo / cispo: the plan gets a unit normalizer and the result is scaled, so
+    # one plan serves every step whatever num_items_in_batch is.
+    scale = 1.0
+    items = 0.0
+    if loss_type in ("dapo", "cispo"):
+        if num_items_in_batch is None:
+            raise _refuse(names["num_items_in_batch"], f"is required for loss_type '{loss_type}' "
+                          "(the global valid-token count)")
+        normalizer = float(num_items_in_batch)
+        if not (normalizer > 0.0 and math.isfinite(normalizer)):
+            raise _refuse(names["num_items_in_batch"], f"must be finite and > 0, got {normalizer}")
+        scale = 1.0 / normalizer
+        items = 1.0
+
+    config = _core.LossConfig()
+    config.loss_type = _LOSS_TYPES[loss_type]
+    config.importance_sampling_level = _IS_LEVELS[importance_sampling_level]
+    config.epsilon_low = float(epsilon_low)
+    config.epsilon_high = float(epsilon_high)
+    config.delta = None if delta is None else float(delta)
+    config.beta = float(beta)
+    config.kl_bias_correction = bool(kl_bias_correction)
+    config.temperature = float(temperature)
+    config.temperature_on_logp = bool(temperature_on_logp)
+    config.max_completion_length = int(max_completion_length or 0)
+    config.num_items_in_batch = items
+    config.sapo_tau_pos = float(sapo_temperature_pos)
+    config.sapo_tau_neg = float(sapo_temperature_neg)
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    threads = int(num_threads) if num_threads is not None else torch.get_num_threads()
+    dtype = _FLOAT_DTYPES[hidden.dtype]
+    bias_dtype = _FLOAT_DTYPES[bias.dtype] if bias is not None else _core.DType.f32
+    hidden_ld, weight_ld = _row_stride(rows), _row_stride(weight)
+
+    key = (b, s, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld,
+           loss_type, importance_sampling_level, config.epsilon_low, config.epsilon_high, config.delta,
+           config.beta, config.kl_bias_correction, config.temperature, config.temperature_on_logp,
+           config.max_completion_length, items, config.sapo_tau_pos, config.sapo_tau_neg,
+           not needs_grad, threads, workspace_budget)
+
+    def build():
+        shape = _core.LmHeadShape()
+        shape.batch, shape.seq_len, shape.hidden, shape.vocab = b, s, h, v
+        shape.dtype = dtype
+        shape.has_bias = bias is not None
+        shape.bias_dtype = bias_dtype
+        shape.hidden_ld, shape.weight_ld = hidden_ld, weight_ld
+        options = _core.LmHeadOptions()
+        options.max_threads = threads
+        options.forward_only = not needs_grad
+        if workspace_budget is not None:
+            options.workspace_budget = int(workspace_budget)
+        return _core.LmHeadLossPlan(shape, config, options)
+
+    cache = plan_cache if plan_cache is not None else grpo.default_plan_cache()
+    try:
+        plan = cache.get("lm_head_loss", key, build)
+        # Outputs exist only once the plan accepted the configuration; the
+        # kernel validates every input before it writes any of them.
+        logp = torch.empty(n, dtype=torch.float32)
+        entropy = torch.empty(n, dtype=torch.float32) if return_entropy else None
+        kl = torch.empty(n, dtype=torch.float32) if beta != 0.0 else None
+        dhidden = torch.empty(n, h, dtype=torch.float32) if needs_grad else None
+        dweight = torch.empty(v, h, dtype=torch.float32) if needs_grad else None
+        dbias = torch.empty(v, dtype=torch.float32) if (needs_grad and bias is not None) else None
+        m = plan.execute(cache.workspace, rows.detach(), weight.detach(), None if bias is None else bias.detach(),
+                         ids32, mask32, adv32, old32, ref32, isw32, logp, entropy, kl, dhidden, dweight, dbias)
+    except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
+        raise _renamed(error, names) from None
+
+    loss_value = torch.tensor(m.loss * scale, dtype=torch.float32)
+    if needs_grad:
+        loss = _ScaledGradients.apply(loss_value, hidden, weight, bias, (dhidden, dweight, dbias), scale)
+    else:
+        loss = loss_value
+    metrics = {
+        "clip_ratio_low": m.clip_ratio_low,
+        "clip_ratio_high": m.clip_ratio_high,
+        "clip_ratio_region": m.clip_ratio_region,
+        "kl_mean": m.kl_mean,
+        "entropy_mean": m.entropy_mean,
+        "num_valid": m.num_valid,
+    }
+    return LmHeadLossResult(loss, logp.view(b, s), None if entropy is None else entropy.view(b, s),
+                            None if kl is None else kl.view(b, s), metrics)
+
+
+_CORE_NAMES = {"hidden": "hidden", "weight": "weight", "bias": "bias", "ids": "ids", "mask": "mask",
+               "advantages": "advantages", "old_logp": "old_logp", "ref_logp": "ref_logp", "is_weight": "is_weight"}
+
+
+def _renamed(error: Exception, names: dict[str, str]) -> Exception:
+    """The library's refusal, re-raised naming the caller's argument too."""
+    argument = getattr(error, "argument", "")
+    caller = names.get(_CORE_NAMES.get(argument, ""), None)
+    if caller is None and argument.startswith("config."):
+        caller = names.get(argument[len("config."):], argument[len("config."):])
+    if caller is None or caller == argument:
+        return error
+    renamed = type(error)(f"{error} (argument '{caller}')")
+    renamed.argument = caller
+    return renamed
+
+
+# --------------------------------------------------------------------------
+# The Liger-compatible module.
+# --------------------------------------------------------------------------
+
+_LIGER_NAMES = {
+    "hidden": "_input",
+    "weight": "lin_weight",
+    "bias": "bias",
+    "ids": "selected_token_ids",
+    "mask": "attention_mask",
+    "advantages": "advantages",
+    "old_logp": "old_per_token_logps",
+    "ref_logp": "ref_per_token_logps",
+    "is_weight": "vllm_is_ratio",
+    "loss_type": "loss_type",
+    "importance_sampling_level": "importance_sampling_level",
+    "num_items_in_batch": "num_items_in_batch",
+    "kl_bias_correction": "use_bias_correction_kl",
+    "sapo_tau_pos": "sapo_temperature_pos",
+    "sapo_tau_neg": "sapo_temperature_neg",
+}
+
+
+class LmHeadGRPOLoss(torch.nn.Module):
+    """Liger-Kernel 0.8.5's `LigerFusedLinearGRPOLoss`, computed by grpo's fused CPU kernel.
+
+    Same constructor, same forward arguments, same return value:
+    `(loss, (kl_mean,) + (clip_ratio,))`, the KL metric present when beta != 0.
+    `compiled` and `chunk_size` (Liger's torch.compile and chunking knobs) are
+    accepted and have no effect. Extra keyword-only arguments: num_threads
+    (default torch.get_num_threads()), temperature_on_logp, workspace_budget,
+    plan_cache.
+
+    Not supported (NotImplementedError naming the argument): loss_type 'luspo'
+    and 'vespo'; computing reference log-probs from ref_input / ref_weight /
+    ref_bias (pass ref_per_token_logps); delta <= 1 + epsilon_high for the
+    clipped loss types. Differences from Liger are listed in README "Python".
+    """
+
+    def __init__(
+        self,
+        beta: float = 0.04,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        chunk_size: int = 1,
+        epsilon_low: float = 0.2,
+        epsilon_high: float = 0.2,
+        loss_type: str = "dapo",
+        max_completion_length: Optional[int] = None,
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        temperature: float = 1.0,
+        delta: Optional[float] = None,
+        use_bias_correction_kl: bool = False,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        *,
+        num_threads: Optional[int] = None,
+        temperature_on_logp: bool = False,
+        workspace_budget: Optional[int] = None,
+        plan_cache: Optional[grpo.PlanCache] = None,
+    ):
+        super().__init__()
+        # Liger's own constructor checks, with its messages.
+        if sapo_temperature_pos <= 0:
+            raise ValueError(f"sapo_temperature_pos must be positive, got {sapo_temperature_pos}")
+        if sapo_temperature_neg <= 0:
+            raise ValueError(f"sapo_temperature_neg must be positive, got {sapo_temperature_neg}")
+        if delta is not None and delta <= 0:
+            raise ValueError(f"delta must be positive, got {delta}")
+        self.beta = beta
+        self.compiled = compiled
+        self.use_ref_model = use_ref_model
+        self.chunk_size = chunk_size
+        self.epsilon_low = epsilon_low
+        self.epsilon_high = epsilon_high
+        self.loss_type = loss_type
+        self.max_completion_length = max_completion_length
+        self.importance_sampling_level = importance_sampling_level
+        self.sapo_temperature_pos = sapo_temperature_pos
+        self.sapo_temperature_neg = sapo_temperature_neg
+        self.temperature = temperature
+        self.delta = delta
+        self.use_bias_correction_kl = use_bias_correction_kl
+        self.vespo_k_pos = vespo_k_pos
+        self.vespo_lambda_pos = vespo_lambda_pos
+        self.vespo_k_neg = vespo_k_neg
+        self.vespo_lambda_neg = vespo_lambda_neg
+        self.num_threads = num_threads
+        self.temperature_on_logp = temperature_on_logp
+        self.workspace_budget = workspace_budget
+        self.plan_cache = plan_cache
+        self._check_settings()
+
+    def _check_settings(self) -> None:
+        if self.loss_type in _UNSUPPORTED_LOSS_TYPES:
+            raise _refuse("loss_type", f"'{self.loss_type}' is not implemented by grpo", NotImplementedError)
+        if self.loss_type not in _LOSS_TYPES:
+            raise ValueError(f"Unknown loss type: {self.loss_type}")
+        if self.importance_sampling_level not in _IS_LEVELS:
+            raise ValueError(f"Unknown importance sampling level: {self.importance_sampling_level}. "
+                             "Possible values are 'token' and 'sequence'.")
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("cispo", "sapo"):
+            raise ValueError(f"Sequence-level importance sampling is not supported for loss_type='{self.loss_type}'. "
+                             "Use importance_sampling_level='token' instead.")
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise _refuse("max_completion_length", "must be provided for loss_type 'dr_grpo'")
+        # Liger ignores delta for cispo and sapo; for the clipped types grpo
+        # requires delta > 1 + epsilon_high (below it Liger's min(r, delta) is
+        # below the clip range, a regime grpo does not compute).
+        if self.delta is not None and self.loss_type not in ("cispo", "sapo") and \
+                not self.delta > 1.0 + self.epsilon_high:
+            raise _refuse("delta", f"delta = {self.delta} <= 1 + epsilon_high = {1.0 + self.epsilon_high} "
+                          "is not supported by grpo", NotImplementedError)
+
+    def forward(
+        self,
+        _input,
+        lin_weight,
+        selected_token_ids,
+        attention_mask,
+        advantages,
+        bias=None,
+        ref_per_token_logps=None,
+        old_per_token_logps=None,
+        ref_input=None,
+        ref_weight=None,
+        ref_bias=None,
+        vllm_is_ratio=None,
+        num_items_in_batch=None,
+    ):
+        self._check_settings()
+        # Liger reads ref_per_token_logps only when use_ref_model; otherwise the
+        # reference is the policy itself (KL = 0, no KL gradient).
+        if self.use_ref_model:
+            if ref_per_token_logps is None:
+                for name, value in (("ref_input", ref_input), ("ref_weight", ref_weight), ("ref_bias", ref_bias)):
+                    if value is not None:
+                        raise _refuse(name, "computing reference log-probs from the reference model's hidden "
+                                      "states is not implemented by grpo; pass ref_per_token_logps",
+                                      NotImplementedError)
+                raise _refuse("ref_per_token_logps", "is required when use_ref_model is True "
+                              "(Liger: ref_per_token_logps or ref_input must be provided)")
+            if ref_input is not None:
+                warnings.warn("Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps.")
+        ref = ref_per_token_logps if self.use_ref_model else None
+        beta = float(self.beta) if ref is not None else 0.0
+        if _input is None or _input.dim() != 3:
+            raise _refuse("_input", "must be [B, T, H]")
+
+        is_weight = vllm_is_ratio
+        if self.loss_type in ("dapo", "cispo"):
+            num_items = self._dapo_normalizer(attention_mask, num_items_in_batch)
+        else:
+            num_items = None
+        delta = None if self.loss_type in ("cispo", "sapo") else self.delta
+
+        result = lm_head_grpo_loss(
+            _input, lin_weight, selected_token_ids, attention_mask, advantages,
+            bias=bias, old_logp=old_per_token_logps, ref_logp=ref, is_weight=is_weight,
+            loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=delta, beta=beta,
+            kl_bias_correction=self.use_bias_correction_kl, temperature=self.temperature,
+            temperature_on_logp=self.temperature_on_logp, max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items, sapo_temperature_pos=self.sapo_temperature_pos,
+            sapo_temperature_neg=self.sapo_temperature_neg, num_threads=self.num_threads,
+            workspace_budget=self.workspace_budget, plan_cache=self.plan_cache, _names=_LIGER_NAMES)
+
+        metrics = []
+        if self.beta != 0.0:
+            metrics.append(torch.tensor(self._liger_kl_metric(result, attention_mask, old_per_token_logps),
+                                        dtype=torch.float32))
+        metrics.append(torch.tensor(self._liger_clip_metric(result, attention_mask, advantages,
+                                                            old_per_token_logps), dtype=torch.float32))
+        return result.loss, tuple(metrics)
+
+    @staticmethod
+    def _dapo_normalizer(attention_mask, num_items_in_batch) -> float:
+        """Liger's `_compute_dapo_normalizer`: the per-process share of the global token count, >= 1."""
+        world_size = 1
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            world_size = torch.distributed.get_world_size()
+        if num_items_in_batch is not None:
+            total = float(num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor)
+                          else num_items_in_batch)
+        else:
+            if not isinstance(attention_mask, torch.Tensor):
+                raise _refuse("attention_mask", "must be a torch.Tensor", grpo.ArgumentTypeError)
+            count = attention_mask.to(torch.float32).sum()
+            if distributed:
+                count = count.clone()
+                torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.SUM)
+            total = float(count)
+        return max(total / world_size, 1.0)
+
+    def _ratio(self, result, attention_mask, old) -> torch.Tensor:
+        """Liger's coef_1 = exp(log r): per token, or per sequence ([B, 1]) at sequence level."""
+        logp = result.per_token_logps.double()
+        if old is None:
+            return torch.ones_like(logp)
+        log_ratio = logp - old.detach().double()
+        if self.importance_sampling_level == "sequence":
+            m = attention_mask.double()
+            log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        return torch.exp(log_ratio)
+
+    def _liger_kl_metric(self, result, attention_mask, old) -> float:
+        # Liger's KL metric is the masked mean of the KL term it adds to the
+        # loss: k3, times the ratio under use_bias_correction_kl. grpo's
+        # kl_mean is the raw k3's mean, so the corrected one is formed here.
+        if result.kl is None:
+            return 0.0
+        if not self.use_bias_correction_kl:
+            return result.metrics["kl_mean"]
+        m = attention_mask.double()
+        kl = result.kl.double() * self._ratio(result, attention_mask, old)
+        return float((kl * m).sum() / m.sum().clamp(min=1.0))
+
+    def _liger_clip_metric(self, result, attention_mask, advantages, old) -> float:
+        # grpo family: grpo's clip_ratio_region is Liger's metric. cispo: Liger
+        # counts r > epsilon_high (its cap) with A > 0, never a low clip. sapo:
+        # Liger reports 0 (no clipping).
+        if self.loss_type == "sapo":
+            return 0.0
+        if self.loss_type != "cispo":
+            return result.metrics["clip_ratio_region"]
+        m = attention_mask.double()
+        adv = advantages.detach().double()
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        clipped = (self._ratio(result, attention_mask, old) > self.epsilon_high) & (adv > 0)
+        return float((clipped * m).sum() / m.sum().clamp(min=1.0))
+
+    def extra_repr(self) -> str:
+        return (f"loss_type={self.loss_type!r}, beta={self.beta}, epsilon_low={self.epsilon_low}, "
+                f"epsilon_high={self.epsilon_high}, importance_sampling_level={self.importance_sampling_level!r}, "
+                f"temperature={self.temperature}")

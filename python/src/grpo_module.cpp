@@ -1,0 +1,343 @@
+// grpo._core: the nanobind binding of the C++ library.
+//
+// Arrays arrive through DLPack (any framework: torch, numpy, ...) and are
+// viewed in place: no copy. This layer checks what DLPack can tell (device,
+// dtype, rank, inner stride, contiguity) and names the argument when it
+// refuses; the library validates the rest before it writes any output. The
+// GIL is released while a plan is built and while it executes.
+//
+// Exceptions: grpo::Error becomes grpo.Error (a ValueError), or
+// grpo.UnsupportedError (a NotImplementedError) / MemoryError for the
+// library's "unsupported" / "out of memory" refusals; a wrong dtype is a
+// grpo.ArgumentTypeError (a TypeError). Each carries .argument, the name of
+// the offending argument.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "grpo/grpo.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+// A wrong element type, translated to grpo.ArgumentTypeError (a TypeError).
+struct ArgumentTypeError {
+  std::string argument;
+  std::string message;
+};
+
+using Array = nb::ndarray<>;
+using OptArray = std::optional<Array>;
+
+PyObject* g_error = nullptr;              // grpo.Error(ValueError)
+PyObject* g_unsupported_error = nullptr;  // grpo.UnsupportedError(NotImplementedError)
+PyObject* g_type_error = nullptr;         // grpo.ArgumentTypeError(TypeError)
+
+[[noreturn]] void refuse(const std::string& argument, const std::string& message) {
+  throw grpo::Error(argument, message);
+}
+
+bool is_f32(nb::dlpack::dtype d) { return d == nb::dtype<float>(); }
+bool is_bf16(nb::dlpack::dtype d) {
+  return d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16 && d.lanes == 1;
+}
+
+std::string dtype_name(nb::dlpack::dtype d) {
+  static const char* const codes[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
+  const std::string code = d.code < 7 ? codes[d.code] : "code" + std::to_string(d.code);
+  return code + std::to_string(d.bits) + (d.lanes != 1 ? "x" + std::to_string(d.lanes) : "");
+}
+
+void check_cpu(const Array& a, const char* name) {
+  if (a.device_type() != nb::device::cpu::value) {
+    refuse(name, "is not a CPU array (DLPack device type " + std::to_string(a.device_type()) + ")");
+  }
+}
+
+grpo::DType float_dtype(const Array& a, const char* name) {
+  if (is_f32(a.dtype())) return grpo::DType::f32;
+  if (is_bf16(a.dtype())) return grpo::DType::bf16;
+  throw ArgumentTypeError{name, "must be float32 or bfloat16, got " + dtype_name(a.dtype())};
+}
+
+// The row stride the plan is keyed on: stride(0), or cols for a single row
+// (whose stride is meaningless). grpo/_views.py computes the same.
+std::int64_t row_stride(const Array& a) { return a.shape(0) > 1 ? a.stride(0) : static_cast<std::int64_t>(a.shape(1)); }
+
+// A 2-D array with unit inner stride and any row stride >= cols.
+template <typename View, typename Ptr>
+View matrix(const Array& a, const char* name, Ptr data) {
+  check_cpu(a, name);
+  if (a.ndim() != 2) refuse(name, "must be 2-D, got " + std::to_string(a.ndim()) + " dimensions");
+  if (a.shape(1) > 1 && a.stride(1) != 1) {
+    refuse(name, "must have unit inner stride, got " + std::to_string(a.stride(1)));
+  }
+  const std::int64_t ld = row_stride(a);
+  if (ld < static_cast<std::int64_t>(a.shape(1))) {
+    refuse(name, "row stride " + std::to_string(ld) + " is smaller than its " + std::to_string(a.shape(1)) + " columns");
+  }
+  return {data, float_dtype(a, name), static_cast<std::int64_t>(a.shape(0)), static_cast<std::int64_t>(a.shape(1)), ld};
+}
+
+grpo::MatrixView in_matrix(const Array& a, const char* name) { return matrix<grpo::MatrixView>(a, name, a.data()); }
+grpo::MutMatrixView out_matrix(const std::optional<Array>& a, const char* name) {
+  if (!a) return {};
+  return matrix<grpo::MutMatrixView>(*a, name, a->data());
+}
+
+// A C-contiguous array of any rank, viewed as a flat span of T.
+template <typename T>
+std::span<T> flat(const OptArray& a, const char* name) {
+  if (!a) return {};
+  check_cpu(*a, name);
+  if (a->dtype() != nb::dtype<std::remove_const_t<T>>()) {
+    throw ArgumentTypeError{name, std::string("must be ") + (std::is_same_v<std::remove_const_t<T>, float> ? "float32" : "int32") +
+                                      ", got " + dtype_name(a->dtype())};
+  }
+  std::int64_t expected = 1;
+  for (std::size_t i = a->ndim(); i-- > 0;) {
+    if (a->shape(i) != 1 && a->stride(i) != expected) refuse(name, "must be contiguous");
+    expected *= static_cast<std::int64_t>(a->shape(i));
+  }
+  return {static_cast<T*>(a->data()), a->size()};
+}
+
+// The workspace every plan of a cache shares: 64-byte aligned, grown to the
+// largest plan's size and never shrunk, so a training loop allocates it once.
+// The mutex serializes the executes that share it.
+class Workspace {
+ public:
+  Workspace() = default;
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+
+  // Holds the lock for the duration of one execute.
+  std::span<std::byte> acquire(std::size_t bytes, std::unique_lock<std::mutex>& lock) {
+    lock = std::unique_lock<std::mutex>(mutex_);
+    if (bytes > size_) {
+      const std::size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+      buffer_.reset(static_cast<std::byte*>(std::aligned_alloc(kAlign, rounded)));
+      if (!buffer_) {
+        size_ = 0;
+        throw std::bad_alloc();
+      }
+      size_ = rounded;
+      ++allocations_;
+    }
+    return {buffer_.get(), size_};
+  }
+
+  std::size_t size() const { return size_; }
+  std::int64_t allocations() const { return allocations_; }
+
+ private:
+  static constexpr std::size_t kAlign = 64;  // what LmHeadLossPlan::execute requires
+  struct Free {
+    void operator()(std::byte* p) const { std::free(p); }
+  };
+  std::mutex mutex_;
+  std::unique_ptr<std::byte, Free> buffer_;
+  std::size_t size_ = 0;
+  std::int64_t allocations_ = 0;
+};
+
+grpo::Metrics execute_lm_head(const grpo::LmHeadLossPlan& plan, Workspace* workspace, const Array& hidden,
+                              const Array& weight, const OptArray& bias, const Array& ids, const Array& mask,
+                              const Array& advantages, const OptArray& old_logp, const OptArray& ref_logp,
+                              const OptArray& is_weight, const Array& logp, const OptArray& entropy,
+                              const OptArray& kl, const OptArray& dhidden, const OptArray& dweight,
+                              const OptArray& dbias) {
+  grpo::LmHeadInputs in;
+  in.hidden = in_matrix(hidden, "hidden");
+  in.weight = in_matrix(weight, "weight");
+  if (bias) {
+    check_cpu(*bias, "bias");
+    if (bias->ndim() != 1) refuse("bias", "must be 1-D");
+    if (bias->shape(0) > 1 && bias->stride(0) != 1) refuse("bias", "must be contiguous");
+    in.bias = {bias->data(), float_dtype(*bias, "bias"), static_cast<std::int64_t>(bias->shape(0))};
+  }
+  in.batch.ids = flat<const std::int32_t>(ids, "ids");
+  in.batch.mask = flat<const float>(mask, "mask");
+  in.batch.advantages = flat<const float>(advantages, "advantages");
+  in.batch.old_logp = flat<const float>(old_logp, "old_logp");
+  in.batch.ref_logp = flat<const float>(ref_logp, "ref_logp");
+  in.batch.is_weight = flat<const float>(is_weight, "is_weight");
+
+  grpo::Metrics metrics;
+  grpo::LmHeadOutputs out;
+  out.tokens.logp = flat<float>(logp, "logp");
+  out.tokens.entropy = flat<float>(entropy, "entropy");
+  out.tokens.kl = flat<float>(kl, "kl");
+  out.dhidden = out_matrix(dhidden, "dhidden");
+  out.dweight = out_matrix(dweight, "dweight");
+  out.dbias = flat<float>(dbias, "dbias");
+  out.metrics = &metrics;
+
+  nb::gil_scoped_release release;
+  if (workspace != nullptr) {
+    std::unique_lock<std::mutex> lock;
+    plan.execute(in, out, workspace->acquire(plan.workspace_size(), lock));
+  } else {
+    plan.execute(in, out);
+  }
+  return metrics;
+}
+
+void raise_with_argument(PyObject* type, const std::string& argument, const char* message) {
+  nb::object instance = nb::steal(PyObject_CallFunction(type, "s", message));
+  if (!instance.is_valid()) return;  // the call set its own Python error
+  nb::setattr(instance, "argument", nb::str(argument.c_str()));
+  PyErr_SetObject(type, instance.ptr());
+}
+
+// The library's refusal kinds, when it has them (grpo::Error::kind() is newer
+// than some trees this binds against).
+template <typename E>
+PyObject* error_type(const E& e) {
+  if constexpr (requires { e.kind(); }) {
+    if (e.kind() == decltype(e.kind())::unsupported) return g_unsupported_error;
+    if (e.kind() == decltype(e.kind())::out_of_memory) return PyExc_MemoryError;
+  }
+  return g_error;
+}
+
+void translate(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const grpo::Error& e) {
+    PyObject* type = error_type(e);
+    if (type == PyExc_MemoryError) {
+      PyErr_SetString(type, e.what());
+    } else {
+      raise_with_argument(type, e.argument(), e.what());
+    }
+  } catch (const ArgumentTypeError& e) {
+    raise_with_argument(g_type_error, e.argument, ("grpo: invalid argument '" + e.argument + "': " + e.message).c_str());
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "grpo: the fused GRPO LM-head loss (C++ core). See grpo.torch for the PyTorch module.";
+  m.attr("__version__") = GRPO_VERSION_STRING;
+  m.def("version", &grpo::version, "The version of the linked C++ library.");
+  m.def("simd_path", &grpo::simd_path, "The SIMD path the stage kernels dispatch to: 'avx512' or 'scalar'.");
+
+  g_error = PyErr_NewExceptionWithDoc("grpo.Error", "A refusal of the grpo library; .argument names the argument.",
+                                      PyExc_ValueError, nullptr);
+  g_unsupported_error =
+      PyErr_NewExceptionWithDoc("grpo.UnsupportedError", "A valid request grpo cannot serve; .argument names it.",
+                                PyExc_NotImplementedError, nullptr);
+  g_type_error = PyErr_NewExceptionWithDoc("grpo.ArgumentTypeError",
+                                           "An array of the wrong element type; .argument names it.", PyExc_TypeError,
+                                           nullptr);
+  m.attr("Error") = nb::handle(g_error);
+  m.attr("UnsupportedError") = nb::handle(g_unsupported_error);
+  m.attr("ArgumentTypeError") = nb::handle(g_type_error);
+  nb::register_exception_translator(translate);
+
+  nb::enum_<grpo::DType>(m, "DType").value("f32", grpo::DType::f32).value("bf16", grpo::DType::bf16);
+  nb::enum_<grpo::LossType>(m, "LossType")
+      .value("grpo", grpo::LossType::grpo)
+      .value("bnpo", grpo::LossType::bnpo)
+      .value("dr_grpo", grpo::LossType::dr_grpo)
+      .value("dapo", grpo::LossType::dapo)
+      .value("cispo", grpo::LossType::cispo)
+      .value("sapo", grpo::LossType::sapo);
+  nb::enum_<grpo::IsLevel>(m, "IsLevel").value("token", grpo::IsLevel::token).value("sequence", grpo::IsLevel::sequence);
+  nb::enum_<grpo::WeightLayout>(m, "WeightLayout")
+      .value("vocab_major", grpo::WeightLayout::vocab_major)
+      .value("hidden_major", grpo::WeightLayout::hidden_major);
+
+  nb::class_<grpo::LossConfig>(m, "LossConfig", "The GRPO loss configuration (grpo::LossConfig).")
+      .def(nb::init<>())
+      .def_rw("loss_type", &grpo::LossConfig::loss_type)
+      .def_rw("importance_sampling_level", &grpo::LossConfig::importance_sampling_level)
+      .def_rw("epsilon_low", &grpo::LossConfig::epsilon_low)
+      .def_rw("epsilon_high", &grpo::LossConfig::epsilon_high)
+      .def_rw("delta", &grpo::LossConfig::delta)
+      .def_rw("beta", &grpo::LossConfig::beta)
+      .def_rw("kl_bias_correction", &grpo::LossConfig::kl_bias_correction)
+      .def_rw("temperature", &grpo::LossConfig::temperature)
+      .def_rw("temperature_on_logp", &grpo::LossConfig::temperature_on_logp)
+      .def_rw("max_completion_length", &grpo::LossConfig::max_completion_length)
+      .def_rw("num_items_in_batch", &grpo::LossConfig::num_items_in_batch)
+      .def_rw("sapo_tau_pos", &grpo::LossConfig::sapo_tau_pos)
+      .def_rw("sapo_tau_neg", &grpo::LossConfig::sapo_tau_neg);
+
+  nb::class_<grpo::LmHeadShape>(m, "LmHeadShape", "Shape, dtypes and strides of an LM-head plan (grpo::LmHeadShape).")
+      .def(nb::init<>())
+      .def_rw("batch", &grpo::LmHeadShape::batch)
+      .def_rw("seq_len", &grpo::LmHeadShape::seq_len)
+      .def_rw("hidden", &grpo::LmHeadShape::hidden)
+      .def_rw("vocab", &grpo::LmHeadShape::vocab)
+      .def_rw("dtype", &grpo::LmHeadShape::dtype)
+      .def_rw("layout", &grpo::LmHeadShape::layout)
+      .def_rw("has_bias", &grpo::LmHeadShape::has_bias)
+      .def_rw("bias_dtype", &grpo::LmHeadShape::bias_dtype)
+      .def_rw("hidden_ld", &grpo::LmHeadShape::hidden_ld)
+      .def_rw("weight_ld", &grpo::LmHeadShape::weight_ld)
+      .def_rw("dweight_ld", &grpo::LmHeadShape::dweight_ld);
+
+  // The allocator option is not exposed: Python plans use the default allocator.
+  nb::class_<grpo::LmHeadOptions>(m, "LmHeadOptions", "Schedule and output options (grpo::LmHeadOptions).")
+      .def(nb::init<>())
+      .def_rw("token_block", &grpo::LmHeadOptions::token_block)
+      .def_rw("vocab_tile", &grpo::LmHeadOptions::vocab_tile)
+      .def_rw("workspace_budget", &grpo::LmHeadOptions::workspace_budget)
+      .def_rw("max_threads", &grpo::LmHeadOptions::max_threads)
+      .def_rw("forward_only", &grpo::LmHeadOptions::forward_only)
+      .def_rw("dweight_dtype", &grpo::LmHeadOptions::dweight_dtype)
+      .def_rw("dhidden_dtype", &grpo::LmHeadOptions::dhidden_dtype)
+      .def_rw("accumulate_weight_grads", &grpo::LmHeadOptions::accumulate_weight_grads);
+
+  nb::class_<grpo::Metrics>(m, "Metrics", "Masked means over the valid rows of one execute (grpo::Metrics).")
+      .def_ro("loss", &grpo::Metrics::loss)
+      .def_ro("clip_ratio_low", &grpo::Metrics::clip_ratio_low)
+      .def_ro("clip_ratio_high", &grpo::Metrics::clip_ratio_high)
+      .def_ro("clip_ratio_region", &grpo::Metrics::clip_ratio_region)
+      .def_ro("kl_mean", &grpo::Metrics::kl_mean)
+      .def_ro("entropy_mean", &grpo::Metrics::entropy_mean)
+      .def_ro("num_valid", &grpo::Metrics::num_valid);
+
+  nb::class_<Workspace>(m, "Workspace",
+                        "64-byte aligned scratch memory shared by the plans of a cache; grows to the largest "
+                        "plan's size, never shrinks. Executes sharing it are serialized.")
+      .def(nb::init<>())
+      .def_prop_ro("size", &Workspace::size)
+      .def_prop_ro("allocations", &Workspace::allocations, "How many times the buffer was (re)allocated.");
+
+  nb::class_<grpo::LmHeadLossPlan>(m, "LmHeadLossPlan", "A validated fused LM-head GRPO plan (grpo::LmHeadLossPlan).")
+      .def(
+          "__init__",
+          [](grpo::LmHeadLossPlan* self, const grpo::LmHeadShape& shape, const grpo::LossConfig& config,
+             const grpo::LmHeadOptions& options) {
+            nb::gil_scoped_release release;
+            new (self) grpo::LmHeadLossPlan(shape, config, options);
+          },
+          "shape"_a, "config"_a, "options"_a = grpo::LmHeadOptions{})
+      .def_prop_ro("workspace_size", &grpo::LmHeadLossPlan::workspace_size)
+      .def("describe", &grpo::LmHeadLossPlan::describe)
+      .def("execute", &execute_lm_head,
+           "Validates, then computes (GIL released). Arrays are DLPack CPU arrays viewed in place: hidden [N, H] and "
+           "weight (f32 or bf16, unit inner stride, the plan's row strides), bias [V], ids int32 [N], mask / "
+           "advantages / old_logp / ref_logp / is_weight float32 (contiguous); outputs logp / entropy / kl float32 "
+           "[N], dhidden, dweight (the options' dtypes), dbias float32 [V]. Returns the Metrics; on a refusal no "
+           "output was written.",
+           "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a, "advantages"_a,
+           "old_logp"_a.none(), "ref_logp"_a.none(), "is_weight"_a.none(), "logp"_a, "entropy"_a.none(),
+           "kl"_a.none(), "dhidden"_a.none(), "dweight"_a.none(), "dbias"_a.none());
+}
