@@ -2,7 +2,9 @@
 // execution (validate the call, find the workspace, run the driver).
 #include "grpo/lm_head_loss.hpp"
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <sstream>
 #include <string>
 
@@ -29,10 +31,31 @@ void validate_lm_head_shape(const LmHeadShape& s) {
     throw Error("shape.layout", "unknown weight layout");
   }
   const std::int64_t weight_cols = s.layout == WeightLayout::vocab_major ? s.hidden : s.vocab;
+  const std::int64_t weight_rows = s.layout == WeightLayout::vocab_major ? s.vocab : s.hidden;
   if (s.hidden_ld != 0 && s.hidden_ld < s.hidden) throw Error("shape.hidden_ld", "is smaller than hidden");
   if (s.weight_ld != 0 && s.weight_ld < weight_cols) throw Error("shape.weight_ld", "is smaller than the weight's row");
   if (s.dweight_ld != 0 && s.dweight_ld < weight_cols)
     throw Error("shape.dweight_ld", "is smaller than the weight's row");
+  // oneDNN 2.6 keeps matmul dimensions and strides in 32-bit ints inside its
+  // kernels (a hidden of 2^32 crashed there): refuse what it cannot take.
+  constexpr std::int64_t kMaxDim = (std::int64_t{1} << 31) - 1;
+  const std::pair<std::int64_t, const char*> dims[] = {{s.hidden, "shape.hidden"},       {s.hidden_ld, "shape.hidden_ld"},
+                                                       {s.weight_ld, "shape.weight_ld"}, {s.dweight_ld, "shape.dweight_ld"},
+                                                       {s.seq_len, "shape.seq_len"},     {s.batch, "shape.batch"}};
+  for (const auto& [value, name] : dims) {
+    if (value > kMaxDim) {
+      throw Error(name, std::to_string(value) + " exceeds the 2^31 - 1 that oneDNN's matmul takes",
+                  ErrorKind::unsupported);
+    }
+  }
+  // Every size the library derives (elements and bytes of each operand) must
+  // fit in int64: checked here once, so nothing later can overflow or divide by 0.
+  const std::int64_t rows = checked_mul(s.batch, s.seq_len, "shape.seq_len");
+  const std::int64_t ld_h = std::max(s.hidden_ld, s.hidden);
+  const std::int64_t ld_w = std::max({s.weight_ld, s.dweight_ld, weight_cols});
+  checked_mul(checked_mul(rows, ld_h, "shape.hidden"), 8, "shape.hidden");
+  checked_mul(checked_mul(weight_rows, ld_w, "shape.vocab"), 8, "shape.vocab");
+  checked_mul(checked_mul(rows, s.vocab, "shape.vocab"), 8, "shape.vocab");
 }
 
 LmHeadShape resolve_lds(LmHeadShape s) {

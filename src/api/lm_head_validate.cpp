@@ -83,16 +83,18 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
   } else if (!in.bias.empty()) {
     throw Error("bias", "was given but the plan was built without has_bias");
   }
-  validate_batch(spec.config, s.batch, s.seq_len, s.vocab, in.batch);
+  const BatchMagnitudes magnitudes = validate_batch(spec.config, s.batch, s.seq_len, s.vocab, in.batch);
   validate_token_outputs(out.tokens, rows);
 
   const ByteRange inputs[] = {byte_range(in.hidden), byte_range(in.weight),
                               byte_range(in.bias.data, static_cast<std::size_t>(in.bias.size) *
                                                            (in.bias.empty() ? 0 : size_of(in.bias.dtype)))};
   const char* input_names[] = {"hidden", "weight", "bias"};
-  std::vector<std::pair<ByteRange, const char*>> outputs = {{span_range(out.tokens.logp), "logp"},
-                                                            {span_range(out.tokens.entropy), "entropy"},
-                                                            {span_range(out.tokens.kl), "kl"}};
+  // Every output with its bytes (a fixed array: validation allocates nothing).
+  std::pair<ByteRange, const char*> outputs[6] = {{span_range(out.tokens.logp), "logp"},
+                                                  {span_range(out.tokens.entropy), "entropy"},
+                                                  {span_range(out.tokens.kl), "kl"}};
+  std::size_t num_outputs = 3;
 
   if (spec.forward_only) {
     if (!out.dhidden.empty()) throw Error("dhidden", "was given but the plan is forward-only");
@@ -112,16 +114,17 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
     } else if (!out.dbias.empty()) {
       throw Error("dbias", "was given but the plan was built without has_bias");
     }
-    outputs.push_back({byte_range(out.dhidden.as_const()), "dhidden"});
-    outputs.push_back({byte_range(out.dweight.as_const()), "dweight"});
-    outputs.push_back({span_range(out.dbias), "dbias"});
+    outputs[num_outputs++] = {byte_range(out.dhidden.as_const()), "dhidden"};
+    outputs[num_outputs++] = {byte_range(out.dweight.as_const()), "dweight"};
+    outputs[num_outputs++] = {span_range(out.dbias), "dbias"};
   }
-  for (std::size_t a = 0; a < outputs.size(); ++a) {
+  for (std::size_t a = 0; a < num_outputs; ++a) {
     for (std::size_t i = 0; i < 3; ++i)
       check_no_overlap(outputs[a].first, outputs[a].second, inputs[i], input_names[i]);
-    for (std::size_t b = a + 1; b < outputs.size(); ++b) {
+    for (std::size_t b = a + 1; b < num_outputs; ++b) {
       check_no_overlap(outputs[b].first, outputs[b].second, outputs[a].first, outputs[a].second);
     }
+    check_output_vs_batch(outputs[a].first, outputs[a].second, in.batch, a == 0);
   }
 
   // Values: bias may hold -inf (banned tokens) but not NaN / +inf, and a valid
@@ -161,10 +164,11 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
   if (weight.first_bad_row >= 0) {
     throw Error("weight", "row " + std::to_string(weight.first_bad_row) + " contains NaN or inf");
   }
-  // Finite operands can still overflow f32 logits, and the fused kernel only
-  // meets a token block's logits after earlier blocks' outputs were written; so
-  // refuse here, from a bound: |z| <= H max|h| max|W| + max|b|, and x = z / tau
-  // (default convention) and differences like x_y - LSE at most double it.
+  // Finite operands can still overflow f32, and the fused kernel only meets a
+  // token block's logits after earlier blocks' outputs were written; so refuse
+  // here, from bounds: |z| <= B_z = H max|h| max|W| + max|b|; the softmax sees
+  // x = z * scale, and |x_y - LSE(x)| <= 2 B_x + log V; logp multiplies that by
+  // post (1/tau under temperature_on_logp).
   double bias_max = 0.0;
   if (s.has_bias) {
     for (std::int64_t v = 0; v < s.vocab; ++v) {
@@ -174,11 +178,28 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
       if (b != -std::numeric_limits<float>::infinity()) bias_max = std::max(bias_max, static_cast<double>(std::abs(b)));
     }
   }
-  const double tau_scale = spec.config.temperature_on_logp ? 1.0 : std::max(1.0, 1.0 / spec.config.temperature);
-  const double bound = (static_cast<double>(s.hidden) * hidden.max_abs * weight.max_abs + bias_max) * tau_scale * 4.0;
-  if (!(bound < static_cast<double>(std::numeric_limits<float>::max()))) {
+  const double f32_max = std::numeric_limits<float>::max();
+  const double tau = spec.config.temperature;
+  const double scale = spec.config.temperature_on_logp ? 1.0 : 1.0 / tau;
+  const double post = spec.config.temperature_on_logp ? 1.0 / tau : 1.0;
+  const double z_bound = static_cast<double>(s.hidden) * hidden.max_abs * weight.max_abs + bias_max;
+  if (!(z_bound * 4.0 < f32_max)) {
     throw Error("hidden", "hidden (max |h| = " + std::to_string(hidden.max_abs) + ") and weight (max |W| = " +
                               std::to_string(weight.max_abs) + ") can produce logits that overflow f32");
+  }
+  const double x_bound = z_bound * scale;
+  const double logp_bound = (2.0 * x_bound + std::log(static_cast<double>(s.vocab))) * post;
+  if (!(x_bound * 4.0 < f32_max) || !(logp_bound * 4.0 < f32_max)) {
+    throw Error("config.temperature", "temperature " + std::to_string(tau) +
+                                          " scales logits bounded by " + std::to_string(z_bound) +
+                                          " (from max |h|, max |W|) to log-probabilities that can overflow f32");
+  }
+  if (!spec.forward_only) {
+    // dweight and dbias sum dlogits over the valid rows (times h for dW);
+    // a dhidden row sums |onehot - p| <= 2 times max |W|.
+    const double n_valid = static_cast<double>(magnitudes.num_valid);
+    check_coefficient_bound(spec.config, s.batch, magnitudes, std::max(n_valid, 2.0),
+                            std::max({1.0, static_cast<double>(hidden.max_abs), static_cast<double>(weight.max_abs)}));
   }
 }
 

@@ -30,6 +30,9 @@ void validate_shape(const LogitsShape& shape) {
   detail::validate_positive(shape.seq_len, "shape.seq_len");
   detail::validate_positive(shape.vocab, "shape.vocab");
   if (shape.vocab > (std::int64_t{1} << 31) - 1) throw Error("shape.vocab", "exceeds the int32 id range");
+  // Sizes derived later (rows, elements and bytes of [N, V]) must fit in int64.
+  const std::int64_t rows = detail::checked_mul(shape.batch, shape.seq_len, "shape.seq_len");
+  detail::checked_mul(detail::checked_mul(rows, shape.vocab, "shape.vocab"), 8, "shape.vocab");
   if (shape.logits_dtype != DType::f32 && shape.logits_dtype != DType::bf16) {
     throw Error("shape.logits_dtype", "must be f32 or bf16");
   }
@@ -39,8 +42,10 @@ void validate_call(const LogitsShape& shape, const LossConfig& config, const Mat
                    const BatchInputs& batch, const LogitsOutputs& outputs) {
   const std::int64_t rows = shape.batch * shape.seq_len;
   detail::validate_matrix(logits, "logits", rows, shape.vocab, shape.logits_dtype);
-  detail::validate_batch(config, shape.batch, shape.seq_len, shape.vocab, batch);
+  const detail::BatchMagnitudes magnitudes =
+      detail::validate_batch(config, shape.batch, shape.seq_len, shape.vocab, batch);
   detail::validate_token_outputs(outputs.tokens, rows);
+  detail::check_token_outputs_vs_batch(outputs.tokens, batch);
   const detail::ByteRange in_range = detail::byte_range(logits);
   const auto span_range = [](std::span<float> s) { return detail::byte_range(s.data(), s.size_bytes()); };
   detail::check_no_overlap(span_range(outputs.tokens.logp), "logp", in_range, "logits");
@@ -55,6 +60,9 @@ void validate_call(const LogitsShape& shape, const LossConfig& config, const Mat
   detail::check_no_overlap(span_range(outputs.tokens.logp), "logp", out_range, "dlogits");
   detail::check_no_overlap(span_range(outputs.tokens.entropy), "entropy", out_range, "dlogits");
   detail::check_no_overlap(span_range(outputs.tokens.kl), "kl", out_range, "dlogits");
+  detail::check_output_vs_batch(out_range, "dlogits", batch, false);
+  // Each dlogits element is one term: |c_t| / tau.
+  detail::check_coefficient_bound(config, shape.batch, magnitudes, 1.0, 1.0);
 }
 
 }  // namespace

@@ -1,7 +1,13 @@
 #include "api/validate.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <sstream>
 #include <string>
+#include <utility>
+
+#include "kernels/token_terms.hpp"
 
 namespace grpo::detail {
 namespace {
@@ -84,8 +90,16 @@ void validate_config(const LossConfig& c) {
   }
 }
 
-void validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t seq_len, std::int64_t vocab,
-                    const BatchInputs& in) {
+std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* name) {
+  std::int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) {
+    throw Error(name, std::to_string(a) + " x " + std::to_string(b) + " overflows 64-bit sizes");
+  }
+  return out;
+}
+
+BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t seq_len,
+                               std::int64_t vocab, const BatchInputs& in) {
   const std::int64_t rows = batch * seq_len;
   check_size(in.ids.size(), rows, "ids");
   check_size(in.mask.size(), rows, "mask");
@@ -103,10 +117,12 @@ void validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t s
     throw Error("is_weight", "has " + std::to_string(in.is_weight.size()) + " elements, expected " +
                                  std::to_string(batch) + " or " + std::to_string(rows));
   }
+  BatchMagnitudes mag;
   for (std::int64_t r = 0; r < rows; ++r) {
     const float m = in.mask[r];
     if (m != 0.0F && m != 1.0F) throw Error("mask", "element " + std::to_string(r) + " is not 0 or 1");
     if (m == 0.0F) continue;  // ids of masked rows are never read as indices
+    ++mag.num_valid;
     const std::int32_t id = in.ids[r];
     if (id < 0 || id >= vocab) {
       throw Error("ids", "element " + std::to_string(r) + " = " + std::to_string(id) + " is outside [0, " +
@@ -117,6 +133,75 @@ void validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t s
   check_finite(in.old_logp, "old_logp");
   check_finite(in.ref_logp, "ref_logp");
   check_finite(in.is_weight, "is_weight");
+  for (const float a : in.advantages) mag.max_abs_advantage = std::max(mag.max_abs_advantage, std::fabs(double{a}));
+  if (!in.is_weight.empty()) {
+    mag.max_is_weight = 0.0;
+    for (const float w : in.is_weight) mag.max_is_weight = std::max(mag.max_is_weight, std::fabs(double{w}));
+  }
+  return mag;
+}
+
+void check_coefficient_bound(const LossConfig& c, std::int64_t batch, const BatchMagnitudes& m, double fan_in,
+                             double operand_max) {
+  double w_max = 1.0;  // dLoss/dl_t: the aggregation's normalizer (per-sequence ones are <= 1)
+  switch (c.loss_type) {
+    case LossType::grpo:
+    case LossType::sapo: w_max = 1.0 / static_cast<double>(batch); break;
+    case LossType::bnpo: w_max = 1.0; break;
+    case LossType::dr_grpo:
+      w_max = 1.0 / (static_cast<double>(batch) * static_cast<double>(c.max_completion_length));
+      break;
+    case LossType::dapo:
+    case LossType::cispo: w_max = 1.0 / c.num_items_in_batch; break;
+  }
+  double ratio = std::exp(kernels::kLogRatioClamp);
+  if (c.delta) ratio = std::min(ratio, static_cast<double>(*c.delta));
+  if (c.loss_type == LossType::cispo) ratio = std::min(ratio, static_cast<double>(c.epsilon_high));
+  const double inv_tau = 1.0 / static_cast<double>(c.temperature);
+  const double per_term = w_max * m.max_abs_advantage * ratio * m.max_is_weight * inv_tau;
+  const double bound = per_term * std::max(1.0, fan_in) * std::max(1.0, operand_max);
+  // A factor 4 of headroom for the f32 sums' rounding and the bf16 dlogits.
+  if (bound < static_cast<double>(std::numeric_limits<float>::max()) / 4.0) return;
+  // Name the input that contributes most (on a log scale) to the overflow.
+  const char* name = "advantages";
+  double largest = m.max_abs_advantage;
+  if (m.max_is_weight > largest) {
+    name = "is_weight";
+    largest = m.max_is_weight;
+  }
+  if (inv_tau > largest) name = "config.temperature";
+  std::ostringstream os;
+  os << "max |advantage| " << m.max_abs_advantage << ", max is_weight " << m.max_is_weight << ", 1/temperature "
+     << inv_tau << " and up to " << ratio << " for the ratio make gradients that can overflow f32 (bound " << bound
+     << ")";
+  throw Error(name, os.str());
+}
+
+void check_output_vs_batch(const ByteRange& output, const char* output_name, const BatchInputs& in,
+                           bool may_be_old_logp) {
+  if (output.first == nullptr) return;
+  const auto range = [](auto s) { return byte_range(s.data(), s.size_bytes()); };
+  const bool exactly_old_logp = may_be_old_logp && !in.old_logp.empty() &&
+                                output.first == reinterpret_cast<const std::byte*>(in.old_logp.data()) &&
+                                output.last == range(in.old_logp).last;
+  const std::pair<ByteRange, const char*> inputs[] = {
+      {range(in.ids), "ids"},           {range(in.mask), "mask"},         {range(in.advantages), "advantages"},
+      {range(in.old_logp), "old_logp"}, {range(in.ref_logp), "ref_logp"}, {range(in.is_weight), "is_weight"}};
+  for (const auto& [input, name] : inputs) {
+    if (exactly_old_logp && input.first == output.first) continue;
+    if (overlaps(output, input)) {
+      const bool old = input.first == range(in.old_logp).first;
+      throw Error(output_name, std::string("overlaps ") + name +
+                                   (old ? " (only logp may be written over old_logp, as the very same array)" : ""));
+    }
+  }
+}
+
+void check_token_outputs_vs_batch(const TokenOutputs& out, const BatchInputs& in) {
+  const auto range = [](std::span<float> s) { return byte_range(s.data(), s.size_bytes()); };
+  check_output_vs_batch(range(out.logp), "logp", in, /*may_be_old_logp=*/true);
+  check_output_vs_batch(range(out.entropy), "entropy", in, false);
+  check_output_vs_batch(range(out.kl), "kl", in, false);
 }
 
 void validate_token_outputs(const TokenOutputs& out, std::int64_t rows) {
