@@ -1,6 +1,7 @@
 #include "machine_peak.hpp"
 
 #include <sched.h>
+#include <time.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,16 +30,25 @@ struct Unit {
   double flop_per_trip;
 };
 
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
 // `threads` threads start together and each runs unit.chains until the
-// shared deadline. The rate is all retired FLOPs over the time from the
-// common start to the last thread's end, so a thread that was descheduled
-// for a while lowers the number rather than inflating it.
+// shared deadline. Each thread's rate is its FLOPs over its own CPU time,
+// and the peak is the sum of the rates: the machine's throughput with every
+// CPU running chains. Wall time would instead measure the share of the
+// machine this process got: on a shared 2-CPU box another process on one CPU
+// halves a wall-time figure while each chain still runs at full speed
+// whenever it runs. (Hyperthreads sharing one core's ports run slower per
+// thread while both run, and the CPU-time rate shows that too.)
 double run_once(const Unit& unit, int threads, double seconds) {
   std::atomic<int> ready{0};
   std::atomic<bool> go{false};
-  Clock::time_point start, deadline;
-  std::vector<std::int64_t> trips(static_cast<std::size_t>(threads), 0);
-  std::vector<Clock::time_point> ends(static_cast<std::size_t>(threads));
+  Clock::time_point deadline;
+  std::vector<double> rates(static_cast<std::size_t>(threads), 0.0);
   std::vector<float> sinks(static_cast<std::size_t>(threads), 0.0F);
   std::vector<std::thread> pool;
   pool.reserve(static_cast<std::size_t>(threads));
@@ -46,32 +56,30 @@ double run_once(const Unit& unit, int threads, double seconds) {
     pool.emplace_back([&, t] {
       ready.fetch_add(1);
       while (!go.load(std::memory_order_acquire)) std::this_thread::yield();
+      const double cpu0 = thread_cpu_seconds();
       std::int64_t n = 0;
       float sink = 0.0F;
       do {
         sink += unit.chains(unit.trips_per_call);
         n += unit.trips_per_call;
       } while (Clock::now() < deadline);
-      ends[static_cast<std::size_t>(t)] = Clock::now();
-      trips[static_cast<std::size_t>(t)] = n;
+      const double cpu = thread_cpu_seconds() - cpu0;
+      rates[static_cast<std::size_t>(t)] = cpu > 0.0 ? static_cast<double>(n) * unit.flop_per_trip / cpu * 1e-9 : 0.0;
       sinks[static_cast<std::size_t>(t)] = sink;
     });
   }
   while (ready.load() < threads) std::this_thread::yield();
-  start = Clock::now();
-  deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   go.store(true, std::memory_order_release);
   for (std::thread& th : pool) th.join();
-  std::int64_t total = 0;
-  for (std::int64_t n : trips) total += n;
-  const Clock::time_point last = *std::max_element(ends.begin(), ends.end());
-  const double elapsed = std::chrono::duration<double>(last - start).count();
   // A NaN sink would mean the chains computed garbage (wrong encoding, bad
   // tile config): report no peak rather than a number from broken code.
   for (float s : sinks) {
     if (!(s == s)) return 0.0;
   }
-  return elapsed > 0.0 ? static_cast<double>(total) * unit.flop_per_trip / elapsed * 1e-9 : 0.0;
+  double total = 0.0;
+  for (double r : rates) total += r;
+  return total;
 }
 
 // A warm-up run first (AVX-512 and AMX units power up and the core may change

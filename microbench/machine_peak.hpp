@@ -1,10 +1,12 @@
 // The machine's physical arithmetic peak, measured in the benchmark's own
-// process: every CPU the process may run on executes independent register
-// chains of one instruction (no memory traffic, no dependencies between
-// chains) for a fixed time, and the FLOPs they retire per second are the
-// most that unit can deliver. It is the yardstick for executed GFLOP/s
-// (peak_frac): an upper bound no GEMM library can beat, unlike a library's
-// own GEMM time.
+// process: one thread per CPU the process may run on executes independent
+// register chains of one instruction (no memory traffic, no dependencies
+// between chains) for a fixed time; each thread's FLOPs over its own CPU
+// time, summed over the threads, are the most that unit can deliver with
+// every CPU busy (CPU time, not wall time: another process sharing a CPU
+// must not lower the machine's peak). It is the yardstick for executed
+// GFLOP/s (peak_frac): an upper bound no GEMM library can beat, unlike a
+// library's own GEMM time.
 //
 //   f32 FMA      vfmadd231ps zmm   32 FLOP per instruction
 //   avx512 bf16  vdpbf16ps zmm     64 FLOP per instruction
