@@ -238,7 +238,11 @@ TEST(HeadForwardOnly, SequenceLevelWithUnalignedBlockMatchesOracle) {
 // A token far less likely under the policy than under the reference
 // (ref - logp > 88) used to overflow e^(ref - logp) in f32: the KL exponent is
 // clamped at 20, so every output stays finite and matches the oracle.
-TEST(HeadKl, HugeReferenceGapStaysFinite) {
+// ref - logp >> 88 on most rows: TRL's f32 k3 would be inf there. By default
+// the step is refused naming ref_logp, before any output is written (one
+// block here); with verl's clamp (config.kl_clamp) it is finite and equals the
+// oracle's clamped KL.
+TEST(HeadKl, HugeReferenceGapRefusedOrClamped) {
   for (DType dtype : {DType::f32, DType::bf16}) {
     HeadCase c;
     c.spec = {1, 8, 50, config_for(LossType::grpo)};
@@ -249,8 +253,16 @@ TEST(HeadKl, HugeReferenceGapStaysFinite) {
     c.hidden = 16;
     c.dtype = dtype;
     HeadProblem p = make_head_problem(c);
-    for (float& r : p.batch.ref_logp) r = -0.5F;  // ref - logp >> 88 on most rows
+    for (float& r : p.batch.ref_logp) r = -0.5F;
     p.oracle.head.ref_logp.assign(p.batch.ref_logp.begin(), p.batch.ref_logp.end());
+    try {
+      run_head(c, p);
+      ADD_FAILURE() << "a k3 KL beyond f32 was not refused";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "ref_logp") << e.what();
+    }
+    c.spec.config.kl_clamp = 20.0F;
+    p.oracle.head.config.kl_clamp = 20.0F;
     const HeadOutputs got = run_head(c, p);
     EXPECT_TRUE(std::isfinite(got.metrics.loss));
     for (float k : got.kl) EXPECT_TRUE(std::isfinite(k));

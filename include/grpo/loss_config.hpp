@@ -27,10 +27,16 @@ struct LossConfig {
   float epsilon_high = 0.2F;
   // Two-sided clipping: r~ = min(r, delta). Must exceed 1 + epsilon_high.
   std::optional<float> delta;
-  // KL (k3) coefficient; ref_logp is required when beta != 0.
+  // KL (k3) coefficient; ref_logp is required when beta != 0. The k3 value
+  // e^d - d - 1, d = ref_logp - logp, is TRL's and Liger's, unclamped; a token
+  // whose e^d overflows f32 (d > 88.7, where TRL's value is inf) is refused
+  // naming ref_logp.
   float beta = 0.0F;
   // Multiply the k3 KL by the (non-detached) importance ratio.
   bool kl_bias_correction = false;
+  // verl-style clamp: d is clamped to [-kl_clamp, kl_clamp] before the KL (its
+  // gradient is 0 outside), so no finite input can overflow. Absent = no clamp.
+  std::optional<float> kl_clamp;
   float temperature = 1.0F;
   // false: logp = x_y - LSE(x), x = z / tau (TRL, Liger).
   // true:  logp = (z_y - LSE(z)) / tau (MLLM-JAX); p = softmax(z).
@@ -56,14 +62,23 @@ struct BatchInputs {
 };
 
 // Per-token outputs. logp is always written (trainers keep it as next epoch's
-// old_logp; 0 on masked rows). entropy and kl are written when non-empty.
+// old_logp; 0 on masked rows; it may be the very array old_logp is). entropy
+// and kl are written when non-empty.
 struct TokenOutputs {
   std::span<float> logp;     // [N], required
   std::span<float> entropy;  // [N] or empty
-  std::span<float> kl;       // [N] or empty (0 when beta == 0)
+  std::span<float> kl;       // [N] or empty: the KL term added per token (k3, times r under
+                             // kl_bias_correction: TRL's per_token_kl); 0 on masked rows or when beta == 0
 };
 
-// Masked means over valid rows (0 when no row is valid).
+// The metrics TRL logs, computed as TRL computes them: masked means over
+// valid rows (0 when no row is valid). kl_mean is the mean of the kl output.
+// clip ratios: grpo family and sapo, r < 1 - eps_low with A < 0 (low),
+// r > 1 + eps_high with A > 0 (high), either (region); cispo, TRL's
+// cispo_clip_ratio r > eps_high with A > 0 in high and region (low = 0).
+// With sequence-level IS and per-sequence advantages, r is one per sequence
+// and the ratios are fractions of the B sequences (TRL's global_masked_mean
+// of a [B, 1] tensor).
 struct Metrics {
   double loss = 0.0;
   double clip_ratio_low = 0.0;

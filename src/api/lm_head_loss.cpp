@@ -117,7 +117,7 @@ std::string LmHeadLossPlan::describe() const {
 
 void LmHeadLossPlan::execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
                              std::span<std::byte> workspace) const {
-  detail::validate_lm_head_call(impl_->call, inputs, outputs);
+  const double max_abs_coef = detail::validate_lm_head_call(impl_->call, inputs, outputs);
   const std::size_t need = workspace_size();
   detail::Buffer owned;
   std::byte* ws = workspace.data();
@@ -133,7 +133,7 @@ void LmHeadLossPlan::execute(const LmHeadInputs& inputs, const LmHeadOutputs& ou
       throw Error("workspace", "must be 64-byte aligned");
     }
   }
-  detail::run_lm_head(*impl_->data, inputs, outputs, ws);
+  detail::run_lm_head(*impl_->data, inputs, outputs, ws, max_abs_coef);
 }
 
 struct LmHeadBaseline::Impl {
@@ -166,8 +166,8 @@ LmHeadBaseline::LmHeadBaseline(LmHeadBaseline&&) noexcept = default;
 LmHeadBaseline& LmHeadBaseline::operator=(LmHeadBaseline&&) noexcept = default;
 
 void LmHeadBaseline::execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const {
-  detail::validate_lm_head_call(impl_->call, inputs, outputs);
-  detail::run_lm_head_baseline(*impl_->data, inputs, outputs);
+  const double max_abs_coef = detail::validate_lm_head_call(impl_->call, inputs, outputs);
+  detail::run_lm_head_baseline(*impl_->data, inputs, outputs, max_abs_coef);
 }
 
 }  // namespace grpo

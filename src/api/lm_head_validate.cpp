@@ -65,7 +65,7 @@ ByteRange span_range(std::span<float> s) { return byte_range(s.data(), s.size_by
 
 }  // namespace
 
-void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, const LmHeadOutputs& out) {
+double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, const LmHeadOutputs& out) {
   const LmHeadShape& s = spec.shape;
   const std::int64_t rows = s.batch * s.seq_len;
   const bool vocab_major = s.layout == WeightLayout::vocab_major;
@@ -194,13 +194,13 @@ void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, c
                                           " scales logits bounded by " + std::to_string(z_bound) +
                                           " (from max |h|, max |W|) to log-probabilities that can overflow f32");
   }
-  if (!spec.forward_only) {
-    // dweight and dbias sum dlogits over the valid rows (times h for dW);
-    // a dhidden row sums |onehot - p| <= 2 times max |W|.
-    const double n_valid = static_cast<double>(magnitudes.num_valid);
-    check_coefficient_bound(spec.config, s.batch, magnitudes, std::max(n_valid, 2.0),
-                            std::max({1.0, static_cast<double>(hidden.max_abs), static_cast<double>(weight.max_abs)}));
-  }
+  if (spec.forward_only) return std::numeric_limits<double>::infinity();
+  // dweight and dbias sum dlogits over the valid rows (times h for dW); a
+  // dhidden row sums |onehot - p| <= 2 times max |W|.
+  const double n_valid = static_cast<double>(magnitudes.num_valid);
+  return check_coefficient_bound(
+      spec.config, s.batch, magnitudes, std::max(n_valid, 2.0),
+      std::max({1.0, static_cast<double>(hidden.max_abs), static_cast<double>(weight.max_abs)}));
 }
 
 }  // namespace grpo::detail

@@ -16,8 +16,9 @@ struct LmHeadCallSpec {
   int threads = 1;             // for the finiteness scans
 };
 
-// Throws grpo::Error naming the argument; writes nothing.
-void validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& inputs, const LmHeadOutputs& outputs);
+// Throws grpo::Error naming the argument; writes nothing. Returns the largest
+// |c_t| whose gradients stay finite (LossAccumulator's max_abs_coef).
+double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& inputs, const LmHeadOutputs& outputs);
 
 // Shape and option checks done once at plan creation.
 void validate_lm_head_shape(const LmHeadShape& shape);

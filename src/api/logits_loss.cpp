@@ -2,6 +2,8 @@
 // (fused) or the unfused baseline.
 #include "grpo/logits_loss.hpp"
 
+#include <limits>
+
 #include "api/buffer.hpp"
 #include "api/validate.hpp"
 #include "baseline/unfused_logits.hpp"
@@ -38,8 +40,9 @@ void validate_shape(const LogitsShape& shape) {
   }
 }
 
-void validate_call(const LogitsShape& shape, const LossConfig& config, const MatrixView& logits,
-                   const BatchInputs& batch, const LogitsOutputs& outputs) {
+// Returns the largest |c_t| whose dlogits stay finite (see check_coefficient_bound).
+double validate_call(const LogitsShape& shape, const LossConfig& config, const MatrixView& logits,
+                     const BatchInputs& batch, const LogitsOutputs& outputs) {
   const std::int64_t rows = shape.batch * shape.seq_len;
   detail::validate_matrix(logits, "logits", rows, shape.vocab, shape.logits_dtype);
   const detail::BatchMagnitudes magnitudes =
@@ -51,7 +54,7 @@ void validate_call(const LogitsShape& shape, const LossConfig& config, const Mat
   detail::check_no_overlap(span_range(outputs.tokens.logp), "logp", in_range, "logits");
   detail::check_no_overlap(span_range(outputs.tokens.entropy), "entropy", in_range, "logits");
   detail::check_no_overlap(span_range(outputs.tokens.kl), "kl", in_range, "logits");
-  if (outputs.dlogits.empty()) return;
+  if (outputs.dlogits.empty()) return std::numeric_limits<double>::infinity();
   detail::validate_matrix(outputs.dlogits, "dlogits", rows, shape.vocab);
   const detail::ByteRange out_range = detail::byte_range(outputs.dlogits.as_const());
   const bool in_place =
@@ -62,7 +65,7 @@ void validate_call(const LogitsShape& shape, const LossConfig& config, const Mat
   detail::check_no_overlap(span_range(outputs.tokens.kl), "kl", out_range, "dlogits");
   detail::check_output_vs_batch(out_range, "dlogits", batch, false);
   // Each dlogits element is one term: |c_t| / tau.
-  detail::check_coefficient_bound(config, shape.batch, magnitudes, 1.0, 1.0);
+  return detail::check_coefficient_bound(config, shape.batch, magnitudes, 1.0, 1.0);
 }
 
 }  // namespace
@@ -82,9 +85,9 @@ const LogitsShape& LogitsLossPlan::shape() const { return impl_->shape; }
 const LossConfig& LogitsLossPlan::config() const { return impl_->config; }
 
 void LogitsLossPlan::execute(const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) const {
-  validate_call(impl_->shape, impl_->config, logits, batch, outputs);
+  const double max_abs_coef = validate_call(impl_->shape, impl_->config, logits, batch, outputs);
   detail::run_logits_loss(impl_->shape, impl_->config, detail::resolve_threads(impl_->options.max_threads),
-                          detail::resolve(impl_->options.allocator), logits, batch, outputs);
+                          detail::resolve(impl_->options.allocator), logits, batch, outputs, max_abs_coef);
 }
 
 LogitsBaseline::LogitsBaseline(const LogitsShape& shape, const LossConfig& config, const ExecOptions& options) {
@@ -99,9 +102,9 @@ LogitsBaseline::LogitsBaseline(LogitsBaseline&&) noexcept = default;
 LogitsBaseline& LogitsBaseline::operator=(LogitsBaseline&&) noexcept = default;
 
 void LogitsBaseline::execute(const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) const {
-  validate_call(impl_->shape, impl_->config, logits, batch, outputs);
+  const double max_abs_coef = validate_call(impl_->shape, impl_->config, logits, batch, outputs);
   detail::run_unfused_logits(impl_->shape, impl_->config, detail::resolve_threads(impl_->options.max_threads),
-                             detail::resolve(impl_->options.allocator), logits, batch, outputs);
+                             detail::resolve(impl_->options.allocator), logits, batch, outputs, max_abs_coef);
 }
 
 }  // namespace grpo

@@ -64,6 +64,9 @@ void validate_config(const LossConfig& c) {
     throw Error("config.delta", "must be finite and exceed 1 + epsilon_high, got " + std::to_string(*c.delta));
   }
   if (!std::isfinite(c.beta)) throw Error("config.beta", "must be finite");
+  if (c.kl_clamp && !(*c.kl_clamp > 0.0F && std::isfinite(*c.kl_clamp))) {
+    throw Error("config.kl_clamp", "must be finite and > 0, got " + std::to_string(*c.kl_clamp));
+  }
   if (c.loss_type == LossType::dr_grpo && c.max_completion_length <= 0) {
     throw Error("config.max_completion_length", "must be > 0 for dr_grpo");
   }
@@ -141,8 +144,8 @@ BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std
   return mag;
 }
 
-void check_coefficient_bound(const LossConfig& c, std::int64_t batch, const BatchMagnitudes& m, double fan_in,
-                             double operand_max) {
+double check_coefficient_bound(const LossConfig& c, std::int64_t batch, const BatchMagnitudes& m, double fan_in,
+                               double operand_max) {
   double w_max = 1.0;  // dLoss/dl_t: the aggregation's normalizer (per-sequence ones are <= 1)
   switch (c.loss_type) {
     case LossType::grpo:
@@ -158,10 +161,12 @@ void check_coefficient_bound(const LossConfig& c, std::int64_t batch, const Batc
   if (c.delta) ratio = std::min(ratio, static_cast<double>(*c.delta));
   if (c.loss_type == LossType::cispo) ratio = std::min(ratio, static_cast<double>(c.epsilon_high));
   const double inv_tau = 1.0 / static_cast<double>(c.temperature);
-  const double per_term = w_max * m.max_abs_advantage * ratio * m.max_is_weight * inv_tau;
-  const double bound = per_term * std::max(1.0, fan_in) * std::max(1.0, operand_max);
   // A factor 4 of headroom for the f32 sums' rounding and the bf16 dlogits.
-  if (bound < static_cast<double>(std::numeric_limits<float>::max()) / 4.0) return;
+  const double limit = static_cast<double>(std::numeric_limits<float>::max()) / 4.0 /
+                       (inv_tau * std::max(1.0, fan_in) * std::max(1.0, operand_max));
+  const double policy = w_max * m.max_abs_advantage * ratio * m.max_is_weight;
+  if (policy < limit) return limit;
+  const double bound = policy * inv_tau * std::max(1.0, fan_in) * std::max(1.0, operand_max);
   // Name the input that contributes most (on a log scale) to the overflow.
   const char* name = "advantages";
   double largest = m.max_abs_advantage;

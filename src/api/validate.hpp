@@ -41,8 +41,10 @@ BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std
 // cispo's cap), dlogits = c_t / tau * (onehot - p), and each gradient element
 // sums at most `fan_in` such terms of magnitude `operand_max`. The KL part of
 // c_t depends on the policy's own logp and is checked where logp is known.
-void check_coefficient_bound(const LossConfig& config, std::int64_t batch, const BatchMagnitudes& m, double fan_in,
-                             double operand_max);
+// Returns the largest |c_t| whose gradients stay finite (for the KL check
+// done where logp is known).
+double check_coefficient_bound(const LossConfig& config, std::int64_t batch, const BatchMagnitudes& m, double fan_in,
+                               double operand_max);
 
 void validate_token_outputs(const TokenOutputs& outputs, std::int64_t rows);
 

@@ -88,7 +88,8 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
   return d;
 }
 
-void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, const LmHeadOutputs& out) {
+void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, const LmHeadOutputs& out,
+                          double max_abs_coef) {
   Allocator& alloc = resolve(d.options.allocator);
   const LmHeadShape& s = d.shape;
   const std::int64_t n = s.batch * s.seq_len;
@@ -102,7 +103,7 @@ void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, c
   lo.metrics = out.metrics;
   if (!d.options.forward_only) lo.dlogits = {b.dlogits.as(), d.dlogits_dtype, n, s.vocab, s.vocab};
   run_unfused_logits(ls, d.config, d.threads, alloc, {b.logits.as(), d.options.logits_dtype, n, s.vocab, s.vocab},
-                     in.batch, lo);
+                     in.batch, lo, max_abs_coef);
   if (d.options.forward_only) return;
   run_backward_gemms(d, in, out, b.dlogits.as(), b.scratch.as());
   if (!out.dbias.empty()) {

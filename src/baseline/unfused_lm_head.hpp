@@ -27,6 +27,7 @@ struct LmHeadBaselineData {
 std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& shape, const LossConfig& config,
                                                            const LmHeadBaselineOptions& options);
 
-void run_lm_head_baseline(const LmHeadBaselineData& data, const LmHeadInputs& inputs, const LmHeadOutputs& outputs);
+void run_lm_head_baseline(const LmHeadBaselineData& data, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
+                          double max_abs_coef);
 
 }  // namespace grpo::detail

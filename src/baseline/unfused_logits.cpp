@@ -12,7 +12,8 @@
 namespace grpo::detail {
 
 void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int threads, Allocator& allocator,
-                        const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) {
+                        const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs,
+                        double max_abs_coef) {
   const std::int64_t rows = shape.batch * shape.seq_len;
   const std::int64_t vocab = shape.vocab;
   const std::size_t full = static_cast<std::size_t>(rows) * static_cast<std::size_t>(vocab);
@@ -49,9 +50,10 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
   for (std::int64_t r = 0; r < rows; ++r) {
     logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * temp.post : 0.0F;
   }
-  Buffer coef_buffer(allocator, static_cast<std::size_t>(rows) * sizeof(float));
+  Buffer coef_buffer(allocator, static_cast<std::size_t>(rows) * 2 * sizeof(float));
   float* coef = coef_buffer.as<float>();
-  logits_loss_stage(shape, config, batch, lse, logp, entropy, coef, outputs);
+  float* kl = coef + rows;
+  logits_loss_stage(shape, config, batch, lse, logp, entropy, coef, kl, outputs, max_abs_coef);
   if (outputs.dlogits.empty()) return;
 
   // dlogits = c / tau * (onehot - softmax), every row (an eager framework does

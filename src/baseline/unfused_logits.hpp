@@ -13,6 +13,7 @@ namespace grpo::detail {
 
 // Arguments already validated; same outputs and refusals as run_logits_loss.
 void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int threads, Allocator& allocator,
-                        const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs);
+                        const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs,
+                        double max_abs_coef);
 
 }  // namespace grpo::detail

@@ -40,6 +40,7 @@ struct Step {
   float* logp;
   float* entropy;
   float* coef;
+  float* kl;
   std::int64_t* active;
   std::byte* stage;
   std::byte* hidden_act;
@@ -63,7 +64,8 @@ struct Step {
     logp = lse + n;
     entropy = logp + n;
     coef = entropy + n;
-    active = reinterpret_cast<std::int64_t*>(coef + n);
+    kl = coef + n;
+    active = reinterpret_cast<std::int64_t*>(kl + n);
     stage = ws + l.stage;
     hidden_act = ws + l.hidden_act;
     dhidden_act = reinterpret_cast<float*>(ws + l.dhidden_act);
@@ -146,11 +148,14 @@ struct Step {
     }
   }
 
-  void write_token_outputs(std::int64_t b0, std::int64_t nb) const {
-    std::memcpy(out.tokens.logp.data() + b0, logp, static_cast<std::size_t>(nb) * sizeof(float));
-    if (!out.tokens.entropy.empty()) {
-      std::memcpy(out.tokens.entropy.data() + b0, entropy, static_cast<std::size_t>(nb) * sizeof(float));
-    }
+  // Copies rows [b0, b0 + nb) of logp / entropy / kl (block-relative arrays)
+  // to the token outputs.
+  void write_token_outputs(std::int64_t b0, std::int64_t nb, const float* lp, const float* ent,
+                           const float* kl_terms) const {
+    const auto bytes = static_cast<std::size_t>(nb) * sizeof(float);
+    std::memcpy(out.tokens.logp.data() + b0, lp, bytes);
+    if (!out.tokens.entropy.empty()) std::memcpy(out.tokens.entropy.data() + b0, ent, bytes);
+    if (!out.tokens.kl.empty()) std::memcpy(out.tokens.kl.data() + b0, kl_terms, bytes);
   }
 
   void zero_dhidden_row(std::int64_t row) const {
@@ -246,49 +251,54 @@ struct Step {
 }  // namespace
 
 void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
-                 std::byte* workspace) {
+                 std::byte* workspace, double max_abs_coef) {
   Step step(p, inputs, outputs, workspace);
   const bool backward = !p.options.forward_only;
   const std::int64_t nb = p.schedule.token_block;
-  LossAccumulator acc(p.config, p.shape.batch, p.shape.seq_len, inputs.batch);
+  LossAccumulator acc(p.config, p.shape.batch, p.shape.seq_len, inputs.batch, max_abs_coef);
   bool dweight_written = p.options.accumulate_weight_grads;  // accumulate: always add
-  if (backward && !outputs.dbias.empty() && !p.options.accumulate_weight_grads) {
-    std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
-  }
+  // dbias is zeroed (overwrite mode) just before the first backward, after the
+  // first coefficients: a refusal there leaves it untouched.
+  bool dbias_ready = outputs.dbias.empty() || p.options.accumulate_weight_grads;
+  auto backward_block = [&](std::int64_t b0, std::int64_t rows, const float* c) {
+    if (!dbias_ready) std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
+    dbias_ready = true;
+    step.backward(b0, rows, c, &dweight_written);
+  };
 
   if (!p.sequence_spans_blocks) {
+    // A block's outputs are written only after its coefficients read every
+    // per-token input of its rows (logp may be the very array old_logp is).
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, backward);
-      acc.add_rows(b0, b0 + rows, step.logp, step.entropy, step.coef, outputs.tokens.kl);
-      step.write_token_outputs(b0, rows);
-      if (backward) step.backward(b0, rows, step.coef, &dweight_written);
+      acc.add_rows(b0, b0 + rows, step.logp, step.entropy, step.coef, step.kl);
+      step.write_token_outputs(b0, rows, step.logp, step.entropy, step.kl);
+      if (backward) backward_block(b0, rows, step.coef);
     }
   } else {
     // Sequence-level ratios of sequences longer than a block: a first forward
     // pass for every logp, then the coefficients, then (with gradients) the
-    // logits again, block by block, and the backward. Token outputs are
-    // written only after the coefficients have read every old_logp (logp may
-    // be the very array old_logp is: the next epoch's old_logp).
+    // logits again, block by block, and the backward. Nothing is written
+    // before the coefficients have read every per-token input.
     float* entropy_all = step.coef_all + p.rows;
     float* logp_all = entropy_all + p.rows;
+    float* kl_all = logp_all + p.rows;
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, false);
       std::memcpy(logp_all + b0, step.logp, static_cast<std::size_t>(rows) * sizeof(float));
       std::memcpy(entropy_all + b0, step.entropy, static_cast<std::size_t>(rows) * sizeof(float));
     }
-    acc.add_rows(0, p.rows, logp_all, entropy_all, step.coef_all, outputs.tokens.kl);
-    std::memcpy(outputs.tokens.logp.data(), logp_all, static_cast<std::size_t>(p.rows) * sizeof(float));
-    if (!outputs.tokens.entropy.empty()) {
-      std::memcpy(outputs.tokens.entropy.data(), entropy_all, static_cast<std::size_t>(p.rows) * sizeof(float));
-    }
+    acc.add_rows(0, p.rows, logp_all, entropy_all, step.coef_all, kl_all);
+    step.write_token_outputs(0, p.rows, logp_all, entropy_all, kl_all);
     for (std::int64_t b0 = 0; backward && b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, true);
-      step.backward(b0, rows, step.coef_all + b0, &dweight_written);
+      backward_block(b0, rows, step.coef_all + b0);
     }
   }
+  if (backward && !dbias_ready) std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
   if (backward && !dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
   if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
   if (outputs.stats != nullptr) *outputs.stats = step.stats;

@@ -56,10 +56,10 @@ struct WorkspaceLayout {
   std::size_t block = 0;        // [block_rows_alloc, V] stored logits, then dlogits in place
   std::size_t stage = 0;        // [forward_rows, hidden_ld] input dtype: a partial forward chunk, zero-padded
   std::size_t tile_stats = 0;   // [block_rows_alloc, tiles] RowStats
-  std::size_t rows = 0;         // per block row: target x, lse, logp, entropy, coef (floats), active index (int64)
+  std::size_t rows = 0;         // per block row: target x, lse, logp, entropy, coef, kl (floats), active index (int64)
   std::size_t hidden_act = 0;   // [block_rows_alloc, H] active hidden rows (input dtype)
   std::size_t dhidden_act = 0;  // [block_rows_alloc, H] f32
-  std::size_t coef_all = 0;     // [N] coefficients, entropies, logp: recompute schedule only
+  std::size_t coef_all = 0;     // [N] coefficients, entropies, logp, kl: recompute schedule only
   std::size_t slots = 0;        // per slot: GEMM tile [forward_rows, tile] f32 + oneDNN scratchpad
   std::size_t slot_bytes = 0;
   std::size_t tile_bytes = 0;  // GEMM tile part of one slot
@@ -101,7 +101,8 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
                                                    const LmHeadOptions& options);
 
 // Runs one step. Arguments already validated.
+// max_abs_coef: from validation (LossAccumulator's bound on |c_t|).
 void run_lm_head(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
-                 std::byte* workspace);
+                 std::byte* workspace, double max_abs_coef);
 
 }  // namespace grpo::detail

@@ -69,7 +69,7 @@ std::size_t store_bytes(const LmHeadPlanData& p) { return p.store_type == kernel
 // Bytes that grow with the token block, per block row (thread count excluded).
 std::size_t bytes_per_row(const LmHeadPlanData& p) {
   const LmHeadShape& s = p.shape;
-  std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 5 * sizeof(float) + 8;
+  std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 6 * sizeof(float) + 8;
   if (!p.options.forward_only) {
     b += static_cast<std::size_t>(s.vocab) * store_bytes(p) +
          static_cast<std::size_t>(s.hidden) * (size_of(s.dtype) + sizeof(float));
@@ -80,7 +80,7 @@ std::size_t bytes_per_row(const LmHeadPlanData& p) {
 // Bytes that depend on neither the block nor the threads.
 std::size_t fixed_bytes(const LmHeadPlanData& p, std::int64_t forward_rows) {
   const auto stage = static_cast<std::size_t>(forward_rows * p.shape.hidden_ld) * size_of(p.shape.dtype);
-  const std::size_t coef_all = p.sequence_spans_blocks ? 3 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
+  const std::size_t coef_all = p.sequence_spans_blocks ? 4 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
   return align_up(stage) + align_up(coef_all) + 8 * kAlign;
 }
 
@@ -99,10 +99,10 @@ WorkspaceLayout lay_out(const LmHeadPlanData& p) {
   l.block = take(backward ? rows * static_cast<std::size_t>(s.vocab) * store_bytes(p) : 0);
   l.stage = take(static_cast<std::size_t>(p.forward_rows * s.hidden_ld) * in_size);
   l.tile_stats = take(rows * static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats));
-  l.rows = take(rows * (5 * sizeof(float) + sizeof(std::int64_t)));
+  l.rows = take(rows * (6 * sizeof(float) + sizeof(std::int64_t)));
   l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * in_size : 0);
   l.dhidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
-  l.coef_all = take(p.sequence_spans_blocks ? 3 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
+  l.coef_all = take(p.sequence_spans_blocks ? 4 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
   l.tile_bytes = align_up(static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float));
   l.slot_bytes = l.tile_bytes + align_up(p.max_scratchpad);
   l.slots = take(l.slot_bytes * static_cast<std::size_t>(p.schedule.threads));

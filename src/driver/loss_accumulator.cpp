@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <string>
 
+#include "grpo/types.hpp"
 #include "kernels/token_terms.hpp"
 
 namespace grpo::detail {
@@ -16,8 +19,10 @@ double clamp_log_ratio(double q, bool* flows) {
 }  // namespace
 
 LossAccumulator::LossAccumulator(const LossConfig& config, std::int64_t batch, std::int64_t seq_len,
-                                 const BatchInputs& inputs)
-    : config_(config), batch_(batch), seq_len_(seq_len), in_(inputs) {
+                                 const BatchInputs& inputs, double max_abs_coef)
+    : config_(config), batch_(batch), seq_len_(seq_len), in_(inputs), max_abs_coef_(max_abs_coef) {
+  per_sequence_clip_ = config.importance_sampling_level == IsLevel::sequence &&
+                       inputs.advantages.size() == static_cast<std::size_t>(batch);
   for (const float m : inputs.mask) num_valid_ += m != 0.0F ? 1 : 0;
   switch (config.loss_type) {
     case LossType::grpo:
@@ -61,11 +66,18 @@ double LossAccumulator::log_ratio(std::int64_t row, double logp) const {
   return in_.old_logp.empty() ? 0.0 : logp - static_cast<double>(in_.old_logp[row]);
 }
 
+void LossAccumulator::count_clip(double ratio, double adv, double weight) {
+  const bool cispo = config_.loss_type == LossType::cispo;
+  const bool low = !cispo && ratio < 1.0 - config_.epsilon_low && adv < 0;
+  const bool high = adv > 0 && (cispo ? ratio > config_.epsilon_high : ratio > 1.0 + config_.epsilon_high);
+  clip_low_ += low ? weight : 0.0;
+  clip_high_ += high ? weight : 0.0;
+  clip_region_ += low || high ? weight : 0.0;
+}
+
 void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef,
-                               std::span<float> kl) {
+                               float* kl) {
   const bool sequence = config_.importance_sampling_level == IsLevel::sequence;
-  const double lo = 1.0 - config_.epsilon_low;
-  const double hi = 1.0 + config_.epsilon_high;
   std::int64_t r = r0;
   while (r < r1) {
     // One sequence at sequence level, one token at token level.
@@ -78,12 +90,13 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
         if (in_.mask[t] != 0.0F) sum += log_ratio(t, logp[t - r0]);
       }
       q_seq = clamp_log_ratio(sum * seq_norm(r), &seq_flows);
+      if (per_sequence_clip_) count_clip(std::exp(q_seq), advantage(r), 1.0);
     }
     double seq_d_ratio = 0.0;  // sum_u w_u dl_u/dq_i
     for (std::int64_t t = r; t < end; ++t) {
       float& c = coef[t - r0];
       c = 0.0F;
-      if (!kl.empty()) kl[t] = 0.0F;
+      if (kl != nullptr) kl[t - r0] = 0.0F;
       if (in_.mask[t] == 0.0F) continue;
       const double lp = logp[t - r0];
       bool flows = seq_flows;
@@ -91,6 +104,11 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
       const double adv = advantage(t);
       const double ref = in_.ref_logp.empty() ? 0.0 : in_.ref_logp[t];
       const kernels::TokenTerms terms = kernels::token_terms(config_, q, lp, ref, adv, is_weight(t));
+      if (terms.kl_overflow || !(std::fabs(terms.kl) <= std::numeric_limits<float>::max())) {
+        throw Error("ref_logp", "row " + std::to_string(t) + ": ref_logp - logp = " + std::to_string(ref - lp) +
+                                    " makes the k3 KL e^d - d - 1 overflow f32 (TRL's would be inf); set "
+                                    "config.kl_clamp to bound d");
+      }
       const double w = weight(t);
       loss_ += w * terms.loss;
       double g = w * terms.d_direct;
@@ -100,15 +118,10 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
         g += w * terms.d_ratio;
       }
       c = static_cast<float>(g);
-      if (!kl.empty()) kl[t] = static_cast<float>(terms.kl);
+      if (kl != nullptr) kl[t - r0] = static_cast<float>(terms.kl);
       kl_sum_ += terms.kl;
       entropy_sum_ += entropy[t - r0];
-      const double ratio = std::exp(q);
-      const bool low = ratio < lo && adv < 0;
-      const bool high = ratio > hi && adv > 0;
-      clip_low_ += low;
-      clip_high_ += high;
-      clip_region_ += low || high;
+      if (!per_sequence_clip_) count_clip(std::exp(q), adv, 1.0);
     }
     if (sequence && seq_flows && seq_d_ratio != 0.0) {
       const double dq = seq_norm(r);  // dq_i/dlogp_u = m_u / max(|o_i|, 1)
@@ -118,17 +131,30 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
         coef[t - r0] = static_cast<float>(static_cast<double>(coef[t - r0]) + dq * seq_d_ratio);
       }
     }
+    if (config_.beta != 0.0F) {
+      // The policy part of |c| was bounded before the call; a KL term beyond
+      // the bound would make dlogits or a gradient sum overflow f32.
+      for (std::int64_t t = r; t < end; ++t) {
+        if (!(std::fabs(static_cast<double>(coef[t - r0])) <= max_abs_coef_)) {
+          throw Error("ref_logp", "row " + std::to_string(t) + ": the KL gradient " +
+                                      std::to_string(coef[t - r0]) + " of ref_logp - logp = " +
+                                      std::to_string(in_.ref_logp[t] - logp[t - r0]) +
+                                      " would overflow f32 in the gradients; set config.kl_clamp to bound it");
+        }
+      }
+    }
     r = end;
   }
 }
 
 Metrics LossAccumulator::metrics() const {
   const double denom = std::max(static_cast<double>(num_valid_), 1.0);
+  const double clip_denom = per_sequence_clip_ ? static_cast<double>(batch_) : denom;
   Metrics m;
   m.loss = loss_;
-  m.clip_ratio_low = clip_low_ / denom;
-  m.clip_ratio_high = clip_high_ / denom;
-  m.clip_ratio_region = clip_region_ / denom;
+  m.clip_ratio_low = clip_low_ / clip_denom;
+  m.clip_ratio_high = clip_high_ / clip_denom;
+  m.clip_ratio_region = clip_region_ / clip_denom;
   m.kl_mean = kl_sum_ / denom;
   m.entropy_mean = entropy_sum_ / denom;
   m.num_valid = num_valid_;

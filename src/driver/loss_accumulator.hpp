@@ -14,14 +14,19 @@ namespace grpo::detail {
 
 class LossAccumulator {
  public:
-  // The batch must already be validated.
-  LossAccumulator(const LossConfig& config, std::int64_t batch, std::int64_t seq_len, const BatchInputs& inputs);
+  // The batch must already be validated. max_abs_coef: the largest |c_t| whose
+  // gradients stay finite in f32 (from the call's bounds; see
+  // check_coefficient_bound); the policy part is bounded up front, so only a
+  // KL term can exceed it.
+  LossAccumulator(const LossConfig& config, std::int64_t batch, std::int64_t seq_len, const BatchInputs& inputs,
+                  double max_abs_coef);
 
-  // Rows [r0, r1): logp and entropy indexed by r - r0. Writes coef[r - r0] and,
-  // when kl is non-empty, kl[r] (absolute index). For sequence-level importance
+  // Rows [r0, r1): logp and entropy indexed by r - r0. Writes coef[r - r0] and
+  // kl[r - r0] (the per-token KL term; kl may be null), nothing else: the
+  // caller copies them out, so refusals here (a KL that overflows f32) come
+  // before this block writes any output. For sequence-level importance
   // sampling, [r0, r1) must consist of whole sequences. Call in row order.
-  void add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef,
-                std::span<float> kl);
+  void add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef, float* kl);
 
   Metrics metrics() const;
 
@@ -30,6 +35,8 @@ class LossAccumulator {
   double is_weight(std::int64_t row) const;
   double weight(std::int64_t row);  // w_t = dLoss/dl_t
   double log_ratio(std::int64_t row, double logp) const;
+  // Adds one ratio to the clip counts (TRL's rules; see Metrics).
+  void count_clip(double ratio, double adv, double weight);
   // 1 / max(|o_i|, 1) for the sequence of `row`; rows arrive in order, so it is
   // recomputed once per sequence (no per-batch allocation).
   double seq_norm(std::int64_t row);
@@ -41,7 +48,9 @@ class LossAccumulator {
   std::int64_t norm_seq_ = -1;  // sequence whose norm is cached
   double norm_seq_value_ = 0.0;
   double norm_ = 0.0;  // the loss-type normalizer (except grpo/sapo's per-sequence one)
+  double max_abs_coef_ = 0.0;
   std::int64_t num_valid_ = 0;
+  bool per_sequence_clip_ = false;  // sequence-level IS with [B] advantages: clip ratios over sequences
 
   double loss_ = 0.0;
   double clip_low_ = 0.0;

@@ -52,22 +52,29 @@ TokenTerms token_terms(const LossConfig& config, double log_ratio, double logp, 
   t.d_ratio = is_weight * p.d_ratio;
   t.d_direct = is_weight * p.d_direct;
   if (config.beta != 0.0F) {
-    // k3 with d = ref - logp clamped above at kLogRatioClamp: e^d stays finite in
-    // f32 (a very unlikely token under the policy, e.g. logp = -300 at a low
-    // temperature, would otherwise make the KL and every gradient inf). Beyond
-    // the clamp the term is constant, so its derivative is 0.
+    // k3 with d = ref - logp, as TRL and Liger compute it (no clamp), unless
+    // the caller asked for verl's clamp; beyond a clamp the term is constant.
     const double raw = ref_logp - logp;
-    const double diff = std::min(raw, kLogRatioClamp);
-    const double e = std::exp(diff);
-    t.kl = e - diff - 1.0;
-    const double dkl = raw < kLogRatioClamp ? 1.0 - e : 0.0;
+    double d = raw;
+    bool flows = true;
+    if (config.kl_clamp) {
+      const double c = *config.kl_clamp;
+      d = std::clamp(raw, -c, c);
+      flows = raw > -c && raw < c;
+    }
+    t.kl_overflow = d > kMaxF32ExpArg;
+    const double e = std::exp(d);
+    const double kl = std::expm1(d) - d;  // e^d - d - 1 without cancelling near d = 0
+    const double dkl = flows ? 1.0 - e : 0.0;
     const double beta = config.beta;
     if (config.kl_bias_correction) {
-      t.loss += beta * t.kl * r;
-      t.d_ratio += beta * t.kl * r;
+      t.kl = kl * r;
+      t.loss += beta * t.kl;
+      t.d_ratio += beta * t.kl;
       t.d_direct += beta * dkl * r;
     } else {
-      t.loss += beta * t.kl;
+      t.kl = kl;
+      t.loss += beta * kl;
       t.d_direct += beta * dkl;
     }
   }

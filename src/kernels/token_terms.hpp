@@ -10,11 +10,15 @@ namespace grpo::kernels {
 // Clamp of the log importance ratio before exp (SPEC: [-20, 20]).
 inline constexpr double kLogRatioClamp = 20.0;
 
+// e^d overflows f32 beyond log(FLT_MAX): where TRL's f32 k3 becomes inf.
+inline constexpr double kMaxF32ExpArg = 88.72283905206835;
+
 struct TokenTerms {
-  double loss = 0.0;      // l_t = isw * P + beta * KL-term
-  double d_ratio = 0.0;   // dl_t / dq, q the (clamped) log ratio; the caller applies dq/dlogp
-  double d_direct = 0.0;  // dl_t / dlogp_t through paths other than q (cispo, KL)
-  double kl = 0.0;        // k3 KL_t (0 when beta == 0)
+  double loss = 0.0;         // l_t = isw * P + beta * KL-term
+  double d_ratio = 0.0;      // dl_t / dq, q the (clamped) log ratio; the caller applies dq/dlogp
+  double d_direct = 0.0;     // dl_t / dlogp_t through paths other than q (cispo, KL)
+  double kl = 0.0;           // the KL term: k3, times r under bias correction (0 when beta == 0)
+  bool kl_overflow = false;  // e^(ref - logp) does not fit f32 (refused by the caller)
 };
 
 // log_ratio: q, already clamped; logp, ref_logp: this token's; adv: its advantage.

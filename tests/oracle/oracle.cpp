@@ -255,26 +255,36 @@ Result evaluate(const Problem& pb) {
     }
   }
 
-  // Metrics: masked means over valid rows; the ratio is the clamped exp(q).
+  // Metrics as TRL logs them: masked means over valid rows; the ratio is the
+  // clamped exp(q). cispo counts TRL's cispo_clip_ratio (r > eps_high, A > 0)
+  // as high and region. Sequence-level IS with [B] advantages: one ratio per
+  // sequence, and the clip ratios are fractions of the B sequences.
+  const bool cispo = pb.config.loss_type == LossType::cispo;
   const double lo = 1.0 - static_cast<double>(pb.config.epsilon_low);
-  const double hi = 1.0 + static_cast<double>(pb.config.epsilon_high);
+  const double hi = cispo ? static_cast<double>(pb.config.epsilon_high) : 1.0 + static_cast<double>(pb.config.epsilon_high);
+  const bool per_sequence = pb.config.importance_sampling_level == IsLevel::sequence &&
+                            pb.advantages.size() == static_cast<std::size_t>(pb.batch);
   double low = 0.0, high = 0.0, region = 0.0, kl = 0.0, entropy = 0.0;
-  for (std::int64_t t = 0; t < n; ++t) {
-    if (!f.valid[t]) continue;
-    const double r = std::exp(f.q[t]);
-    const double a = per_row(pb.advantages, pb, t, 0.0);
-    const bool is_low = r < lo && a < 0.0;
+  auto count_clip = [&](double r, double a) {
+    const bool is_low = !cispo && r < lo && a < 0.0;
     const bool is_high = r > hi && a > 0.0;
     low += is_low ? 1.0 : 0.0;
     high += is_high ? 1.0 : 0.0;
     region += is_low || is_high ? 1.0 : 0.0;
+  };
+  for (std::int64_t t = 0; t < n; ++t) {
+    // The sequence's ratio: q of any of its tokens (masked ones included).
+    if (per_sequence && t % pb.seq_len == 0) count_clip(std::exp(f.q[t]), pb.advantages[t / pb.seq_len]);
+    if (!f.valid[t]) continue;
+    if (!per_sequence) count_clip(std::exp(f.q[t]), per_row(pb.advantages, pb, t, 0.0));
     kl += res.kl[t];
     entropy += res.entropy[t];
   }
   const double count = static_cast<double>(std::max<std::int64_t>(f.num_valid, 1));
-  res.clip_ratio_low = low / count;
-  res.clip_ratio_high = high / count;
-  res.clip_ratio_region = region / count;
+  const double clip_count = per_sequence ? static_cast<double>(pb.batch) : count;
+  res.clip_ratio_low = low / clip_count;
+  res.clip_ratio_high = high / clip_count;
+  res.clip_ratio_region = region / clip_count;
   res.kl_mean = kl / count;
   res.entropy_mean = entropy / count;
   return res;

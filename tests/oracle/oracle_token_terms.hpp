@@ -20,7 +20,7 @@ struct TokenTerms {
   double loss = 0.0;    // l_t = isw * P + beta * KL term
   double d_q = 0.0;     // dl_t / dq, q the clamped log ratio (r = exp(q))
   double d_logp = 0.0;  // dl_t / dlogp_t through the paths that bypass q
-  double kl = 0.0;      // the k3 KL itself (0 when beta == 0), a per-token output
+  double kl = 0.0;      // the KL term added (k3, times r under bias correction; 0 when beta == 0)
 };
 
 struct TokenInputs {
@@ -87,17 +87,25 @@ inline TokenTerms token_terms(const LossConfig& config, const TokenInputs& in) {
   // k3 estimator with d = ref - logp: KL = e^d - d - 1. expm1 keeps the tiny
   // values near d = 0 exact instead of cancelling 1 - 1 (truth should not
   // carry the float path's rounding).
-  // d is clamped above at 20 (the library's choice, like the log ratio's
-  // clamp): e^d stays finite in f32; beyond the clamp the term is constant.
+  // No clamp (TRL, Liger) unless config.kl_clamp asks for verl's: d is then
+  // clamped to [-c, c] and constant beyond.
   const double d_raw = in.ref_logp - in.logp;
-  const double d = std::min(d_raw, 20.0);
+  double d = d_raw;
+  bool inside = true;
+  if (config.kl_clamp) {
+    const double c = *config.kl_clamp;
+    d = std::clamp(d_raw, -c, c);
+    inside = d_raw > -c && d_raw < c;
+  }
   out.kl = std::expm1(d) - d;
-  const double d_kl = d_raw < 20.0 ? -std::expm1(d) : 0.0;  // dKL/dlogp = 1 - e^d
+  const double d_kl = inside ? -std::expm1(d) : 0.0;  // dKL/dlogp = 1 - e^d
   if (config.kl_bias_correction) {
-    // KL * r with r live: both the q path and the direct path see it.
+    // KL * r with r live: both the q path and the direct path see it; the
+    // term added (and reported, as TRL's per_token_kl) is KL * r.
     const double r = std::exp(in.q);
-    out.loss += beta * out.kl * r;
-    out.d_q += beta * out.kl * r;
+    out.kl *= r;
+    out.loss += beta * out.kl;
+    out.d_q += beta * out.kl;
     out.d_logp += beta * d_kl * r;
   } else {
     out.loss += beta * out.kl;
