@@ -31,10 +31,14 @@ Magnitude scan_magnitude(const MatrixView& m, int threads) {
   std::atomic<std::int64_t> first{std::numeric_limits<std::int64_t>::max()};
   std::atomic<float> largest{0.0F};
   const std::size_t row_bytes = static_cast<std::size_t>(m.ld) * size_of(m.dtype);
-  run_with_threads(threads, [&] {
-    tbb::parallel_for(tbb::blocked_range<std::int64_t>(0, m.rows, 64), [&](const auto& range) {
+  // Chunks of 64 rows, at most `threads` at once, in the caller's arena (no
+  // arena of our own: execute allocates nothing here).
+  constexpr std::int64_t kChunk = 64;
+  for_each_item((m.rows + kChunk - 1) / kChunk, threads, [&](std::int64_t chunk, int) {
+    const std::int64_t end = std::min(m.rows, (chunk + 1) * kChunk);
+    {
       float local = 0.0F;
-      for (std::int64_t r = range.begin(); r != range.end(); ++r) {
+      for (std::int64_t r = chunk * kChunk; r != end; ++r) {
         const auto* row = static_cast<const std::byte*>(m.data) + static_cast<std::size_t>(r) * row_bytes;
         const float a = k.max_abs(row, elem(m.dtype), m.cols);
         if (a == std::numeric_limits<float>::infinity()) {
@@ -48,7 +52,7 @@ Magnitude scan_magnitude(const MatrixView& m, int threads) {
       float seen = largest.load();
       while (local > seen && !largest.compare_exchange_weak(seen, local)) {
       }
-    });
+    }
   });
   const std::int64_t r = first.load();
   return {largest.load(), r == std::numeric_limits<std::int64_t>::max() ? -1 : r};

@@ -25,6 +25,7 @@ struct Step {
   const LmHeadPlanData& p;
   const LmHeadInputs& in;
   const LmHeadOutputs& out;
+  BindingPool::Lease bindings;
   const kernels::StageKernels& k = kernels::kernels();
   Temperature temp;
   std::size_t in_size;
@@ -50,7 +51,7 @@ struct Step {
   LmHeadStepStats stats;
 
   Step(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* ws)
-      : p(plan), in(inputs), out(outputs), temp(plan.config) {
+      : p(plan), in(inputs), out(outputs), bindings(plan.bindings.acquire()), temp(plan.config) {
     in_size = size_of(p.shape.dtype);
     store_size = p.store_type == kernels::Elem::f32 ? 4 : 2;
     dl_size = size_of(p.dlogits_dtype);
@@ -123,7 +124,8 @@ struct Step {
       for (std::int64_t c = 0; c < chunks; ++c) {
         const std::int64_t r0 = c * fr;
         const bool last = c == chunks - 1;
-        gemm.run(last && staged ? stage : hidden_row(b0 + r0), weight_at_vocab(c0), tile, bias, slot_scratch(slot));
+        bindings.at(gemm, slot).run(last && staged ? stage : hidden_row(b0 + r0), weight_at_vocab(c0), tile, bias,
+                                    slot_scratch(slot));
         for (std::int64_t r = r0; r < (last ? nb : r0 + fr); ++r) {
           const float* z = tile + (r - r0) * cols;
           tile_stats[r * p.tiles + j] =
@@ -207,9 +209,9 @@ struct Step {
       auto* dw = static_cast<std::byte*>(out.dweight.data) +
                  static_cast<std::size_t>(vocab_major ? c0 * p.shape.dweight_ld : c0) * dw_size;
       if (vocab_major) {
-        gemm.run(block_at(0, c0, dl_size), hidden_act, dw, nullptr, slot_scratch(slot));
+        bindings.at(gemm, slot).run(block_at(0, c0, dl_size), hidden_act, dw, nullptr, slot_scratch(slot));
       } else {
-        gemm.run(hidden_act, block_at(0, c0, dl_size), dw, nullptr, slot_scratch(slot));
+        bindings.at(gemm, slot).run(hidden_act, block_at(0, c0, dl_size), dw, nullptr, slot_scratch(slot));
       }
     });
     *dweight_written = true;
@@ -218,7 +220,7 @@ struct Step {
     for_each_item(p.hidden_chunks, p.schedule.threads, [&](std::int64_t chunk, int slot) {
       const std::int64_t h0 = chunk * kHiddenChunk;
       const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
-      gemm.run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot));
+      bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot));
     });
 
     std::int64_t i = 0;

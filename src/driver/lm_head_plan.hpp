@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "grpo/lm_head_loss.hpp"
@@ -66,6 +68,49 @@ struct WorkspaceLayout {
   std::size_t total = 0;
 };
 
+// Sets of GemmBindings (one per GEMM of the plan and slot), one set per
+// concurrent execute(): a call takes a set and gives it back, so execute
+// allocates none after the first call (and none while no more calls run at
+// once than ever before). Thread-safe.
+class BindingPool {
+ public:
+  using Set = std::vector<kernels::GemmBinding>;  // [gemm index * slots + slot]
+
+  // Returns its set to the pool when destroyed.
+  class Lease {
+   public:
+    Lease(BindingPool& pool, std::unique_ptr<Set> set) : pool_(&pool), set_(std::move(set)) {}
+    ~Lease() {
+      if (set_) pool_->give_back(std::move(set_));
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    const kernels::GemmBinding& at(const kernels::Gemm& gemm, int slot) const {
+      return (*set_)[gemm.index() * static_cast<std::size_t>(pool_->slots_) + static_cast<std::size_t>(slot)];
+    }
+
+   private:
+    BindingPool* pool_;
+    std::unique_ptr<Set> set_;
+  };
+
+  void reset(std::vector<const kernels::Gemm*> gemms, int slots) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    gemms_ = std::move(gemms);
+    slots_ = slots;
+    free_.clear();
+  }
+  Lease acquire();
+
+ private:
+  void give_back(std::unique_ptr<Set> set);
+
+  std::mutex mutex_;
+  std::vector<const kernels::Gemm*> gemms_;  // by index
+  int slots_ = 1;
+  std::vector<std::unique_ptr<Set>> free_;
+};
+
 struct LmHeadPlanData {
   LmHeadShape shape;
   LossConfig config;
@@ -92,6 +137,9 @@ struct LmHeadPlanData {
   // dhidden chunk: [chunk kind].
   std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden;
   std::size_t max_scratchpad = 0;
+  // Every GEMM above, by Gemm::index(); bindings for them, per concurrent call.
+  std::vector<const kernels::Gemm*> gemms;
+  mutable BindingPool bindings;
 };
 
 // Chooses the schedule, creates the GEMMs, lays out the workspace. shape's

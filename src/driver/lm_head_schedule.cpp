@@ -116,9 +116,12 @@ void create_gemms(LmHeadPlanData& p) {
   const std::int64_t last_tile = s.vocab - (p.tiles - 1) * vt;
   const kernels::GemmEngine& e = *p.engine;
   std::size_t scratch = 0;
+  p.gemms.clear();
   auto make = [&](const GemmSpec& spec) {
     auto g = std::make_unique<Gemm>(e, spec);
     scratch = std::max(scratch, g->scratchpad_bytes());
+    g->set_index(p.gemms.size());
+    p.gemms.push_back(g.get());
     return g;
   };
   p.forward.full = make(forward_spec(s, p.forward_rows, vt, vt));
@@ -148,6 +151,29 @@ std::string budget_error(std::size_t budget, std::size_t need) {
 }
 
 }  // namespace
+
+BindingPool::Lease BindingPool::acquire() {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (!free_.empty()) {
+      std::unique_ptr<Set> set = std::move(free_.back());
+      free_.pop_back();
+      return {*this, std::move(set)};
+    }
+  }
+  // Every set is in use (or this is the first call): build one.
+  auto set = std::make_unique<Set>();
+  set->reserve(gemms_.size() * static_cast<std::size_t>(slots_));
+  for (const kernels::Gemm* g : gemms_) {
+    for (int s = 0; s < slots_; ++s) set->emplace_back(*g);
+  }
+  return {*this, std::move(set)};
+}
+
+void BindingPool::give_back(std::unique_ptr<Set> set) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  free_.push_back(std::move(set));  // capacity grows only with the most concurrent calls seen
+}
 
 std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, const LossConfig& config,
                                                    const LmHeadOptions& options) {
@@ -221,6 +247,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     if (nb <= p->forward_rows) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));
     nb -= p->forward_rows;
   }
+  p->bindings.reset(p->gemms, p->schedule.threads);
   if (p->layout.total > budget) {
     throw Error("options.token_block", "token block " + std::to_string(nb) + " needs " +
                                            std::to_string(p->layout.total) + " bytes, over the workspace budget " +

@@ -85,6 +85,7 @@ Gemm::Gemm(Gemm&&) noexcept = default;
 Gemm& Gemm::operator=(Gemm&&) noexcept = default;
 
 const GemmSpec& Gemm::spec() const { return impl_->spec; }
+const Gemm::Impl* Gemm::impl_for_binding() const { return impl_.get(); }
 std::size_t Gemm::scratchpad_bytes() const { return impl_->scratch.get_size(); }
 const char* Gemm::implementation() const { return impl_->pd.impl_info_str(); }
 
@@ -102,6 +103,55 @@ void Gemm::run(const void* a, const void* b, void* c, const void* bias, void* sc
   if (impl_->spec.has_bias) args.emplace(DNNL_ARG_BIAS, memory(impl_->bias, eng, const_cast<void*>(bias)));
   impl_->primitive.execute(stream, args);
   stream.wait();
+}
+
+struct GemmBinding::Impl {
+  const Gemm::Impl* gemm;
+  dnnl::stream stream;
+  memory a, b, c, bias, scratch;
+};
+
+GemmBinding::GemmBinding(const Gemm& gemm) : impl_(std::make_unique<Impl>()) {
+  const Gemm::Impl& g = *gemm.impl_for_binding();
+  impl_->gemm = &g;
+  impl_->stream = dnnl::stream(g.engine);
+  // Handles are placeholders until run() re-points them (DNNL_MEMORY_NONE
+  // would be allocation-free too, but set_data_handle needs a live object).
+  impl_->a = memory(g.a, g.engine, DNNL_MEMORY_NONE);
+  impl_->b = memory(g.b, g.engine, DNNL_MEMORY_NONE);
+  impl_->c = memory(g.c, g.engine, DNNL_MEMORY_NONE);
+  impl_->scratch = memory(g.scratch, g.engine, DNNL_MEMORY_NONE);
+  if (g.spec.has_bias) impl_->bias = memory(g.bias, g.engine, DNNL_MEMORY_NONE);
+}
+
+GemmBinding::~GemmBinding() = default;
+GemmBinding::GemmBinding(GemmBinding&&) noexcept = default;
+GemmBinding& GemmBinding::operator=(GemmBinding&&) noexcept = default;
+
+void GemmBinding::run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const {
+  const Gemm::Impl& g = *impl_->gemm;
+  OmpThreadsScope scope(g.spec.threads);
+  // oneDNN takes non-const handles; it only reads inputs.
+  const auto point = [](const memory& m, const void* p) {
+    dnnl_memory_set_data_handle(m.get(), const_cast<void*>(p));
+  };
+  point(impl_->a, a);
+  point(impl_->b, b);
+  point(impl_->c, c);
+  point(impl_->scratch, scratchpad);
+  dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, impl_->a.get()},
+                             {DNNL_ARG_WEIGHTS, impl_->b.get()},
+                             {DNNL_ARG_DST, impl_->c.get()},
+                             {DNNL_ARG_SCRATCHPAD, impl_->scratch.get()},
+                             {DNNL_ARG_BIAS, nullptr}};
+  int nargs = 4;
+  if (g.spec.has_bias) {
+    point(impl_->bias, bias);
+    args[nargs++].memory = impl_->bias.get();
+  }
+  const dnnl_status_t status = dnnl_primitive_execute(g.primitive.get(), impl_->stream.get(), nargs, args);
+  if (status == dnnl_success) dnnl_stream_wait(impl_->stream.get());
+  if (status != dnnl_success) throw Error("gemm", "oneDNN matmul execution failed", ErrorKind::unsupported);
 }
 
 }  // namespace grpo::kernels

@@ -68,6 +68,36 @@ class Gemm {
   // oneDNN's implementation name (e.g. "brg:avx512_core_bf16"), for describe().
   const char* implementation() const;
   // scratchpad: scratchpad_bytes() bytes, 64-byte aligned (may be null when 0).
+  // Builds its memory objects and stream per call (heap allocations): for the
+  // baselines and tools; hot paths run through a GemmBinding.
+  void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const;
+
+  // The position of this GEMM in its plan's list (GemmBindings are indexed by it).
+  std::size_t index() const { return index_; }
+  void set_index(std::size_t index) { index_ = index; }
+
+  struct Impl;
+  const Impl* impl_for_binding() const;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  std::size_t index_ = 0;
+};
+
+// One caller's oneDNN objects for one Gemm: a stream and the memory objects
+// whose data handles each run re-points. Created once (a plan keeps sets of
+// them in a pool, one set per concurrent execute), so run() allocates nothing
+// on our side and calls the C API with a stack array of arguments; what oneDNN
+// allocates inside its own execute (the argument map it builds, gemm:jit's
+// packing buffers) is its own, and the allocation test names it. Not
+// thread-safe: one binding serves one thread at a time.
+class GemmBinding {
+ public:
+  explicit GemmBinding(const Gemm& gemm);
+  ~GemmBinding();
+  GemmBinding(GemmBinding&&) noexcept;
+  GemmBinding& operator=(GemmBinding&&) noexcept;
+
   void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const;
 
  private:
