@@ -44,8 +44,8 @@ inline void expect_default_options_deterministic(HeadCase c) {
     }
   }
   for (std::size_t i = 1; i < runs.size(); ++i) {
-    SCOPED_TRACE("run " + std::to_string(i) + " (threads " + std::to_string(kThreadCounts[i / 2]) + "): " +
-                 runs[i].schedule + " vs " + runs[0].schedule);
+    SCOPED_TRACE("run " + std::to_string(i) + " (threads " + std::to_string(kThreadCounts[i / 2]) +
+                 "): " + runs[i].schedule + " vs " + runs[0].schedule);
     EXPECT_TRUE(same_bits(runs[i].metrics.loss, runs[0].metrics.loss));
     EXPECT_TRUE(same_bits(runs[i].logp, runs[0].logp));
     EXPECT_TRUE(same_bits(runs[i].entropy, runs[0].entropy));

@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "api/buffer.hpp"
 #include "api/lm_head_validate.hpp"
@@ -39,9 +39,9 @@ void validate_lm_head_shape(const LmHeadShape& s) {
   // oneDNN 2.6 keeps matmul dimensions and strides in 32-bit ints inside its
   // kernels (a hidden of 2^32 crashed there): refuse what it cannot take.
   constexpr std::int64_t kMaxDim = (std::int64_t{1} << 31) - 1;
-  const std::pair<std::int64_t, const char*> dims[] = {{s.hidden, "shape.hidden"},       {s.hidden_ld, "shape.hidden_ld"},
-                                                       {s.weight_ld, "shape.weight_ld"}, {s.dweight_ld, "shape.dweight_ld"},
-                                                       {s.seq_len, "shape.seq_len"},     {s.batch, "shape.batch"}};
+  const std::pair<std::int64_t, const char*> dims[] = {
+      {s.hidden, "shape.hidden"},         {s.hidden_ld, "shape.hidden_ld"}, {s.weight_ld, "shape.weight_ld"},
+      {s.dweight_ld, "shape.dweight_ld"}, {s.seq_len, "shape.seq_len"},     {s.batch, "shape.batch"}};
   for (const auto& [value, name] : dims) {
     if (value > kMaxDim) {
       throw Error(name, std::to_string(value) + " exceeds the 2^31 - 1 that oneDNN's matmul takes",
@@ -109,7 +109,8 @@ std::string LmHeadLossPlan::describe() const {
   const int passes = d.options.forward_only ? 1 : (s.recompute_logits ? 4 : 3);
   std::ostringstream os;
   os << "fused lm-head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
-     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk << " threads=" << s.threads << " gemm_passes=" << passes
+     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk
+     << " threads=" << s.threads << " gemm_passes=" << passes
      << (s.recompute_logits ? " (logits recomputed: sequence-level IS)" : "") << " workspace=" << s.workspace_bytes
      << "B forward_gemm=" << d.forward.full->implementation();
   return os.str();
@@ -147,8 +148,8 @@ LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& confi
   detail::validate_config(config);
   detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
   if (options.dhidden_dtype == DType::bf16 && shape.dtype != DType::bf16) {
-    throw Error("options.dhidden_dtype",
-                "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)", ErrorKind::unsupported);
+    throw Error("options.dhidden_dtype", "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)",
+                ErrorKind::unsupported);
   }
   if (options.logits_dtype == DType::bf16 && shape.dtype != DType::bf16) {
     throw Error("options.logits_dtype", "bf16 logits need bf16 inputs", ErrorKind::unsupported);

@@ -106,7 +106,8 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
     if (!out.dbias.empty()) throw Error("dbias", "was given but the plan is forward-only");
   } else {
     validate_matrix(out.dhidden, "dhidden", rows, s.hidden, spec.dhidden_dtype);
-    if (spec.dhidden_dense && out.dhidden.ld != s.hidden) throw Error("dhidden", "must be dense (ld == hidden) for the baseline", ErrorKind::unsupported);
+    if (spec.dhidden_dense && out.dhidden.ld != s.hidden)
+      throw Error("dhidden", "must be dense (ld == hidden) for the baseline", ErrorKind::unsupported);
     validate_matrix(out.dweight, "dweight", vocab_major ? s.vocab : s.hidden, vocab_major ? s.hidden : s.vocab,
                     spec.dweight_dtype);
     check_ld(out.dweight.ld, s.dweight_ld, "dweight");
@@ -194,8 +195,8 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
   const double x_bound = z_bound * scale;
   const double logp_bound = (2.0 * x_bound + std::log(static_cast<double>(s.vocab))) * post;
   if (!(x_bound * 4.0 < f32_max) || !(logp_bound * 4.0 < f32_max)) {
-    throw Error("config.temperature", "temperature " + std::to_string(tau) +
-                                          " scales logits bounded by " + std::to_string(z_bound) +
+    throw Error("config.temperature", "temperature " + std::to_string(tau) + " scales logits bounded by " +
+                                          std::to_string(z_bound) +
                                           " (from max |h|, max |W|) to log-probabilities that can overflow f32");
   }
   if (spec.forward_only) return std::numeric_limits<double>::infinity();

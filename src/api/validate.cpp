@@ -101,8 +101,8 @@ std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* name) {
   return out;
 }
 
-BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t seq_len,
-                               std::int64_t vocab, const BatchInputs& in) {
+BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t seq_len, std::int64_t vocab,
+                               const BatchInputs& in) {
   const std::int64_t rows = batch * seq_len;
   check_size(in.ids.size(), rows, "ids");
   check_size(in.mask.size(), rows, "mask");

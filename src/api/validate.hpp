@@ -32,8 +32,8 @@ struct BatchMagnitudes {
 
 // Sizes, mask values, finiteness of the per-token tensors, and ids in [0, vocab)
 // on valid rows.
-BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t seq_len,
-                               std::int64_t vocab, const BatchInputs& inputs);
+BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t seq_len, std::int64_t vocab,
+                               const BatchInputs& inputs);
 
 // Refuses inputs whose gradient chain could overflow f32 though every input is
 // finite: |c_t| <= w_max * max|A| * R * max(is_weight) (R the largest ratio

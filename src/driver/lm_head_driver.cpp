@@ -124,8 +124,8 @@ struct Step {
       for (std::int64_t c = 0; c < chunks; ++c) {
         const std::int64_t r0 = c * fr;
         const bool last = c == chunks - 1;
-        bindings.at(gemm, slot).run(last && staged ? stage : hidden_row(b0 + r0), weight_at_vocab(c0), tile, bias,
-                                    slot_scratch(slot));
+        bindings.at(gemm, slot)
+            .run(last && staged ? stage : hidden_row(b0 + r0), weight_at_vocab(c0), tile, bias, slot_scratch(slot));
         for (std::int64_t r = r0; r < (last ? nb : r0 + fr); ++r) {
           const float* z = tile + (r - r0) * cols;
           tile_stats[r * p.tiles + j] =

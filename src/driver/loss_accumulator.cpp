@@ -136,9 +136,8 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
       // the bound would make dlogits or a gradient sum overflow f32.
       for (std::int64_t t = r; t < end; ++t) {
         if (!(std::fabs(static_cast<double>(coef[t - r0])) <= max_abs_coef_)) {
-          throw Error("ref_logp", "row " + std::to_string(t) + ": the KL gradient " +
-                                      std::to_string(coef[t - r0]) + " of ref_logp - logp = " +
-                                      std::to_string(in_.ref_logp[t] - logp[t - r0]) +
+          throw Error("ref_logp", "row " + std::to_string(t) + ": the KL gradient " + std::to_string(coef[t - r0]) +
+                                      " of ref_logp - logp = " + std::to_string(in_.ref_logp[t] - logp[t - r0]) +
                                       " would overflow f32 in the gradients; set config.kl_clamp to bound it");
         }
       }

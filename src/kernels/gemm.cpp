@@ -132,9 +132,7 @@ void GemmBinding::run(const void* a, const void* b, void* c, const void* bias, v
   const Gemm::Impl& g = *impl_->gemm;
   OmpThreadsScope scope(g.spec.threads);
   // oneDNN takes non-const handles; it only reads inputs.
-  const auto point = [](const memory& m, const void* p) {
-    dnnl_memory_set_data_handle(m.get(), const_cast<void*>(p));
-  };
+  const auto point = [](const memory& m, const void* p) { dnnl_memory_set_data_handle(m.get(), const_cast<void*>(p)); };
   point(impl_->a, a);
   point(impl_->b, b);
   point(impl_->c, c);

@@ -261,7 +261,8 @@ Result evaluate(const Problem& pb) {
   // sequence, and the clip ratios are fractions of the B sequences.
   const bool cispo = pb.config.loss_type == LossType::cispo;
   const double lo = 1.0 - static_cast<double>(pb.config.epsilon_low);
-  const double hi = cispo ? static_cast<double>(pb.config.epsilon_high) : 1.0 + static_cast<double>(pb.config.epsilon_high);
+  const double hi =
+      cispo ? static_cast<double>(pb.config.epsilon_high) : 1.0 + static_cast<double>(pb.config.epsilon_high);
   const bool per_sequence = pb.config.importance_sampling_level == IsLevel::sequence &&
                             pb.advantages.size() == static_cast<std::size_t>(pb.batch);
   double low = 0.0, high = 0.0, region = 0.0, kl = 0.0, entropy = 0.0;
