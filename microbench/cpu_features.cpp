@@ -65,13 +65,18 @@ CpuFeatures detect_cpu_features() {
   const Regs leaf7 = max_leaf >= 7 ? cpuid(7, 0) : Regs{};
   const Regs leaf7_1 = max_leaf >= 7 && leaf7.a >= 1 ? cpuid(7, 1) : Regs{};
 
+  const bool os_avx = (xcr & kXcr0Avx) == kXcr0Avx;
+  const bool cpu_avx2_fma = bit(leaf1.c, 12) && bit(leaf7.b, 5);  // FMA, AVX2
   const bool cpu_avx512f = bit(leaf7.b, 16);
   const bool cpu_avx512_bf16 = bit(leaf7_1.a, 5);
   const bool cpu_amx = bit(leaf7.d, 22) && bit(leaf7.d, 24);  // AMX-BF16, AMX-TILE
 
+  f.avx2_fma = cpu_avx2_fma && os_avx;
+  if (!cpu_avx2_fma) note(f.missing, "f32 FMA ymm (avx2, fma)", "not in cpuid");
+  if (cpu_avx2_fma && !os_avx) note(f.missing, "f32 FMA ymm (avx2, fma)", "ymm state not enabled by the OS (XCR0)");
   f.avx512f = cpu_avx512f && os_avx512;
-  if (!cpu_avx512f) note(f.missing, "f32_fma (avx512f)", "not in cpuid");
-  if (cpu_avx512f && !os_avx512) note(f.missing, "f32_fma (avx512f)", "zmm state not enabled by the OS (XCR0)");
+  if (!cpu_avx512f) note(f.missing, "f32 FMA zmm (avx512f)", "not in cpuid");
+  if (cpu_avx512f && !os_avx512) note(f.missing, "f32 FMA zmm (avx512f)", "zmm state not enabled by the OS (XCR0)");
   f.avx512_bf16 = f.avx512f && cpu_avx512_bf16;
   if (!cpu_avx512_bf16) note(f.missing, "avx512_bf16", "not in cpuid");
   if (!cpu_amx) {

@@ -9,6 +9,7 @@
 namespace grpo::bench {
 
 struct CpuFeatures {
+  bool avx2_fma = false;     // vfmadd231ps ymm
   bool avx512f = false;      // vfmadd231ps zmm
   bool avx512_bf16 = false;  // vdpbf16ps zmm
   bool amx_bf16 = false;     // tdpbf16ps (AMX-TILE + AMX-BF16, tile state enabled and permitted)

@@ -8,7 +8,7 @@
 // GFLOP/s (peak_frac): an upper bound no GEMM library can beat, unlike a
 // library's own GEMM time.
 //
-//   f32 FMA      vfmadd231ps zmm   32 FLOP per instruction
+//   f32 FMA      vfmadd231ps zmm   32 FLOP per instruction (ymm: 16; the faster counts)
 //   avx512 bf16  vdpbf16ps zmm     64 FLOP per instruction
 //   AMX bf16     tdpbf16ps         16384 FLOP per instruction (16x16 += 16x32 * 32x16)
 //
@@ -28,16 +28,17 @@ struct MachinePeak {
   double amx_bf16_gflops = 0.0;
   std::string missing;  // units not measured and why; empty when all were
 
-  // The peak of the units that could execute GEMMs of this dtype: bf16 ->
-  // the faster of vdpbf16ps and AMX (oneDNN picks AMX where it exists);
-  // f32 -> FMA.
+  // The peak of the units that could execute GEMMs of this dtype: f32 ->
+  // FMA; bf16 -> the fastest of vdpbf16ps, AMX and FMA (a bf16 GEMM can
+  // always run as f32 FMAs after widening, as oneDNN does on AVX-512 cores
+  // without bf16 instructions; and vdpbf16ps can be slower than FMA).
   double for_dtype(DType dtype) const;
 };
 
 struct PeakProbeOptions {
-  int threads = 0;       // 0 = one per CPU in the process's affinity mask
-  double seconds = 0.1;  // per repetition and unit, after a warm-up of half that
-  int repetitions = 3;   // best of
+  int threads = 0;        // 0 = one per CPU in the process's affinity mask
+  double seconds = 0.08;  // per repetition and unit, after a warm-up of half that
+  int repetitions = 3;    // best of
 };
 
 // Measures every available unit with these options (about
