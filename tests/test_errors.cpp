@@ -44,6 +44,10 @@ constexpr std::int64_t kVocabTile = 16;
 constexpr std::int64_t kMaskedRow = 2;  // the one padded position
 constexpr std::int64_t kLateRow = 5;    // a valid row in the second token block
 constexpr std::uint8_t kSentinel = 0xA5;
+// Per-token input buffers are this long (only the first kRows elements are
+// viewed), so an output view placed over one stays inside memory the test owns
+// even when the library fails to refuse it.
+constexpr std::size_t kRoom = 400;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -100,16 +104,17 @@ struct Buffers {
       for (std::size_t i = 0; i < src->size(); ++i) (*dst)[i] = to_bf16((*src)[i]);
     }
     std::uniform_int_distribution<std::int32_t> token(0, kVocab - 1);
-    ids.resize(kRows + 1);
+    ids.resize(kRoom);
     for (auto& id : ids) id = token(rng);
-    mask.assign(kRows + 1, 1.0F);
+    mask.assign(kRoom, 1.0F);
     mask[kMaskedRow] = 0.0F;
     advantages = {1.0F, -0.7F, 0.5F, 0.25F, -1.0F, 2.0F, 1.5F};  // [B] or [N] views of it
-    fill(old_logp, kRows + 1, 0.3F);
+    advantages.resize(kRoom, 1.0F);
+    fill(old_logp, kRoom, 0.3F);
     for (float& x : old_logp) x -= std::log(static_cast<float>(kVocab));
-    fill(ref_logp, kRows + 1, 0.3F);
+    fill(ref_logp, kRoom, 0.3F);
     for (float& x : ref_logp) x -= std::log(static_cast<float>(kVocab));
-    is_weight.assign(kRows + 1, 1.0F);
+    is_weight.assign(kRoom, 1.0F);
     is_weight[1] = 0.5F;
     for (auto* v : {&logp, &entropy, &kl, &dbias}) v->assign(std::max(kRows, kVocab) + 1, 0.0F);
     dlogits.assign(kRows * (kVocab + 1), 0.0F);
@@ -251,13 +256,65 @@ void execute(Entry entry, const Call& c, Buffers& b) {
 }
 
 struct Refusal {
-  const char* name;
+  std::string name;
   // Error::argument() must be one of these (an overlap of two outputs may be
   // reported under either name).
   std::vector<std::string> arguments;
   unsigned entries;
   std::function<void(Call&, Buffers&)> apply;
+  // what() must also name this (the other argument of an overlap), if set.
+  std::string mentions;
 };
+
+// Every output placed over every per-token input (issue: kl written over
+// ref_logp turned a loss of 4.22 into 1394): refused, naming both. logp over
+// old_logp as the very same array is the one supported case (see
+// LogpOverOldLogpIsSupportedExactly); logp overlapping old_logp otherwise is refused.
+std::vector<Refusal> output_over_input_refusals() {
+  using B = Buffers;
+  struct Input {
+    const char* name;
+    std::function<float*(B&)> data;
+  };
+  const Input inputs[] = {
+      {"ids", [](B& b) { return reinterpret_cast<float*>(b.ids.data()); }},
+      {"mask", [](B& b) { return b.mask.data(); }},
+      {"advantages", [](B& b) { return b.advantages.data(); }},
+      {"old_logp", [](B& b) { return b.old_logp.data(); }},
+      {"ref_logp", [](B& b) { return b.ref_logp.data(); }},
+      {"is_weight", [](B& b) { return b.is_weight.data(); }},
+  };
+  struct Output {
+    const char* name;
+    unsigned entries;
+    std::function<void(Call&, float*)> place;
+  };
+  const Output outputs[] = {
+      {"logp", kAll, [](Call& c, float* at) { c.tokens.logp = {at, kRows}; }},
+      {"entropy", kAll, [](Call& c, float* at) { c.tokens.entropy = {at, kRows}; }},
+      {"kl", kAll, [](Call& c, float* at) { c.tokens.kl = {at, kRows}; }},
+      {"dlogits", kLogits, [](Call& c, float* at) { c.dlogits.data = at; }},
+      {"dhidden", kHead, [](Call& c, float* at) { c.dhidden.data = at; }},
+      {"dweight", kHead, [](Call& c, float* at) { c.dweight.data = at; }},
+      {"dbias", kHead, [](Call& c, float* at) { c.dbias = {at, kVocab}; }},
+  };
+  std::vector<Refusal> out;
+  for (const Output& o : outputs) {
+    for (const Input& in : inputs) {
+      const bool logp_over_old = std::string(o.name) == "logp" && std::string(in.name) == "old_logp";
+      // logp exactly over old_logp is supported: refuse the shifted overlap instead.
+      const std::ptrdiff_t shift = logp_over_old ? 1 : 0;
+      auto data = in.data;
+      auto place = o.place;
+      out.push_back({std::string(o.name) + "Over" + in.name + (shift ? "Shifted" : ""),
+                     {o.name},
+                     o.entries,
+                     [data, place, shift](Call& c, B& b) { place(c, data(b) + shift); },
+                     in.name});
+    }
+  }
+  return out;
+}
 
 // Row-major index of (row, col) in a matrix of the default ld.
 std::size_t at(std::int64_t row, std::int64_t col, std::int64_t ld) { return static_cast<std::size_t>(row * ld + col); }
@@ -417,6 +474,43 @@ std::vector<Refusal> refusals() {
       {"OldLogpInf", {"old_logp"}, kAll, [](Call&, B& b) { b.old_logp[4] = -kInf; }},
       {"RefLogpNaN", {"ref_logp"}, kAll, [](Call&, B& b) { b.ref_logp[0] = kNaN; }},
       {"IsWeightInf", {"is_weight"}, kAll, [](Call&, B& b) { b.is_weight[kLateRow] = kInf; }},
+      // Finite inputs whose gradient chain overflows f32 (issue: with tau = 0.05,
+      // is_weight = 3e38 or advantages = 3e37 made every gradient NaN and
+      // execute returned normally): refused up front naming the input.
+      {"IsWeightHugeAtLowTemperature",
+       {"is_weight"},
+       kAll,
+       [](Call& c, B& b) {
+         c.config.temperature = 0.05F;
+         b.is_weight[kLateRow] = 3e38F;
+       }},
+      {"AdvantagesHugeAtLowTemperature",
+       {"advantages"},
+       kAll,
+       [](Call& c, B& b) {
+         c.config.temperature = 0.05F;
+         b.advantages[1] = 3e37F;
+       }},
+      // temperature_on_logp divides logp by tau: at tau = 2e-38 it overflows
+      // (issue: the fused step threw 'ids' at block 1 after writing half of
+      // logp and dhidden). Refused before any write; the LM head names the cause.
+      {"TemperatureOnLogpTiny",
+       {"config.temperature"},
+       kHead,
+       [](Call& c, B&) {
+         c.config.temperature_on_logp = true;
+         c.config.temperature = 2e-38F;
+       }},
+      {"TemperatureOnLogpTinyLogitsLevel",
+       {"config.temperature", "ids"},
+       kLogits,
+       [](Call& c, B&) {
+         c.config.temperature_on_logp = true;
+         c.config.temperature = 2e-38F;
+       }},
+      // The k3 KL of TRL at ref - logp beyond f32's exp range (~88.7).
+      {"RefLogpFarAboveLogp", {"ref_logp"}, kAll, [](Call&, B& b) { b.ref_logp[1] = 120.0F; }},
+      {"KlClampZero", {"config.kl_clamp"}, kAll, [](Call& c, B&) { c.config.kl_clamp = 0.0F; }},
       // Finite operands whose product overflows f32 in the second token block:
       // refused up front from the magnitude bound, before any block runs.
       {"LogitsOverflowInLaterBlock",
@@ -503,6 +597,23 @@ std::vector<Refusal> refusals() {
        kAll,
        [](Call& c, B&) { c.logits_shape.vocab = c.head_shape.vocab = std::int64_t{1} << 31; }},
       {"ShapeHiddenZero", {"shape.hidden"}, kHead, [](Call& c, B&) { c.head_shape.hidden = 0; }},
+      // Absurd shapes (issue: batch * seq_len overflowing int64 died of SIGFPE
+      // in the schedule; hidden >= 2^32 crashed inside oneDNN).
+      {"ShapeRowsOverflowInt64",
+       {"shape.seq_len"},
+       kAll,
+       [](Call& c, B&) {
+         c.logits_shape.batch = c.head_shape.batch = std::int64_t{1} << 40;
+         c.logits_shape.seq_len = c.head_shape.seq_len = std::int64_t{1} << 40;
+       }},
+      {"ShapeRowsTimesColumnsOverflowInt64",
+       {"shape.vocab", "shape.hidden"},
+       kAll,
+       [](Call& c, B&) {
+         c.logits_shape.batch = c.head_shape.batch = std::int64_t{1} << 30;
+         c.logits_shape.seq_len = c.head_shape.seq_len = std::int64_t{1} << 30;
+       }},
+      {"ShapeHiddenBeyondOneDnn", {"shape.hidden"}, kHead, [](Call& c, B&) { c.head_shape.hidden = std::int64_t{1} << 32; }},
       {"ShapeHiddenLdTooSmall", {"shape.hidden_ld"}, kHead, [](Call& c, B&) { c.head_shape.hidden_ld = kHidden - 1; }},
       {"MaxThreadsNegative",
        {"options.max_threads"},
@@ -604,7 +715,9 @@ void PrintTo(Entry e, std::ostream* os) { *os << entry_name(e); }
 
 std::vector<RefusalCase> refusal_cases() {
   std::vector<RefusalCase> out;
-  for (const Refusal& r : refusals()) {
+  std::vector<Refusal> all = refusals();
+  for (Refusal& r : output_over_input_refusals()) all.push_back(std::move(r));
+  for (const Refusal& r : all) {
     for (Entry e : {Entry::logits_plan, Entry::logits_baseline, Entry::lm_head_plan, Entry::lm_head_baseline}) {
       if ((r.entries & bit(e)) != 0) out.push_back({e, r});
     }
@@ -635,6 +748,10 @@ TEST_P(RefusalTest, ThrowsNamingTheArgumentAndWritesNothing) {
     EXPECT_NE(std::find(want.begin(), want.end(), e.argument()), want.end())
         << "argument() is '" << e.argument() << "', expected " << join(want) << "; what(): " << e.what();
     EXPECT_NE(std::string(e.what()).find(e.argument()), std::string::npos) << "what() should name the argument";
+    if (!rc.refusal.mentions.empty()) {
+      EXPECT_NE(std::string(e.what()).find(rc.refusal.mentions), std::string::npos)
+          << "what() should name " << rc.refusal.mentions << ": " << e.what();
+    }
   } catch (const std::exception& e) {
     ADD_FAILURE() << "threw a non-grpo exception: " << e.what();
   }
@@ -721,6 +838,37 @@ INSTANTIATE_TEST_SUITE_P(Errors, AcceptedTest,
                          ::testing::Values(Entry::logits_plan, Entry::logits_baseline, Entry::lm_head_plan,
                                            Entry::lm_head_baseline),
                          [](const ::testing::TestParamInfo<Entry>& info) { return entry_name(info.param); });
+
+// logp may be the very array old_logp is ("this epoch's logp is the next
+// one's old_logp"): every entry point reads a row's old_logp before it writes
+// that row's logp, so the results equal those of separate arrays, bit for bit.
+// Also at sequence level with sequences spanning token blocks (the schedule
+// that computes every logp before any coefficient).
+TEST(ErrorsInPlace, LogpOverOldLogpIsSupportedExactly) {
+  for (const Entry entry : {Entry::logits_plan, Entry::logits_baseline, Entry::lm_head_plan, Entry::lm_head_baseline}) {
+    for (const IsLevel level : {IsLevel::token, IsLevel::sequence}) {
+      SCOPED_TRACE(std::string(entry_name(entry)) + (level == IsLevel::sequence ? " sequence" : " token"));
+      Buffers separate_buffers;
+      Call separate(separate_buffers);
+      separate.config.importance_sampling_level = level;
+      separate.head_options.token_block = 2;  // sequences of 3 span blocks of 2
+      execute(entry, separate, separate_buffers);
+      Buffers b;
+      Call call(b);
+      call.config.importance_sampling_level = level;
+      call.head_options.token_block = 2;
+      call.tokens.logp = std::span(b.old_logp).first(kRows);
+      execute(entry, call, b);
+      // NOLINTNEXTLINE(bugprone-suspicious-memory-comparison)
+      EXPECT_EQ(0, std::memcmp(b.old_logp.data(), separate_buffers.logp.data(), kRows * sizeof(float)));
+      EXPECT_EQ(b.metrics.loss, separate_buffers.metrics.loss);
+      for (std::vector<float> Buffers::*v : {&Buffers::dhidden, &Buffers::dweight, &Buffers::dlogits}) {
+        // NOLINTNEXTLINE(bugprone-suspicious-memory-comparison)
+        EXPECT_EQ(0, std::memcmp((b.*v).data(), (separate_buffers.*v).data(), (b.*v).size() * sizeof(float)));
+      }
+    }
+  }
+}
 
 // dlogits may be the very view of the logits (in place); that is not aliasing.
 TEST(ErrorsInPlace, DlogitsSameViewAsLogitsIsAccepted) {

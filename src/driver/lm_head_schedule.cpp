@@ -210,9 +210,13 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   }
   limit = std::min(limit, cap);
   // Rows per forward call: kForwardRows, or fewer (a multiple of kRowQuantum)
-  // when the budget or the requested block is smaller. Never from N.
-  p->forward_rows = std::max(kRowQuantum, std::min(kForwardRows, limit / kRowQuantum * kRowQuantum));
-  std::int64_t nb = std::max(p->forward_rows, limit / p->forward_rows * p->forward_rows);
+  // when the budget or the requested block is smaller. Never from N. A
+  // requested block below forward_rows is kept exactly (one staged chunk);
+  // above, it is rounded down to a multiple of forward_rows.
+  const bool requested = options.token_block > 0;
+  p->forward_rows = std::min(kForwardRows, requested ? round_up(limit, kRowQuantum)
+                                                     : std::max(kRowQuantum, limit / kRowQuantum * kRowQuantum));
+  std::int64_t nb = limit <= p->forward_rows ? limit : limit / p->forward_rows * p->forward_rows;
   nb = std::min(nb, round_up(p->rows, p->forward_rows));  // no block longer than the batch needs
 
   const int threads = resolve_threads(options.max_threads);
