@@ -15,6 +15,7 @@ packages=(
   libyaml-cpp-dev    # yaml-cpp 0.7: microbench / gradcheck configs
   libcli11-dev       # CLI11 2.1: command-line flags of the tools
   clang-format clang-tidy
+  python3-venv python3-dev python3-pip  # the Python package (python/, scripts/test_python.sh)
 )
 if [[ "${GRPO_WITH_FUZZ:-0}" == 1 ]]; then
   packages+=(clang libclang-rt-14-dev libomp-14-dev)  # libFuzzer + sanitizer runtimes; omp.h for clang (libgomp is linked)

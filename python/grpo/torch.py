@@ -162,7 +162,8 @@ class LmHeadLossResult:
 
     loss: 0-dim float32, differentiable w.r.t. hidden / weight / bias.
     per_token_logps: [B, T] float32 (0 on masked rows): the next epoch's old_logp.
-    entropy: [B, T] float32 when requested. kl: [B, T] float32 raw k3 when beta != 0.
+    entropy: [B, T] float32 when requested. kl: [B, T] float32 when beta != 0, the KL
+    term added per token (k3, times r under kl_bias_correction; TRL's per_token_kl).
     metrics: clip_ratio_low / high / region, kl_mean, entropy_mean (masked
     means over valid rows), num_valid.
     """
@@ -192,6 +193,7 @@ def lm_head_grpo_loss(
     delta: Optional[float] = None,
     beta: float = 0.0,
     kl_bias_correction: bool = False,
+    kl_clamp: Optional[float] = None,
     temperature: float = 1.0,
     temperature_on_logp: bool = False,
     max_completion_length: Optional[int] = None,
@@ -223,14 +225,18 @@ def lm_head_grpo_loss(
     if importance_sampling_level not in _IS_LEVELS:
         raise _refuse(names["importance_sampling_level"], f"must be 'token' or 'sequence', got '{importance_sampling_level}'")
 
-    _check_cpu(ids, names["ids"])
-    if ids.dim() != 2:
-        raise _refuse(names["ids"], f"must be [B, T], got shape {list(ids.shape)}")
-    b, s = ids.shape
-    n = b * s
     for t, key in ((hidden, "hidden"), (weight, "weight")):
         _check_cpu(t, names[key])
         _check_float(t, names[key])
+    _check_cpu(ids, names["ids"])
+    # B and T: from hidden when it is [B, T, H], else from ids [B, T].
+    if hidden.dim() == 3:
+        b, s = hidden.shape[:2]
+    elif ids.dim() == 2:
+        b, s = ids.shape
+    else:
+        raise _refuse(names["ids"], f"must be [B, T], got shape {list(ids.shape)}")
+    n = b * s
     if weight.dtype != hidden.dtype:
         raise _refuse(names["weight"], f"has dtype {weight.dtype} but {names['hidden']} has {hidden.dtype}; "
                       "grpo needs both float32 or both bfloat16", grpo.ArgumentTypeError)
@@ -277,6 +283,7 @@ def lm_head_grpo_loss(
     config.delta = None if delta is None else float(delta)
     config.beta = float(beta)
     config.kl_bias_correction = bool(kl_bias_correction)
+    config.kl_clamp = None if kl_clamp is None else float(kl_clamp)
     config.temperature = float(temperature)
     config.temperature_on_logp = bool(temperature_on_logp)
     config.max_completion_length = int(max_completion_length or 0)
@@ -293,7 +300,7 @@ def lm_head_grpo_loss(
 
     key = (b, s, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld,
            loss_type, importance_sampling_level, config.epsilon_low, config.epsilon_high, config.delta,
-           config.beta, config.kl_bias_correction, config.temperature, config.temperature_on_logp,
+           config.beta, config.kl_bias_correction, config.kl_clamp, config.temperature, config.temperature_on_logp,
            config.max_completion_length, items, config.sapo_tau_pos, config.sapo_tau_neg,
            not needs_grad, threads, workspace_budget)
 
@@ -534,7 +541,9 @@ class LmHeadGRPOLoss(torch.nn.Module):
 
         metrics = []
         if self.beta != 0.0:
-            metrics.append(torch.tensor(self._liger_kl_metric(result, attention_mask, old_per_token_logps),
+            # grpo's kl_mean is Liger's KL metric: the mean of the term added
+            # (times r under use_bias_correction_kl); 0 without a reference.
+            metrics.append(torch.tensor(result.metrics["kl_mean"] if result.kl is not None else 0.0,
                                         dtype=torch.float32))
         metrics.append(torch.tensor(self._liger_clip_metric(result, attention_mask, advantages,
                                                             old_per_token_logps), dtype=torch.float32))
@@ -571,30 +580,21 @@ class LmHeadGRPOLoss(torch.nn.Module):
             log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
         return torch.exp(log_ratio)
 
-    def _liger_kl_metric(self, result, attention_mask, old) -> float:
-        # Liger's KL metric is the masked mean of the KL term it adds to the
-        # loss: k3, times the ratio under use_bias_correction_kl. grpo's
-        # kl_mean is the raw k3's mean, so the corrected one is formed here.
-        if result.kl is None:
-            return 0.0
-        if not self.use_bias_correction_kl:
-            return result.metrics["kl_mean"]
-        m = attention_mask.double()
-        kl = result.kl.double() * self._ratio(result, attention_mask, old)
-        return float((kl * m).sum() / m.sum().clamp(min=1.0))
-
     def _liger_clip_metric(self, result, attention_mask, advantages, old) -> float:
-        # grpo family: grpo's clip_ratio_region is Liger's metric. cispo: Liger
-        # counts r > epsilon_high (its cap) with A > 0, never a low clip. sapo:
-        # Liger reports 0 (no clipping).
+        # Token level: grpo's clip_ratio_region is Liger's metric (for cispo
+        # too: r > epsilon_high with A > 0). sapo: Liger reports 0. Sequence
+        # level: grpo reports the fraction of sequences (as TRL logs it),
+        # Liger the fraction of tokens whose sequence is clipped.
         if self.loss_type == "sapo":
             return 0.0
-        if self.loss_type != "cispo":
+        if self.importance_sampling_level != "sequence":
             return result.metrics["clip_ratio_region"]
         m = attention_mask.double()
         adv = advantages.detach().double()
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-        clipped = (self._ratio(result, attention_mask, old) > self.epsilon_high) & (adv > 0)
+        r = self._ratio(result, attention_mask, old)
+        clipped = ((r < 1.0 - self.epsilon_low) & (adv < 0)) | ((r > 1.0 + self.epsilon_high) & (adv > 0))
+        clipped = clipped.expand_as(m)
         return float((clipped * m).sum() / m.sum().clamp(min=1.0))
 
     def extra_repr(self) -> str:

@@ -86,7 +86,8 @@ View matrix(const Array& a, const char* name, Ptr data) {
   }
   const std::int64_t ld = row_stride(a);
   if (ld < static_cast<std::int64_t>(a.shape(1))) {
-    refuse(name, "row stride " + std::to_string(ld) + " is smaller than its " + std::to_string(a.shape(1)) + " columns");
+    refuse(name,
+           "row stride " + std::to_string(ld) + " is smaller than its " + std::to_string(a.shape(1)) + " columns");
   }
   return {data, float_dtype(a, name), static_cast<std::int64_t>(a.shape(0)), static_cast<std::int64_t>(a.shape(1)), ld};
 }
@@ -103,8 +104,9 @@ std::span<T> flat(const OptArray& a, const char* name) {
   if (!a) return {};
   check_cpu(*a, name);
   if (a->dtype() != nb::dtype<std::remove_const_t<T>>()) {
-    throw ArgumentTypeError{name, std::string("must be ") + (std::is_same_v<std::remove_const_t<T>, float> ? "float32" : "int32") +
-                                      ", got " + dtype_name(a->dtype())};
+    throw ArgumentTypeError{name, std::string("must be ") +
+                                      (std::is_same_v<std::remove_const_t<T>, float> ? "float32" : "int32") + ", got " +
+                                      dtype_name(a->dtype())};
   }
   std::int64_t expected = 1;
   for (std::size_t i = a->ndim(); i-- > 0;) {
@@ -156,9 +158,8 @@ class Workspace {
 grpo::Metrics execute_lm_head(const grpo::LmHeadLossPlan& plan, Workspace* workspace, const Array& hidden,
                               const Array& weight, const OptArray& bias, const Array& ids, const Array& mask,
                               const Array& advantages, const OptArray& old_logp, const OptArray& ref_logp,
-                              const OptArray& is_weight, const Array& logp, const OptArray& entropy,
-                              const OptArray& kl, const OptArray& dhidden, const OptArray& dweight,
-                              const OptArray& dbias) {
+                              const OptArray& is_weight, const Array& logp, const OptArray& entropy, const OptArray& kl,
+                              const OptArray& dhidden, const OptArray& dweight, const OptArray& dbias) {
   grpo::LmHeadInputs in;
   in.hidden = in_matrix(hidden, "hidden");
   in.weight = in_matrix(weight, "weight");
@@ -224,7 +225,8 @@ void translate(const std::exception_ptr& p, void*) {
       raise_with_argument(type, e.argument(), e.what());
     }
   } catch (const ArgumentTypeError& e) {
-    raise_with_argument(g_type_error, e.argument, ("grpo: invalid argument '" + e.argument + "': " + e.message).c_str());
+    raise_with_argument(g_type_error, e.argument,
+                        ("grpo: invalid argument '" + e.argument + "': " + e.message).c_str());
   }
 }
 
@@ -241,9 +243,8 @@ NB_MODULE(_core, m) {
   g_unsupported_error =
       PyErr_NewExceptionWithDoc("grpo.UnsupportedError", "A valid request grpo cannot serve; .argument names it.",
                                 PyExc_NotImplementedError, nullptr);
-  g_type_error = PyErr_NewExceptionWithDoc("grpo.ArgumentTypeError",
-                                           "An array of the wrong element type; .argument names it.", PyExc_TypeError,
-                                           nullptr);
+  g_type_error = PyErr_NewExceptionWithDoc(
+      "grpo.ArgumentTypeError", "An array of the wrong element type; .argument names it.", PyExc_TypeError, nullptr);
   m.attr("Error") = nb::handle(g_error);
   m.attr("UnsupportedError") = nb::handle(g_unsupported_error);
   m.attr("ArgumentTypeError") = nb::handle(g_type_error);
@@ -257,7 +258,9 @@ NB_MODULE(_core, m) {
       .value("dapo", grpo::LossType::dapo)
       .value("cispo", grpo::LossType::cispo)
       .value("sapo", grpo::LossType::sapo);
-  nb::enum_<grpo::IsLevel>(m, "IsLevel").value("token", grpo::IsLevel::token).value("sequence", grpo::IsLevel::sequence);
+  nb::enum_<grpo::IsLevel>(m, "IsLevel")
+      .value("token", grpo::IsLevel::token)
+      .value("sequence", grpo::IsLevel::sequence);
   nb::enum_<grpo::WeightLayout>(m, "WeightLayout")
       .value("vocab_major", grpo::WeightLayout::vocab_major)
       .value("hidden_major", grpo::WeightLayout::hidden_major);
@@ -271,6 +274,7 @@ NB_MODULE(_core, m) {
       .def_rw("delta", &grpo::LossConfig::delta)
       .def_rw("beta", &grpo::LossConfig::beta)
       .def_rw("kl_bias_correction", &grpo::LossConfig::kl_bias_correction)
+      .def_rw("kl_clamp", &grpo::LossConfig::kl_clamp)
       .def_rw("temperature", &grpo::LossConfig::temperature)
       .def_rw("temperature_on_logp", &grpo::LossConfig::temperature_on_logp)
       .def_rw("max_completion_length", &grpo::LossConfig::max_completion_length)
@@ -338,6 +342,6 @@ NB_MODULE(_core, m) {
            "[N], dhidden, dweight (the options' dtypes), dbias float32 [V]. Returns the Metrics; on a refusal no "
            "output was written.",
            "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a, "advantages"_a,
-           "old_logp"_a.none(), "ref_logp"_a.none(), "is_weight"_a.none(), "logp"_a, "entropy"_a.none(),
-           "kl"_a.none(), "dhidden"_a.none(), "dweight"_a.none(), "dbias"_a.none());
+           "old_logp"_a.none(), "ref_logp"_a.none(), "is_weight"_a.none(), "logp"_a, "entropy"_a.none(), "kl"_a.none(),
+           "dhidden"_a.none(), "dweight"_a.none(), "dbias"_a.none());
 }

@@ -133,11 +133,19 @@ def reference(case: Case, need_grads: bool = True) -> dict:
         isw = case.is_weight.double()
         isw = isw.reshape(b, 1) if isw.numel() == b else isw.reshape(b, t)
         per_token = per_token * isw
+    if need_grads:
+        logp.retain_grad()
     kl = torch.zeros_like(logp)
+    kl_sens = torch.zeros_like(logp)
     if beta != 0.0:
         d = case.ref_logp.double() - logp
         kl = torch.exp(d) - d - 1.0
         per_token = per_token + beta * (kl * r if bias_corr else kl)
+        # How fast the KL's contribution to dLoss/dlogp moves with logp
+        # (d/dlogp (1 - e^d) = e^d), per unit of aggregation weight.
+        kl_sens = abs(beta) * (torch.exp(d) + 1.0 + kl) * (r if bias_corr else 1.0)
+    if need_grads:
+        per_token.retain_grad()
 
     valid = m.sum()
     if loss_type in ("grpo", "sapo"):
@@ -149,24 +157,40 @@ def reference(case: Case, need_grads: bool = True) -> dict:
     else:  # dapo, cispo
         loss = (per_token * m).sum() / c["num_items_in_batch"]
 
+    # The metrics as TRL logs them. kl: the term added (k3, times r under bias
+    # correction). Clip ratios: cispo counts r > eps_high with A > 0 (TRL's
+    # cispo_clip_ratio) in high and region; sequence-level IS with
+    # per-sequence advantages counts sequences (fractions of B).
     rd = r.detach()
-    low = ((rd < 1 - eps_lo) & (a < 0)).double() * m
-    high = ((rd > 1 + eps_hi) & (a > 0)).double() * m
-    region = (((rd < 1 - eps_lo) & (a < 0)) | ((rd > 1 + eps_hi) & (a > 0))).double() * m
+    if loss_type == "cispo":
+        low_b = torch.zeros_like(rd, dtype=torch.bool)
+        high_b = (rd > eps_hi) & (a > 0)
+    else:
+        low_b = (rd < 1 - eps_lo) & (a < 0)
+        high_b = (rd > 1 + eps_hi) & (a > 0)
     denom = valid.clamp(min=1.0)
+    if level == "sequence" and adv.dim() == 1:
+        low, high, region = (f[:, :1].double() for f in (low_b, high_b, low_b | high_b))
+        clip_denom = float(b)
+    else:
+        low, high, region = (f.double() * m for f in (low_b, high_b, low_b | high_b))
+        clip_denom = denom
+    if beta != 0.0 and bias_corr:
+        kl = kl * r
     out = {
         "loss": loss.detach(),
         "logp": logp.detach(),
         "entropy": ent.detach().reshape(b, t),
         "kl": (kl * m).detach(),
         "metrics": {
-            "clip_ratio_low": float(low.sum() / denom),
-            "clip_ratio_high": float(high.sum() / denom),
-            "clip_ratio_region": float(region.sum() / denom),
+            "clip_ratio_low": float(low.sum() / clip_denom),
+            "clip_ratio_high": float(high.sum() / clip_denom),
+            "clip_ratio_region": float(region.sum() / clip_denom),
             "kl_mean": float((kl.detach() * m).sum() / denom),
             "entropy_mean": float((ent.detach().reshape(b, t) * m).sum() / denom),
             "num_valid": int(valid),
         },
+        "r": r.detach(),
         "x": x.detach(),
         "p": p.detach(),
         "h": h.detach(),
@@ -178,6 +202,8 @@ def reference(case: Case, need_grads: bool = True) -> dict:
         out["dweight"] = w.grad
         out["dbias"] = bias.grad if bias is not None else None
         out["dz"] = z.grad
+        out["c"] = logp.grad.reshape(n)
+        out["kl_sens"] = (kl_sens.detach() * per_token.grad.abs()).reshape(n)
     return out
 
 
@@ -202,13 +228,12 @@ def logp_error(ref: dict, case: Case, logits_round: float = 0.0) -> torch.Tensor
 
 
 def coefficient_bound(ref: dict, case: Case) -> torch.Tensor:
-    """|c_t| = |dLoss/dlogp_t| bound per row (from the reference's dz: c_t/tau (onehot - p))."""
-    dz = ref["dz"]
-    ids = case.ids.reshape(-1)
-    tau = case.config.get("temperature", 1.0)
-    # dz_ty = c/tau (1 - p_y) and sum_v |dz_tv| = 2 |c|/tau (1 - p_y): recover |c|.
-    one_minus_py = (1.0 - ref["p"].gather(1, ids[:, None])[:, 0]).clamp(min=1e-300)
-    return dz.abs().sum(1) / (2.0 * one_minus_py) * tau
+    """Per row: |c_t| = |dLoss/dlogp_t| plus how much the KL part of c_t moves per unit of logp error.
+
+    The KL term's derivative 1 - exp(ref - logp) can nearly cancel the policy
+    term's, so c's error is bounded from the sizes of its parts, not from |c|.
+    """
+    return ref["c"].abs() + ref["kl_sens"]
 
 
 def grad_bounds(ref: dict, case: Case, *, bf16_path: bool, logits_round: float = 0.0,
@@ -225,7 +250,9 @@ def grad_bounds(ref: dict, case: Case, *, bf16_path: bool, logits_round: float =
     # The coefficient moves with logp through r = exp(logp - old) (and the KL's
     # exp(ref - logp)): relative error <= e * (1 + beta * exp|ref - logp| / |c|) ~ 2e
     # for these inputs; counted as a factor 2 on e.
-    ddz = (cabs / tau)[:, None] * (ref["p"] + onehot) * (2.0 * e)[:, None] * 2.0
+    # Sequence-level ratios mix every token's logp error into each c_t: use the
+    # largest row error for the coefficient's part.
+    ddz = (cabs / tau)[:, None] * (ref["p"] + onehot) * (2.0 * e + 2.0 * e.max())[:, None]
     dz = ref["dz"].abs()
     round_rel = (UBF if bf16_path else U32)
     ddz = ddz + round_rel * dz

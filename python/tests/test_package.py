@@ -1,0 +1,93 @@
+"""The package itself: version, torch independence, plan cache, threads."""
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+import grpo
+import grpo.torch as gt
+from reference import make_case
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_version_is_the_cmake_project_version():
+    with open(os.path.join(REPO, "CMakeLists.txt")) as f:
+        cmake_version = re.search(r"project\(grpo\s+VERSION\s+([0-9.]+)", f.read()).group(1)
+    assert grpo.__version__ == cmake_version
+    assert grpo.version() == cmake_version  # the linked C++ library
+    assert importlib.metadata.version("grpo") == cmake_version  # the installed distribution
+
+
+def test_core_package_does_not_import_torch():
+    code = "import sys, grpo; assert 'torch' not in sys.modules, 'grpo imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_core_api_on_numpy():
+    shape = grpo.LmHeadShape()
+    shape.batch, shape.seq_len, shape.hidden, shape.vocab = 1, 4, 8, 12
+    config = grpo.LossConfig()
+    config.loss_type = grpo.LossType.bnpo
+    options = grpo.LmHeadOptions()
+    options.forward_only = True
+    plan = grpo.LmHeadLossPlan(shape, config, options)
+    h = np.zeros((4, 8), np.float32)  # all-equal logits: logp = -log V
+    w = np.ones((12, 8), np.float32)
+    logp = np.zeros(4, np.float32)
+    m = plan.execute(None, h, w, None, np.arange(4, dtype=np.int32), np.ones(4, np.float32),
+                     np.ones(1, np.float32), None, None, None, logp, None, None, None, None, None)
+    np.testing.assert_allclose(logp, -np.log(12), rtol=1e-6)
+    assert m.num_valid == 4
+    assert abs(m.entropy_mean - np.log(12)) < 1e-5
+
+
+def test_training_loop_reuses_plans_and_workspace():
+    """dapo with a num_items_in_batch that changes every step: one plan, one workspace allocation."""
+    cache = grpo.PlanCache()
+    module = gt.LmHeadGRPOLoss(loss_type="dapo", beta=0.04, plan_cache=cache)
+    case = make_case(seed=5)
+    x = case.hidden.clone().requires_grad_()
+    w = case.weight.clone().requires_grad_()
+    for step in range(4):
+        loss, _ = module(x, w, case.ids, case.mask, case.advantages, None, case.ref_logp, case.old_logp,
+                         num_items_in_batch=10 + step)
+        loss.backward()
+        if step == 0:
+            allocations = cache.workspace.allocations
+    assert cache.builds == 1 and len(cache) == 1
+    assert cache.workspace.allocations == allocations == 1
+
+
+def test_threads_follow_torch():
+    cache = grpo.PlanCache()
+    case = make_case(seed=6)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        gt.lm_head_grpo_loss(case.hidden, case.weight, case.ids, case.mask, case.advantages, plan_cache=cache)
+        assert "threads=1" in next(iter(cache._plans.values())).describe()
+    finally:
+        torch.set_num_threads(before)
+    cache.clear()
+    gt.lm_head_grpo_loss(case.hidden, case.weight, case.ids, case.mask, case.advantages, plan_cache=cache,
+                         num_threads=1)
+    assert "threads=1" in next(iter(cache._plans.values())).describe()
+
+
+def test_zero_copy_inputs_and_gradient_dtypes():
+    case = make_case(seed=8, dtype=torch.bfloat16)
+    x = case.hidden.clone().requires_grad_()
+    w = case.weight.clone().requires_grad_()
+    b = case.bias.clone().requires_grad_()
+    loss, metrics = gt.LmHeadGRPOLoss(loss_type="grpo")(x, w, case.ids, case.mask, case.advantages, b,
+                                                         case.ref_logp, case.old_logp)
+    loss.backward()
+    assert loss.dtype == torch.float32 and len(metrics) == 2
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.bfloat16
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape

@@ -1,0 +1,149 @@
+"""Refused arguments: an exception naming the argument, and nothing written."""
+
+import numpy as np
+import pytest
+import torch
+
+import grpo
+import grpo.torch as gt
+from reference import make_case
+
+
+def liger_args(case):
+    x = case.hidden.clone().requires_grad_()
+    w = case.weight.clone().requires_grad_()
+    b = case.bias.clone().requires_grad_()
+    return dict(_input=x, lin_weight=w, selected_token_ids=case.ids, attention_mask=case.mask,
+                advantages=case.advantages, bias=b, ref_per_token_logps=case.ref_logp,
+                old_per_token_logps=case.old_logp)
+
+
+def mutate(args, name, value):
+    out = dict(args)
+    out[name] = value
+    return out
+
+
+@pytest.fixture
+def case():
+    return make_case(seed=11, loss_type="grpo")
+
+
+def bad_inputs(case):
+    a = liger_args(case)
+    b, t, h = case.hidden.shape
+    v = case.weight.shape[0]
+    wide = torch.zeros(b, t, 2 * h)
+    return [
+        ("_input", mutate(a, "_input", torch.randn(b * t, h)), ValueError),  # not [B, T, H]
+        ("_input", mutate(a, "_input", case.hidden.double()), TypeError),
+        ("_input", mutate(a, "_input", torch.empty(b, t, h, device="meta")), ValueError),
+        ("_input", mutate(a, "_input", wide[..., ::2]), ValueError),  # inner stride 2
+        ("lin_weight", mutate(a, "lin_weight", torch.randn(v, h + 1)), ValueError),
+        ("lin_weight", mutate(a, "lin_weight", case.weight.to(torch.bfloat16)), TypeError),
+        ("lin_weight", mutate(a, "lin_weight", torch.randn(h, v).T), ValueError),  # column-major
+        ("bias", mutate(a, "bias", torch.randn(v + 1)), ValueError),
+        ("bias", mutate(a, "bias", torch.randn(v).half()), TypeError),
+        ("selected_token_ids", mutate(a, "selected_token_ids", case.ids.float()), TypeError),
+        ("selected_token_ids", mutate(a, "selected_token_ids", case.ids[:, :-1]), ValueError),
+        ("selected_token_ids", mutate(a, "selected_token_ids", torch.full_like(case.ids, v)), ValueError),
+        ("selected_token_ids", mutate(a, "selected_token_ids", case.ids + (1 << 32)), ValueError),
+        ("attention_mask", mutate(a, "attention_mask", case.mask * 0.5), ValueError),
+        ("attention_mask", mutate(a, "attention_mask", torch.ones(b, t + 1)), ValueError),
+        ("advantages", mutate(a, "advantages", torch.randn(b + 1)), ValueError),
+        ("advantages", mutate(a, "advantages", torch.full((b,), float("nan"))), ValueError),
+        ("old_per_token_logps", mutate(a, "old_per_token_logps", torch.randn(b, t, 1)), ValueError),
+        ("ref_per_token_logps", mutate(a, "ref_per_token_logps", torch.empty(b, t, device="meta")), ValueError),
+        ("ref_per_token_logps", mutate(a, "ref_per_token_logps", None), ValueError),
+        ("vllm_is_ratio", mutate(a, "vllm_is_ratio", torch.ones(b, t, 2)), ValueError),
+    ]
+
+
+@pytest.mark.parametrize("index", range(21))
+def test_module_refusal_names_argument_and_writes_nothing(case, index):
+    name, args, error_type = bad_inputs(case)[index]
+    module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="grpo")
+    weight = args["lin_weight"]
+    sentinel = torch.full(weight.shape, 7.0, dtype=weight.dtype) if weight.requires_grad else None
+    if sentinel is not None:
+        weight.grad = sentinel.clone()
+    with pytest.raises(error_type) as info:
+        module(**args)
+    assert name in str(info.value), str(info.value)
+    assert getattr(info.value, "argument", name) == name
+    inp = args["_input"]
+    assert inp.grad is None
+    if sentinel is not None:
+        assert torch.equal(weight.grad, sentinel)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device to make a CUDA tensor")
+def test_cuda_tensor_refused(case):
+    args = mutate(liger_args(case), "_input", case.hidden.cuda())
+    with pytest.raises(ValueError, match="_input"):
+        gt.LmHeadGRPOLoss(beta=0.04, loss_type="grpo")(**args)
+
+
+@pytest.mark.parametrize("argument,kwargs", [
+    ("loss_type", dict(loss_type="luspo")),
+    ("loss_type", dict(loss_type="vespo")),
+    ("delta", dict(loss_type="grpo", delta=1.1, epsilon_high=0.2)),
+])
+def test_unsupported_configuration(argument, kwargs):
+    with pytest.raises(NotImplementedError, match=argument):
+        gt.LmHeadGRPOLoss(**kwargs)
+
+
+@pytest.mark.parametrize("argument", ["ref_input", "ref_weight", "ref_bias"])
+def test_reference_model_inputs_not_implemented(case, argument):
+    args = mutate(liger_args(case), "ref_per_token_logps", None)
+    args[argument] = torch.zeros(1)
+    with pytest.raises(NotImplementedError, match=argument):
+        gt.LmHeadGRPOLoss(beta=0.04, loss_type="grpo")(**args)
+
+
+def test_liger_value_checks():
+    with pytest.raises(ValueError, match="sapo_temperature_pos"):
+        gt.LmHeadGRPOLoss(sapo_temperature_pos=0.0)
+    with pytest.raises(ValueError, match="max_completion_length"):
+        gt.LmHeadGRPOLoss(loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="Sequence-level"):
+        gt.LmHeadGRPOLoss(loss_type="cispo", importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="Unknown loss type"):
+        gt.LmHeadGRPOLoss(loss_type="ppo")
+
+
+def test_library_config_refusal_names_liger_argument(case):
+    module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="grpo", temperature=-1.0)
+    with pytest.raises(ValueError, match="temperature") as info:
+        module(**liger_args(case))
+    assert info.value.argument == "temperature"
+
+
+def test_core_refusal_leaves_outputs_untouched():
+    """The torch-free API: numpy outputs keep their contents when the library refuses."""
+    shape = grpo.LmHeadShape()
+    shape.batch, shape.seq_len, shape.hidden, shape.vocab = 2, 3, 8, 16
+    plan = grpo.LmHeadLossPlan(shape, grpo.LossConfig(), grpo.LmHeadOptions())
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((6, 8), dtype=np.float32)
+    w = rng.standard_normal((16, 8), dtype=np.float32)
+    ids = np.arange(6, dtype=np.int32)
+    ids[4] = 16  # out of range on a valid row
+    mask = np.ones(6, np.float32)
+    adv = np.array([1.0, -1.0], np.float32)
+    logp = np.full(6, 3.0, np.float32)
+    dh = np.full((6, 8), 5.0, np.float32)
+    dw = np.full((16, 8), 5.0, np.float32)
+    with pytest.raises(grpo.Error) as info:
+        plan.execute(grpo.Workspace(), h, w, None, ids, mask, adv, None, None, None, logp, None, None, dh, dw, None)
+    assert info.value.argument == "ids"
+    assert (logp == 3.0).all() and (dh == 5.0).all() and (dw == 5.0).all()
+    with pytest.raises(grpo.ArgumentTypeError) as info:
+        plan.execute(None, h, w, None, ids.astype(np.int64), mask, adv, None, None, None, logp, None, None, dh,
+                     dw, None)
+    assert info.value.argument == "ids"
+    with pytest.raises(grpo.Error) as info:
+        plan.execute(None, h[:, ::2], w, None, ids, mask, adv, None, None, None, logp, None, None, dh, dw, None)
+    assert info.value.argument == "hidden"
+    assert (logp == 3.0).all() and (dh == 5.0).all() and (dw == 5.0).all()
