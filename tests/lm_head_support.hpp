@@ -23,14 +23,28 @@ struct HeadCase {
   DType dhidden_dtype = DType::f32;
   bool baseline = false;
   DType baseline_logits = DType::f32;
+  // Row padding (elements beyond the dense row; 0 = dense): hidden_ld = H +
+  // hidden_pad, weight_ld / dweight_ld = the weight's row + pad, dhidden ld =
+  // H + dhidden_pad. Input padding holds NaN (never to be read), output
+  // padding kOutputPadByte (never to be written).
+  std::int64_t hidden_pad = 0;
+  std::int64_t weight_pad = 0;
+  std::int64_t dweight_pad = 0;
+  std::int64_t dhidden_pad = 0;
 };
+
+inline constexpr std::byte kOutputPadByte{0xff};  // a NaN in f32 and in bf16
 
 inline std::string case_name(const HeadCase& c) {
   return describe(c.spec) + " H=" + std::to_string(c.hidden) + " dtype=" + to_string(c.dtype) +
          " layout=" + to_string(c.layout) + (c.bias ? " bias" : "") + (c.banned ? " banned" : "") +
          (c.accumulate ? " accumulate" : "") + " block=" + std::to_string(c.token_block) +
          " tile=" + std::to_string(c.vocab_tile) + " dW=" + to_string(c.dweight_dtype) +
-         " dh=" + to_string(c.dhidden_dtype) + (c.baseline ? " baseline" : " fused");
+         " dh=" + to_string(c.dhidden_dtype) + (c.baseline ? " baseline" : " fused") +
+         (c.hidden_pad + c.weight_pad + c.dweight_pad + c.dhidden_pad != 0
+              ? " pads(h,w,dw,dh)=" + std::to_string(c.hidden_pad) + "," + std::to_string(c.weight_pad) + "," +
+                    std::to_string(c.dweight_pad) + "," + std::to_string(c.dhidden_pad)
+              : "");
 }
 
 inline void PrintTo(const HeadCase& c, std::ostream* os) { *os << case_name(c); }
@@ -53,12 +67,43 @@ inline std::vector<double> store(const std::vector<double>& v, DType dtype, std:
   return actual;
 }
 
+// Dense rows (cols elements of esize bytes each) copied into rows of ld
+// elements; each padding element is a copy of `fill` (esize bytes).
+inline std::vector<std::byte> pad_rows(const std::vector<std::byte>& dense, std::int64_t rows, std::int64_t cols,
+                                       std::int64_t ld, std::size_t esize, const void* fill) {
+  std::vector<std::byte> out(static_cast<std::size_t>(rows * ld) * esize);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::memcpy(out.data() + static_cast<std::size_t>(r * ld) * esize,
+                dense.data() + static_cast<std::size_t>(r * cols) * esize, static_cast<std::size_t>(cols) * esize);
+    for (std::int64_t k = cols; k < ld; ++k)
+      std::memcpy(out.data() + static_cast<std::size_t>(r * ld + k) * esize, fill, esize);
+  }
+  return out;
+}
+
+// The inverse of pad_rows; returns how many padding bytes differ from `fill`.
+inline std::size_t unpad_rows(const std::vector<std::byte>& padded, std::int64_t rows, std::int64_t cols,
+                              std::int64_t ld, std::size_t esize, const void* fill, std::vector<std::byte>& dense) {
+  std::size_t changed = 0;
+  dense.resize(static_cast<std::size_t>(rows * cols) * esize);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dense.data() + static_cast<std::size_t>(r * cols) * esize,
+                padded.data() + static_cast<std::size_t>(r * ld) * esize, static_cast<std::size_t>(cols) * esize);
+    for (std::int64_t k = cols; k < ld; ++k) {
+      const std::byte* at = padded.data() + static_cast<std::size_t>(r * ld + k) * esize;
+      for (std::size_t i = 0; i < esize; ++i) changed += at[i] != static_cast<const std::byte*>(fill)[i] ? 1 : 0;
+    }
+  }
+  return changed;
+}
+
 struct HeadOutputs {
   std::vector<float> logp, entropy, kl;
-  std::vector<std::byte> dhidden, dweight;
+  std::vector<std::byte> dhidden, dweight;  // dense, whatever the case's padding
   std::vector<float> dbias;
   Metrics metrics;
   std::string schedule;
+  std::size_t padding_bytes_written = 0;  // output padding bytes (HeadCase::*_pad) the run changed
 
   // dweight as doubles in vocab-major order.
   std::vector<double> dweight_vocab_major(const HeadCase& c) const {
@@ -181,16 +226,46 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
     o.dweight.assign(static_cast<std::size_t>(v * h) * size_of(c.dweight_dtype), std::byte{0x3f});
     o.dbias.assign(c.bias ? v : 0, 7.0F);
   }
-  LmHeadShape shape{s.batch, s.seq_len, h, v, c.dtype, c.layout, c.bias, DType::f32};
-  LmHeadInputs in{{p.hidden.data(), c.dtype, n, h, h},
-                  {p.weight.data(), c.dtype, vm ? v : h, vm ? h : v, vm ? h : v},
+  // Row strides; padded copies of the buffers when a case asks for them.
+  const std::int64_t wrows = vm ? v : h, wcols = vm ? h : v;
+  const std::int64_t hidden_ld = h + c.hidden_pad, weight_ld = wcols + c.weight_pad;
+  const std::int64_t dweight_ld = wcols + c.dweight_pad, dhidden_ld = h + c.dhidden_pad;
+  const float nan_f32 = std::numeric_limits<float>::quiet_NaN();
+  const std::uint16_t nan_bf16 = kernels::float_to_bf16(nan_f32);
+  const void* nan = c.dtype == DType::f32 ? static_cast<const void*>(&nan_f32) : &nan_bf16;
+  const std::byte out_fill[4] = {kOutputPadByte, kOutputPadByte, kOutputPadByte, kOutputPadByte};
+  const std::size_t in_size = size_of(c.dtype);
+  const std::vector<std::byte> hidden_buf =
+      c.hidden_pad != 0 ? pad_rows(p.hidden, n, h, hidden_ld, in_size, nan) : std::vector<std::byte>{};
+  const std::vector<std::byte> weight_buf =
+      c.weight_pad != 0 ? pad_rows(p.weight, wrows, wcols, weight_ld, in_size, nan) : std::vector<std::byte>{};
+  std::vector<std::byte> dhidden_buf = c.dhidden_pad != 0
+                                           ? pad_rows(o.dhidden, n, h, dhidden_ld, size_of(c.dhidden_dtype), out_fill)
+                                           : std::vector<std::byte>{};
+  std::vector<std::byte> dweight_buf =
+      c.dweight_pad != 0 ? pad_rows(o.dweight, wrows, wcols, dweight_ld, size_of(c.dweight_dtype), out_fill)
+                         : std::vector<std::byte>{};
+  LmHeadShape shape{s.batch,
+                    s.seq_len,
+                    h,
+                    v,
+                    c.dtype,
+                    c.layout,
+                    c.bias,
+                    DType::f32,
+                    c.hidden_pad != 0 ? hidden_ld : 0,
+                    c.weight_pad != 0 ? weight_ld : 0,
+                    c.dweight_pad != 0 ? dweight_ld : 0};
+  LmHeadInputs in{{c.hidden_pad != 0 ? hidden_buf.data() : p.hidden.data(), c.dtype, n, h, hidden_ld},
+                  {c.weight_pad != 0 ? weight_buf.data() : p.weight.data(), c.dtype, wrows, wcols, weight_ld},
                   c.bias ? VectorView{p.bias.data(), DType::f32, v} : VectorView{},
                   p.batch.view()};
-  LmHeadOutputs out{{o.logp, o.entropy, o.kl},
-                    {o.dhidden.data(), c.dhidden_dtype, n, h, h},
-                    {o.dweight.data(), c.dweight_dtype, vm ? v : h, vm ? h : v, vm ? h : v},
-                    o.dbias,
-                    &o.metrics};
+  LmHeadOutputs out{
+      {o.logp, o.entropy, o.kl},
+      {c.dhidden_pad != 0 ? dhidden_buf.data() : o.dhidden.data(), c.dhidden_dtype, n, h, dhidden_ld},
+      {c.dweight_pad != 0 ? dweight_buf.data() : o.dweight.data(), c.dweight_dtype, wrows, wcols, dweight_ld},
+      o.dbias,
+      &o.metrics};
   if (c.baseline) {
     LmHeadBaselineOptions opt;
     opt.logits_dtype = c.baseline_logits;
@@ -210,6 +285,13 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
     LmHeadLossPlan plan(shape, s.config, opt);
     o.schedule = plan.describe();
     plan.execute(in, out);
+  }
+  if (c.dhidden_pad != 0) {
+    o.padding_bytes_written += unpad_rows(dhidden_buf, n, h, dhidden_ld, size_of(c.dhidden_dtype), out_fill, o.dhidden);
+  }
+  if (c.dweight_pad != 0) {
+    o.padding_bytes_written +=
+        unpad_rows(dweight_buf, wrows, wcols, dweight_ld, size_of(c.dweight_dtype), out_fill, o.dweight);
   }
   return o;
 }

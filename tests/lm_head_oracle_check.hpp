@@ -1,0 +1,140 @@
+// The LM-head outputs against the double oracle, with error bounds derived
+// from the oracle's own quantities: shared by test_lm_head.cpp (dense views)
+// and test_contract.cpp (padded row strides).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "lm_head_support.hpp"
+
+namespace grpo::test {
+
+// Error bounds derived from the oracle's own quantities (see the comments).
+struct HeadOracleBounds {
+  std::vector<double> tol_logp;  // per row
+  std::vector<double> dz_err;    // per row: bound on |dlogits error| per entry, systematic part
+};
+
+// Every output of `got` (a run of c on p) against the double oracle within
+// those bounds.
+inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, const HeadOutputs& got) {
+  const BatchSpec& s = c.spec;
+  SCOPED_TRACE(case_name(c));
+  const oracle::LmHeadResult want = oracle::evaluate_lm_head(p.oracle);
+  SCOPED_TRACE(got.schedule);
+  const std::int64_t n = s.batch * s.seq_len, v = s.vocab, h = c.hidden;
+  const double tau = s.config.temperature;
+  const double scale = s.config.temperature_on_logp ? 1.0 : 1.0 / tau;
+  const bool bf16 = c.dtype == DType::bf16;
+
+  // Logits come from an f32-accumulated GEMM on exact inputs: |z error| <=
+  // eps sqrt(H) sum_k |h_k w_k| (random-walk accumulation, 2x margin). Then the
+  // logits-level bound applies on top: 8 eps (max|x| + sqrt(V)) + 2 scale |z error|
+  // (x_y and the LSE each move by at most scale |z error|).
+  HeadOracleBounds b;
+  b.tol_logp.resize(n);
+  b.dz_err.resize(n);
+  double sum_abs_c = 0.0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    double zmag = 0.0, xmax = 1.0;
+    for (std::int64_t a = 0; a < v; ++a) {
+      double m = 0.0;
+      for (std::int64_t k = 0; k < h; ++k) m += std::abs(p.oracle.hidden[t * h + k] * p.oracle.weight[a * h + k]);
+      zmag = std::max(zmag, m);
+      const double z = p.batch.problem.logits[t * v + a];
+      if (std::isfinite(z)) xmax = std::max(xmax, std::abs(z) * scale);
+    }
+    const double tol_z = 2.0 * kEpsF32 * std::sqrt(static_cast<double>(h)) * zmag;
+    b.tol_logp[t] = 8.0 * kEpsF32 * (xmax + std::sqrt(static_cast<double>(v))) + 2.0 * scale * tol_z;
+    // |a_t| from the oracle row: sum_v |dz_v| = 2 |a| (1 - p_y).
+    double row_sum = 0.0;
+    for (std::int64_t a = 0; a < v; ++a) row_sum += std::abs(want.head.dlogits[t * v + a]);
+    double one_minus_py = 1.0;
+    if (p.batch.mask[t] != 0.0F) {
+      const double log_py = s.config.temperature_on_logp ? want.head.logp[t] * tau : want.head.logp[t];
+      one_minus_py = std::max(-std::expm1(log_py), 1e-6);
+    }
+    const double abs_a = row_sum / (2.0 * one_minus_py);
+    sum_abs_c += abs_a * tau;
+    // dz = a (onehot - p): |error| <= |a| (3 tol_logp + 4 eps), plus in the bf16
+    // path the f16 storage of x - max: |dp| <= p |u| 2^-11 <= 2^-11 / e < 2^-11.
+    b.dz_err[t] = abs_a * (3.0 * b.tol_logp[t] + 4.0 * kEpsF32 + (bf16 ? 1.0 / 2048.0 : 0.0));
+  }
+
+  for (std::int64_t t = 0; t < n; ++t) {
+    SCOPED_TRACE("row " + std::to_string(t));
+    EXPECT_NEAR(got.logp[t], want.head.logp[t], b.tol_logp[t] * (s.config.temperature_on_logp ? 1.0 / tau : 1.0));
+    EXPECT_NEAR(got.entropy[t], want.head.entropy[t], b.tol_logp[t] * (2.0 + std::log(static_cast<double>(v))));
+    EXPECT_NEAR(got.kl[t], want.head.kl[t], 2.0 * b.tol_logp[t] + 4.0 * kEpsF32);
+  }
+  EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_region, want.head.clip_ratio_region);
+  EXPECT_NEAR(got.metrics.loss, want.head.loss,
+              2.0 * sum_abs_c * *std::max_element(b.tol_logp.begin(), b.tol_logp.end()) +
+                  16.0 * kEpsF32 * std::abs(want.head.loss) + 1e-12);
+
+  // Gradient GEMMs: a sum of products whose dz factor has the systematic bound
+  // dz_err (added worst-case: sum |other factor|), the bf16 rounding of dz in the
+  // bf16 path (independent per entry, |e| <= 2^-9 |dz|: 4 sigma of a random walk
+  // of uniform errors, sigma <= 2^-9 / sqrt(3) per term), and f32 accumulation
+  // (eps sqrt(depth) sum |terms|, 2x margin). A bf16 output adds 2^-8 relative.
+  const double dz_round = bf16 ? 4.0 / 512.0 / std::sqrt(3.0) : 0.0;
+  // dhidden[t, k] = sum_v dz[t, v] W[v, k]
+  const std::vector<float> dh = to_float(got.dhidden.data(), c.dhidden_dtype, static_cast<std::size_t>(n * h));
+  const double dh_out = c.dhidden_dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    for (std::int64_t k = 0; k < h; ++k) {
+      double sys = 0.0, sq = 0.0, abs_sum = 0.0;
+      for (std::int64_t a = 0; a < v; ++a) {
+        const double w = p.oracle.weight[a * h + k];
+        const double term = want.head.dlogits[t * v + a] * w;
+        sys += b.dz_err[t] * std::abs(w);
+        sq += term * term;
+        abs_sum += std::abs(term);
+      }
+      const double want_dh = want.dhidden[t * h + k];
+      const double tol = sys + dz_round * std::sqrt(sq) + 2.0 * kEpsF32 * std::sqrt(static_cast<double>(v)) * abs_sum +
+                         dh_out * std::abs(want_dh) + 1e-30;
+      ASSERT_NEAR(dh[t * h + k], want_dh, tol) << "dhidden[" << t << ", " << k << "]";
+    }
+  }
+  // dweight[v, k] = init + sum_t dz[t, v] hidden[t, k]
+  const std::vector<double> dw = got.dweight_vocab_major(c);
+  const double dw_out = c.dweight_dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
+  for (std::int64_t a = 0; a < v; ++a) {
+    for (std::int64_t k = 0; k < h; ++k) {
+      double sys = 0.0, sq = 0.0, abs_sum = 0.0;
+      for (std::int64_t t = 0; t < n; ++t) {
+        const double x = p.oracle.hidden[t * h + k];
+        const double term = want.head.dlogits[t * v + a] * x;
+        sys += b.dz_err[t] * std::abs(x);
+        sq += term * term;
+        abs_sum += std::abs(term);
+      }
+      const double init = c.accumulate ? p.dweight_init[a * h + k] : 0.0;
+      const double want_dw = init + want.dweight[a * h + k];
+      const double tol = sys + dz_round * std::sqrt(sq) + 2.0 * kEpsF32 * std::sqrt(static_cast<double>(n)) * abs_sum +
+                         2.0 * kEpsF32 * std::abs(init) + dw_out * std::abs(want_dw) + 1e-30;
+      ASSERT_NEAR(dw[a * h + k], want_dw, tol) << "dweight[" << a << ", " << k << "]";
+    }
+  }
+  if (c.bias) {
+    for (std::int64_t a = 0; a < v; ++a) {
+      double sys = 0.0, abs_sum = 0.0;
+      for (std::int64_t t = 0; t < n; ++t) {
+        sys += b.dz_err[t];
+        abs_sum += std::abs(want.head.dlogits[t * v + a]);
+      }
+      const double init = c.accumulate ? p.dbias_init[a] : 0.0;
+      // The baseline sums the stored (bf16 in the bf16 path) dlogits.
+      const double round = c.baseline && bf16 ? 1.0 / 256.0 * abs_sum : 0.0;
+      ASSERT_NEAR(
+          got.dbias[a], init + want.dbias[a],
+          sys + round + 2.0 * kEpsF32 * static_cast<double>(n) * abs_sum + 2.0 * kEpsF32 * std::abs(init) + 1e-30)
+          << "dbias[" << a << "]";
+    }
+  }
+}
+
+}  // namespace grpo::test
