@@ -11,6 +11,7 @@
 // Three GEMMs' worth of FLOPs: the logits are never recomputed unless
 // sequence-level importance sampling has sequences that span blocks.
 #include <cstring>
+#include <string>
 
 #include "api/validate.hpp"
 #include "driver/lm_head_plan.hpp"
@@ -19,6 +20,9 @@
 #include "driver/row_math.hpp"
 
 namespace grpo::detail {
+
+const char* const kEarlierBlocksWritten = "outputs of earlier token blocks were already written";
+
 namespace {
 
 struct Step {
@@ -274,7 +278,15 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, backward);
-      acc.add_rows(b0, b0 + rows, step.logp, step.entropy, step.coef, step.kl);
+      try {
+        acc.add_rows(b0, b0 + rows, step.logp, step.entropy, step.coef, step.kl);
+      } catch (const Error& e) {
+        // The one refusal that needs the policy's own logp (a k3 KL beyond
+        // f32, see LossConfig::beta) is met block by block: say so when
+        // earlier blocks' outputs exist. kl_clamp makes it impossible.
+        if (b0 == 0) throw;
+        throw Error(e.argument(), std::string(e.what()) + "; " + kEarlierBlocksWritten, e.kind());
+      }
       step.write_token_outputs(b0, rows, step.logp, step.entropy, step.kl);
       if (backward) backward_block(b0, rows, step.coef);
     }

@@ -148,6 +148,9 @@ struct LmHeadPlanData {
 std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, const LossConfig& config,
                                                    const LmHeadOptions& options);
 
+// Said by the one refusal that can come after a step wrote outputs (see run_lm_head).
+extern const char* const kEarlierBlocksWritten;
+
 // Runs one step. Arguments already validated.
 // max_abs_coef: from validation (LossAccumulator's bound on |c_t|).
 void run_lm_head(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
