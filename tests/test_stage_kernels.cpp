@@ -332,6 +332,103 @@ TEST_P(StageKernelsTest, DlogitsRow) {
   }
 }
 
+// The generic head's dlogits: the dlogits_row terms plus -b p (x - mean), both
+// paths against the double reference, with the same inputs and targets.
+TEST_P(StageKernelsTest, DlogitsEntropyRow) {
+  int combo = 0;
+  for (Elem in_t : {Elem::f32, Elem::bf16, Elem::f16}) {
+    for (Elem out_t : {Elem::f32, Elem::bf16}) {
+      for (int kind = 0; kind <= int(Kind::offset); ++kind) {
+        for (std::int64_t target : {std::int64_t{-1}, n_ / 2, n_ - 1}) {
+          const bool with_bias = (combo % 2) == 0;
+          const Place place = kPlaces[combo++ % 3];
+          const std::uint32_t seed =
+              5000u + 7u * std::uint32_t(n_) + 131u * std::uint32_t(kind) + 17u * std::uint32_t(combo);
+          SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " kind=" << kKindNames[kind]
+                                          << " in=" << int(in_t) << " out=" << int(out_t) << " target=" << target);
+          std::vector<float> z = make_row(Kind(kind), n_, seed);
+          // f16 holds u = x - tile max in the fused driver, the shift brings the max back.
+          const float zmax = expected_max(z, 1.0F);
+          const float scale = in_t == Elem::f16 ? 1.0F : 1.0F / 0.7F;
+          const float shift = in_t == Elem::f16 ? (zmax == -kInf ? 0.0F : zmax) : 0.375F;
+          if (in_t == Elem::f16) {
+            for (float& v : z) v -= zmax == -kInf ? 0.0F : zmax;
+          }
+          round_to(in_t, z);
+          double xmax = -kInf;
+          for (float v : z) xmax = std::max(xmax, double(v) * scale + shift);
+          double s = 0.0, sx = 0.0;
+          for (float v : z) {
+            if (v == -kInf) continue;
+            const double e = std::exp(double(v) * scale + shift - xmax);
+            s += e;
+            sx += e * (double(v) * scale + shift);
+          }
+          const float lse = xmax == -kInf ? 0.0F : float(xmax + std::log(s));
+          const float mean = xmax == -kInf ? 0.0F : float(sx / s);  // E_p[x], given to the kernel
+          const float a = -0.8125F;
+          const float b = 0.6875F;
+          Guarded in(n_, size_of(in_t), place);
+          Guarded out(n_, size_of(out_t), place);
+          Guarded bias(n_, 4, place);
+          fill(in, in_t, z);
+          std::vector<float> bias0 = make_row(Kind::normal, n_, seed + 1);
+          fill(bias, Elem::f32, bias0);
+          k_->dlogits_entropy_row(in.as<void>(), in_t, n_, scale, shift, lse, a, b, mean, target, out.as<void>(), out_t,
+                                  with_bias ? bias.as<float>() : nullptr);
+          EXPECT_TRUE(out.outside_untouched());
+          EXPECT_TRUE(bias.outside_untouched());
+          for (std::int64_t i = 0; i < n_; ++i) {
+            // dlogits_row's bound (see DlogitsRow) for the first term; the
+            // entropy term carries p's relative error times |x - mean|, the
+            // roundings of in_shift - mean and of the centered x (u each),
+            // of b p (u) and of the final fused add (u |g|); lanes flushed
+            // to p = 0 lose at most |b| FLT_MIN |x - mean|.
+            const double x = double(z[i]) * scale + shift;
+            const double d = x - double(lse);
+            const double p = z[i] == -kInf ? 0.0 : std::exp(d);
+            const double xc = z[i] == -kInf ? 0.0 : x - double(mean);
+            const double g_ref = a * ((i == target ? 1.0 : 0.0) - p) - b * p * xc;
+            const double rel_p = p == 0.0 ? 0.0 : p * kU * (std::fabs(x) + std::fabs(d) + kExpU);
+            const double flush = (std::fabs(a) + std::fabs(b) * std::fabs(xc)) * std::numeric_limits<float>::min();
+            const double tol32 = std::fabs(a) * rel_p + 2 * kU * std::fabs(a * ((i == target ? 1.0 : 0.0) - p)) +
+                                 std::fabs(b) * (rel_p * std::fabs(xc) +
+                                                 p * kU * (std::fabs(double(shift) - mean) + 3 * std::fabs(xc))) +
+                                 kU * std::fabs(g_ref) + flush;
+            const double g = out_t == Elem::f32 ? out.as<float>()[i] : bf16_to_float(out.as<std::uint16_t>()[i]);
+            const double tol = tol32 + (out_t == Elem::bf16 ? kUBf16 * (std::fabs(g_ref) + tol32) : 0.0);
+            ASSERT_NEAR(g, g_ref, tol) << "i=" << i;
+            const double want_bias = with_bias ? bias0[i] + g_ref : bias0[i];
+            ASSERT_NEAR(bias.as<float>()[i], want_bias, (with_bias ? tol32 : 0.0) + kU * (std::fabs(want_bias) + tol32))
+                << "i=" << i;
+          }
+          // b = 0 gives dlogits_row's values exactly (the fused path's kernel;
+          // a zero may change sign: g - 0 * (x - mean)).
+          if (!with_bias) {
+            Guarded plain(n_, size_of(out_t), place);
+            k_->dlogits_row(in.as<void>(), in_t, n_, scale, shift, lse, a, target, plain.as<void>(), out_t, nullptr);
+            k_->dlogits_entropy_row(in.as<void>(), in_t, n_, scale, shift, lse, a, 0.0F, mean, target, out.as<void>(),
+                                    out_t, nullptr);
+            for (std::int64_t i = 0; i < n_; ++i) {
+              const float want =
+                  out_t == Elem::f32 ? plain.as<float>()[i] : bf16_to_float(plain.as<std::uint16_t>()[i]);
+              const float got = out_t == Elem::f32 ? out.as<float>()[i] : bf16_to_float(out.as<std::uint16_t>()[i]);
+              ASSERT_EQ(got, want) << "i=" << i;
+            }
+          }
+          // In place, exact aliasing: the same bits as the separate call.
+          if (size_of(in_t) != size_of(out_t)) continue;
+          k_->dlogits_entropy_row(in.as<void>(), in_t, n_, scale, shift, lse, a, b, mean, target, out.as<void>(), out_t,
+                                  nullptr);
+          k_->dlogits_entropy_row(in.as<void>(), in_t, n_, scale, shift, lse, a, b, mean, target, in.as<void>(), out_t,
+                                  nullptr);
+          ASSERT_EQ(std::memcmp(in.as<void>(), out.as<void>(), std::size_t(n_) * size_of(out_t)), 0);
+        }
+      }
+    }
+  }
+}
+
 TEST_P(StageKernelsTest, Finiteness) {
   for (Elem t : {Elem::f32, Elem::bf16, Elem::f16}) {
     for (Place place : kPlaces) {

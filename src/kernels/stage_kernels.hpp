@@ -55,6 +55,18 @@ struct StageKernels {
   void (*dlogits_row)(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse, float a,
                       std::int64_t target, void* out, Elem out_type, float* dbias);
 
+  // dlogits_row with the entropy term of the generic log-prob head: with x_v and
+  // p_v as above and mean = E_p[x] over the whole row,
+  //   g_v = a * ([v == target] - p_v) - b * p_v * (x_v - mean)
+  // (b = dL/dEnt times the temperature chain factor; dEnt/dx_v = -p_v (x_v - mean)).
+  // x_v - mean is formed as in_v * in_scale + (in_shift - mean), one rounding of
+  // the small shift difference instead of a cancellation between two large
+  // values. Entries with p_v = 0 (x_v = -inf, or below the exp's flush point)
+  // get no entropy term (never 0 * -inf). Aliasing and dbias as dlogits_row.
+  void (*dlogits_entropy_row)(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
+                              float a, float b, float mean, std::int64_t target, void* out, Elem out_type,
+                              float* dbias);
+
   // True when every element is finite (no NaN, no +-inf).
   bool (*all_finite)(const void* data, Elem type, std::int64_t n);
   // True when no element is NaN or +inf (-inf allowed: banned tokens in a bias).

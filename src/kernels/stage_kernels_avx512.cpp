@@ -252,13 +252,29 @@ RowStats row_stats_store_avx512(const float* z, std::int64_t n, float scale, voi
                                : row_stats_store_typed<Elem::f16>(z, n, scale, out);
 }
 
-// g = a * (onehot - exp(in * in_scale + in_shift - lse)) for 16 lanes; hot has
-// the target's lane set, if the target falls in this vector.
-Batch dlogits_lanes(Batch in, Batch vscale, Batch vshift, Batch vlse, Batch va, __mmask16 hot) {
+// The per-row constants of a dlogits row (see StageKernels::dlogits_row and
+// dlogits_entropy_row).
+struct DlogitsRow {
+  Batch scale, shift, lse, a;
+  Batch b, shift_from_mean;  // entropy term only
+};
+
+// g = a * (onehot - p) [- b * p * (x - mean)], p = exp(in * in_scale + in_shift
+// - lse), for 16 lanes; hot has the target's lane set, if the target falls in
+// this vector.
+template <bool kEntropy>
+Batch dlogits_lanes(Batch in, const DlogitsRow& c, __mmask16 hot) {
   __mmask16 keep;
-  const Batch p = exp_nonpos(xsimd::fma(in, vscale, vshift) - vlse, keep);
+  const Batch p = exp_nonpos(xsimd::fma(in, c.scale, c.shift) - c.lse, keep);
   // Rounded before any dbias add, so dbias receives exactly the f32 g.
-  return round_mul(Batch(_mm512_maskz_mov_ps(hot, _mm512_set1_ps(1.0F))) - p, va);
+  const Batch g = round_mul(Batch(_mm512_maskz_mov_ps(hot, _mm512_set1_ps(1.0F))) - p, c.a);
+  if constexpr (!kEntropy) {
+    return g;
+  } else {
+    // Flushed lanes (p = 0, x possibly -inf) keep g: no 0 * -inf.
+    const Batch centered = xsimd::fma(in, c.scale, c.shift_from_mean);
+    return Batch(_mm512_mask_mov_ps(g, keep, _mm512_fnmadd_ps(round_mul(c.b, p), centered, g)));
+  }
 }
 
 __mmask16 hot_mask(std::int64_t target, std::int64_t i) {
@@ -266,22 +282,17 @@ __mmask16 hot_mask(std::int64_t target, std::int64_t i) {
   return lane < static_cast<std::uint64_t>(kLanes) ? static_cast<__mmask16>(1U << lane) : __mmask16{0};
 }
 
-template <Elem In, Elem Out>
-void dlogits_typed(const void* in, std::int64_t n, float in_scale, float in_shift, float lse, float a,
-                   std::int64_t target, void* out, float* dbias) {
-  const Batch vscale(in_scale);
-  const Batch vshift(in_shift);
-  const Batch vlse(lse);
-  const Batch va(a);
+template <Elem In, Elem Out, bool kEntropy>
+void dlogits_typed(const void* in, std::int64_t n, const DlogitsRow& c, std::int64_t target, void* out, float* dbias) {
   std::int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     // Load, then store the same lanes: exact aliasing of in and out is safe.
-    const Batch g = dlogits_lanes(load<In>(in, i), vscale, vshift, vlse, va, hot_mask(target, i));
+    const Batch g = dlogits_lanes<kEntropy>(load<In>(in, i), c, hot_mask(target, i));
     store<Out>(out, i, g);
     if (dbias != nullptr) (Batch::load_unaligned(dbias + i) + g).store_unaligned(dbias + i);
   }
   if (i < n) {
-    const Batch g = dlogits_lanes(load_tail<In>(in, i, n - i, 0.0F), vscale, vshift, vlse, va, hot_mask(target, i));
+    const Batch g = dlogits_lanes<kEntropy>(load_tail<In>(in, i, n - i, 0.0F), c, hot_mask(target, i));
     store_tail<Out>(out, i, n - i, g);
     if (dbias != nullptr) {
       const __mmask16 k = tail_mask(n - i);
@@ -290,23 +301,37 @@ void dlogits_typed(const void* in, std::int64_t n, float in_scale, float in_shif
   }
 }
 
-template <Elem In>
-void dlogits_in(const void* in, std::int64_t n, float in_scale, float in_shift, float lse, float a, std::int64_t target,
-                void* out, Elem out_type, float* dbias) {
+template <bool kEntropy, Elem In>
+void dlogits_in(const void* in, std::int64_t n, const DlogitsRow& c, std::int64_t target, void* out, Elem out_type,
+                float* dbias) {
   if (out_type == Elem::f32) {
-    dlogits_typed<In, Elem::f32>(in, n, in_scale, in_shift, lse, a, target, out, dbias);
+    dlogits_typed<In, Elem::f32, kEntropy>(in, n, c, target, out, dbias);
   } else {
-    dlogits_typed<In, Elem::bf16>(in, n, in_scale, in_shift, lse, a, target, out, dbias);
+    dlogits_typed<In, Elem::bf16, kEntropy>(in, n, c, target, out, dbias);
+  }
+}
+
+template <bool kEntropy>
+void dlogits_any(const void* in, Elem in_type, std::int64_t n, const DlogitsRow& c, std::int64_t target, void* out,
+                 Elem out_type, float* dbias) {
+  switch (in_type) {
+    case Elem::f32: return dlogits_in<kEntropy, Elem::f32>(in, n, c, target, out, out_type, dbias);
+    case Elem::bf16: return dlogits_in<kEntropy, Elem::bf16>(in, n, c, target, out, out_type, dbias);
+    case Elem::f16: return dlogits_in<kEntropy, Elem::f16>(in, n, c, target, out, out_type, dbias);
   }
 }
 
 void dlogits_row_avx512(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
                         float a, std::int64_t target, void* out, Elem out_type, float* dbias) {
-  switch (in_type) {
-    case Elem::f32: return dlogits_in<Elem::f32>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
-    case Elem::bf16: return dlogits_in<Elem::bf16>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
-    case Elem::f16: return dlogits_in<Elem::f16>(in, n, in_scale, in_shift, lse, a, target, out, out_type, dbias);
-  }
+  const DlogitsRow c{Batch(in_scale), Batch(in_shift), Batch(lse), Batch(a), Batch(0.0F), Batch(0.0F)};
+  dlogits_any<false>(in, in_type, n, c, target, out, out_type, dbias);
+}
+
+void dlogits_entropy_row_avx512(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
+                                float a, float b, float mean, std::int64_t target, void* out, Elem out_type,
+                                float* dbias) {
+  const DlogitsRow c{Batch(in_scale), Batch(in_shift), Batch(lse), Batch(a), Batch(b), Batch(in_shift - mean)};
+  dlogits_any<true>(in, in_type, n, c, target, out, out_type, dbias);
 }
 
 template <int kClasses>
@@ -373,9 +398,16 @@ namespace detail {
 
 // Only called by dispatch.cpp after __builtin_cpu_supports said yes.
 const StageKernels& avx512_table() {
-  static constexpr StageKernels k{"avx512",           row_stats_avx512,   row_stats_store_avx512,
-                                  dlogits_row_avx512, all_finite_avx512,  no_nan_or_pos_inf_avx512,
-                                  max_abs_avx512,     f32_to_bf16_avx512, bf16_to_f32_avx512};
+  static constexpr StageKernels k{"avx512",
+                                  row_stats_avx512,
+                                  row_stats_store_avx512,
+                                  dlogits_row_avx512,
+                                  dlogits_entropy_row_avx512,
+                                  all_finite_avx512,
+                                  no_nan_or_pos_inf_avx512,
+                                  max_abs_avx512,
+                                  f32_to_bf16_avx512,
+                                  bf16_to_f32_avx512};
   return k;
 }
 

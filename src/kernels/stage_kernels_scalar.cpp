@@ -143,6 +143,21 @@ void dlogits_row_scalar(const void* in, Elem in_type, std::int64_t n, float in_s
   }
 }
 
+void dlogits_entropy_row_scalar(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
+                                float a, float b, float mean, std::int64_t target, void* out, Elem out_type,
+                                float* dbias) {
+  const float shift_from_mean = in_shift - mean;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = load(in, in_type, i);
+    const float p = std::exp(fused(v, in_scale, in_shift) - lse);
+    float g = a * ((i == target ? 1.0F : 0.0F) - p);
+    // b * p rounded, then one fused multiply-add, as the AVX-512 path.
+    if (p != 0.0F) g = fused(-(b * p), fused(v, in_scale, shift_from_mean), g);
+    store(out, out_type, i, g);  // after the load: out may alias in
+    if (dbias != nullptr) dbias[i] += g;
+  }
+}
+
 std::uint32_t bits_of(float v) {
   std::uint32_t b;
   std::memcpy(&b, &v, sizeof(b));
@@ -212,9 +227,16 @@ std::uint16_t float_to_bf16(float v) {
 namespace detail {
 
 const StageKernels& scalar_table() {
-  static constexpr StageKernels k{"scalar",           row_stats_scalar,   row_stats_store_scalar,
-                                  dlogits_row_scalar, all_finite_scalar,  no_nan_or_pos_inf_scalar,
-                                  max_abs_scalar,     f32_to_bf16_scalar, bf16_to_f32_scalar};
+  static constexpr StageKernels k{"scalar",
+                                  row_stats_scalar,
+                                  row_stats_store_scalar,
+                                  dlogits_row_scalar,
+                                  dlogits_entropy_row_scalar,
+                                  all_finite_scalar,
+                                  no_nan_or_pos_inf_scalar,
+                                  max_abs_scalar,
+                                  f32_to_bf16_scalar,
+                                  bf16_to_f32_scalar};
   return k;
 }
 
