@@ -59,7 +59,7 @@ struct WorkspaceLayout {
   std::size_t stage = 0;        // [forward_rows, hidden_ld] input dtype: a partial forward chunk, zero-padded
   std::size_t tile_stats = 0;   // [block_rows_alloc, tiles] RowStats
   std::size_t rows = 0;         // per block row: target x, lse, logp, entropy, coef, kl (floats), active index (int64)
-  std::size_t hidden_act = 0;   // [block_rows_alloc, H] active hidden rows (input dtype)
+  std::size_t hidden_act = 0;   // [block_rows_alloc, hidden_ld] active hidden rows (input dtype)
   std::size_t dhidden_act = 0;  // [block_rows_alloc, H] f32
   std::size_t coef_all = 0;     // [N] coefficients, entropies, logp, kl: recompute schedule only
   std::size_t slots = 0;        // per slot: GEMM tile [forward_rows, tile] f32 + oneDNN scratchpad
@@ -149,7 +149,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
                                                    const LmHeadOptions& options);
 
 // Said by the one refusal that can come after a step wrote outputs (see run_lm_head).
-extern const char* const kEarlierBlocksWritten;
+inline constexpr char kEarlierBlocksWritten[] = "outputs of earlier token blocks were already written";
 
 // Runs one step. Arguments already validated.
 // max_abs_coef: from validation (LossAccumulator's bound on |c_t|).

@@ -37,16 +37,18 @@ GemmSpec forward_spec(const LmHeadShape& s, std::int64_t rows, std::int64_t cols
   return g;
 }
 
-// dweight tile from dlogits tile [k, cols] (ld V) and active hidden [k, H].
+// dweight tile from dlogits tile [k, cols] (ld V) and active hidden [k, H]
+// (ld hidden_ld: the rows the generic head's backward also feeds to the
+// forward GEMM, which was created for that stride).
 GemmSpec dweight_spec(const LmHeadShape& s, DType dl_dtype, DType dw_dtype, std::int64_t k, std::int64_t cols,
                       bool accumulate) {
   GemmSpec g;
   if (vocab_major(s)) {  // dW[tile] [cols, H] = dl^T [cols, k] x h [k, H]
     g.a = {dl_dtype, cols, k, 1, s.vocab};
-    g.b = {s.dtype, k, s.hidden, s.hidden, 1};
+    g.b = {s.dtype, k, s.hidden, s.hidden_ld, 1};
     g.c = {dw_dtype, cols, s.hidden, s.dweight_ld, 1};
   } else {  // dW^T[:, tile] [H, cols] = h^T [H, k] x dl [k, cols]
-    g.a = {s.dtype, s.hidden, k, 1, s.hidden};
+    g.a = {s.dtype, s.hidden, k, 1, s.hidden_ld};
     g.b = {dl_dtype, k, cols, s.vocab, 1};
     g.c = {dw_dtype, s.hidden, cols, s.dweight_ld, 1};
   }
@@ -72,7 +74,7 @@ std::size_t bytes_per_row(const LmHeadPlanData& p) {
   std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 6 * sizeof(float) + 8;
   if (!p.options.forward_only) {
     b += static_cast<std::size_t>(s.vocab) * store_bytes(p) +
-         static_cast<std::size_t>(s.hidden) * (size_of(s.dtype) + sizeof(float));
+         static_cast<std::size_t>(s.hidden_ld) * size_of(s.dtype) + static_cast<std::size_t>(s.hidden) * sizeof(float);
   }
   return b;
 }
@@ -100,7 +102,7 @@ WorkspaceLayout lay_out(const LmHeadPlanData& p) {
   l.stage = take(static_cast<std::size_t>(p.forward_rows * s.hidden_ld) * in_size);
   l.tile_stats = take(rows * static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats));
   l.rows = take(rows * (6 * sizeof(float) + sizeof(std::int64_t)));
-  l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * in_size : 0);
+  l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden_ld) * in_size : 0);
   l.dhidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
   l.coef_all = take(p.sequence_spans_blocks ? 4 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
   l.tile_bytes = align_up(static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float));

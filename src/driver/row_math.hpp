@@ -19,14 +19,18 @@ inline kernels::Elem elem_of(DType dtype) { return dtype == DType::f32 ? kernels
 
 // x = z * scale is what the softmax sees; logp = (x_y - LSE(x)) * post;
 // dlogits = c * grad_scale * (onehot - p) (= c / tau in both conventions).
+// The entropy is that of softmax(x), so dEnt/dz = scale * dEnt/dx: 1/tau by
+// default, 1 under temperature_on_logp (the entropy of softmax(z)).
 struct Temperature {
   explicit Temperature(const LossConfig& c)
       : scale(c.temperature_on_logp ? 1.0F : 1.0F / c.temperature),
         post(c.temperature_on_logp ? 1.0F / c.temperature : 1.0F),
-        grad_scale(1.0F / c.temperature) {}
+        grad_scale(1.0F / c.temperature),
+        entropy_grad_scale(scale) {}
   float scale;
   float post;
   float grad_scale;
+  float entropy_grad_scale;
 };
 
 inline float load_scaled(const void* row, kernels::Elem type, std::int64_t index, float scale) {

@@ -1,0 +1,313 @@
+// One call's pass over the LM-head schedule, shared by the fused GRPO loss
+// (lm_head_driver.cpp) and the generic log-prob head (log_prob_head_driver.cpp):
+//   forward   tasks over vocab tiles: logits tile = hidden rows x W tile
+//             (oneDNN, single-threaded in the task), then the row-statistics
+//             stage on the tile while it is in cache; with keep, the block
+//             buffer keeps x - max per tile. Then per row, the tile statistics
+//             merged in tile order -> LSE, logp, entropy.
+//   backward  the active rows (nonzero upstream) compacted to the top of the
+//             block: tasks over vocab tiles write dlogits in place over the
+//             block buffer, add dbias, then dW tile (+)= dlogits tile^T x
+//             active hidden rows; then tasks over hidden chunks: dhidden =
+//             dlogits x W chunk.
+// What differs between the two heads is only where the per-row coefficients
+// come from (the loss's c_t, or the caller's dL/dlogp and dL/dEnt) and whether
+// the backward's logits are the forward's stored block or a recompute of the
+// active rows alone.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+
+#include "driver/lm_head_plan.hpp"
+#include "driver/parallel.hpp"
+#include "driver/row_math.hpp"
+
+namespace grpo::detail {
+
+struct LmHeadStep {
+  const LmHeadPlanData& p;
+  const LmHeadInputs& in;
+  const LmHeadOutputs& out;
+  BindingPool::Lease bindings;
+  const kernels::StageKernels& k = kernels::kernels();
+  Temperature temp;
+  std::size_t in_size;
+  std::size_t store_size;
+  std::size_t dl_size;
+  std::size_t act_row_bytes;  // row stride of hidden_act: hidden_ld elements, as the forward GEMM reads it
+  bool vocab_major;
+
+  // Workspace regions.
+  std::byte* block;
+  kernels::RowStats* tile_stats;
+  float* target;
+  float* lse;
+  float* logp;
+  float* entropy;
+  float* coef;
+  float* kl;
+  std::int64_t* active;
+  std::byte* stage;
+  std::byte* hidden_act;
+  float* dhidden_act;
+  float* coef_all;
+  std::byte* slots;
+  LmHeadStepStats stats;
+
+  LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* ws)
+      : p(plan), in(inputs), out(outputs), bindings(plan.bindings.acquire()), temp(plan.config) {
+    in_size = size_of(p.shape.dtype);
+    store_size = p.store_type == kernels::Elem::f32 ? 4 : 2;
+    dl_size = size_of(p.dlogits_dtype);
+    act_row_bytes = static_cast<std::size_t>(p.shape.hidden_ld) * in_size;
+    vocab_major = p.shape.layout == WeightLayout::vocab_major;
+    const WorkspaceLayout& l = p.layout;
+    const std::int64_t n = p.block_rows_alloc;
+    block = ws + l.block;
+    tile_stats = reinterpret_cast<kernels::RowStats*>(ws + l.tile_stats);
+    target = reinterpret_cast<float*>(ws + l.rows);
+    lse = target + n;
+    logp = lse + n;
+    entropy = logp + n;
+    coef = entropy + n;
+    kl = coef + n;
+    active = reinterpret_cast<std::int64_t*>(kl + n);
+    stage = ws + l.stage;
+    hidden_act = ws + l.hidden_act;
+    dhidden_act = reinterpret_cast<float*>(ws + l.dhidden_act);
+    coef_all = reinterpret_cast<float*>(ws + l.coef_all);
+    slots = ws + l.slots;
+  }
+
+  float* slot_tile(int slot) const { return reinterpret_cast<float*>(slots + slot * p.layout.slot_bytes); }
+  void* slot_scratch(int slot) const { return slots + slot * p.layout.slot_bytes + p.layout.tile_bytes; }
+  // No mask (the generic head's option): every row is valid.
+  bool valid(std::int64_t row) const { return in.batch.mask.empty() || in.batch.mask[row] != 0.0F; }
+  const std::byte* hidden_row(std::int64_t row) const {
+    return static_cast<const std::byte*>(in.hidden.data) + static_cast<std::size_t>(row * p.shape.hidden_ld) * in_size;
+  }
+  // The first element of W's vocab column range / hidden column range.
+  const std::byte* weight_at_vocab(std::int64_t v) const {
+    const auto* w = static_cast<const std::byte*>(in.weight.data);
+    return w + static_cast<std::size_t>(vocab_major ? v * p.shape.weight_ld : v) * in_size;
+  }
+  const std::byte* weight_at_hidden(std::int64_t h) const {
+    const auto* w = static_cast<const std::byte*>(in.weight.data);
+    return w + static_cast<std::size_t>(vocab_major ? h : h * p.shape.weight_ld) * in_size;
+  }
+  std::byte* block_at(std::int64_t row, std::int64_t col, std::size_t elem) const {
+    return block +
+           (static_cast<std::size_t>(row) * static_cast<std::size_t>(p.shape.vocab) + static_cast<std::size_t>(col)) *
+               elem;
+  }
+
+  // Logits, statistics, LSE, logp and entropy of rows [b0, b0 + nb). Every
+  // logits GEMM call has exactly forward_rows rows (see kForwardRows): a
+  // partial last chunk is copied to the stage buffer and zero-padded.
+  void forward(std::int64_t b0, std::int64_t nb, bool keep) {
+    const std::int64_t fr = p.forward_rows;
+    const std::int64_t chunks = (nb + fr - 1) / fr;
+    const std::int64_t partial = nb - (chunks - 1) * fr;  // rows of the last chunk
+    const bool staged = partial != fr;
+    if (staged) {
+      const std::size_t used = static_cast<std::size_t>(partial - 1) * act_row_bytes + p.shape.hidden * in_size;
+      std::memcpy(stage, hidden_row(b0 + (chunks - 1) * fr), used);
+      std::memset(stage + used, 0, static_cast<std::size_t>(fr) * act_row_bytes - used);
+    }
+    forward_rows(
+        nb, keep,
+        [&](std::int64_t c) -> const void* {
+          return c == chunks - 1 && staged ? stage : static_cast<const void*>(hidden_row(b0 + c * fr));
+        },
+        [&](std::int64_t r) { return b0 + r; });
+  }
+
+  // forward() of the rows gathered by gather_active() (block row i is row
+  // b0 + active[i]), with keep: the generic head's backward recomputes only
+  // the logits of rows with a nonzero upstream gradient. The GEMM calls have
+  // forward_rows rows and the forward's row stride, so each row's logits are
+  // bitwise the forward pass's.
+  void forward_gathered(std::int64_t b0, std::int64_t na) {
+    forward_rows(
+        na, true,
+        [&](std::int64_t c) -> const void* {
+          return hidden_act + static_cast<std::size_t>(c * p.forward_rows) * act_row_bytes;
+        },
+        [&](std::int64_t r) { return b0 + active[r]; });
+  }
+
+  // Copies rows [b0, b0 + nb) of logp / entropy / kl (block-relative arrays)
+  // to the token outputs.
+  void write_token_outputs(std::int64_t b0, std::int64_t nb, const float* lp, const float* ent,
+                           const float* kl_terms) const {
+    const auto bytes = static_cast<std::size_t>(nb) * sizeof(float);
+    std::memcpy(out.tokens.logp.data() + b0, lp, bytes);
+    if (!out.tokens.entropy.empty()) std::memcpy(out.tokens.entropy.data() + b0, ent, bytes);
+    if (!out.tokens.kl.empty()) std::memcpy(out.tokens.kl.data() + b0, kl_terms, bytes);
+  }
+
+  void zero_dhidden_row(std::int64_t row) const {
+    const std::size_t elem = size_of(out.dhidden.dtype);
+    std::memset(static_cast<std::byte*>(out.dhidden.data) + static_cast<std::size_t>(row * out.dhidden.ld) * elem, 0,
+                static_cast<std::size_t>(p.shape.hidden) * elem);
+  }
+
+  // Collects the block rows r in [0, nb) with is_active(r) into active[]; returns their count.
+  template <class Pred>
+  std::int64_t select_active(std::int64_t nb, Pred&& is_active) {
+    std::int64_t na = 0;
+    for (std::int64_t r = 0; r < nb; ++r) {
+      if (is_active(r)) active[na++] = r;
+    }
+    return na;
+  }
+
+  // Copies the active rows' hidden rows (block b0) to hidden_act and zeroes
+  // rows [na, padded): padding rows add exact zeros to every GEMM.
+  void gather_active(std::int64_t b0, std::int64_t na, std::int64_t padded) {
+    const std::size_t hidden_bytes = static_cast<std::size_t>(p.shape.hidden) * in_size;
+    for (std::int64_t i = 0; i < na; ++i) {
+      std::memcpy(hidden_act + static_cast<std::size_t>(i) * act_row_bytes, hidden_row(b0 + active[i]), hidden_bytes);
+    }
+    std::memset(hidden_act + static_cast<std::size_t>(na) * act_row_bytes, 0,
+                static_cast<std::size_t>(padded - na) * act_row_bytes);
+  }
+
+  // Gradients of rows [b0, b0 + nb) whose active rows (active[0, na), see
+  // select_active / gather_active) have upstream coefficients
+  //   a_r = logp_coef[r] (dL/dlogp) and, when entropy_coef is non-null,
+  //   b_r = entropy_coef[r] (dL/dEnt), r the block row.
+  // The statistics and stored logits of active row i sit at row active[i]
+  // (the fused forward's block) or, when compacted, at row i (forward_gathered).
+  void backward(std::int64_t b0, std::int64_t nb, std::int64_t na, bool compacted, const float* logp_coef,
+                const float* entropy_coef, bool* dweight_written) {
+    const std::int64_t hidden = p.shape.hidden;
+    const std::int64_t vocab = p.shape.vocab;
+    const std::int64_t vt = p.schedule.vocab_tile;
+    if (na == 0) {
+      for (std::int64_t r = 0; r < nb; ++r) zero_dhidden_row(b0 + r);
+      return;
+    }
+    const std::int64_t padded = (na + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+    stats.backward_gemm_rows += padded;
+    const auto& dweight_gemms = p.dweight[padded / kRowQuantum - 1];
+    const int accumulate = *dweight_written ? 1 : 0;
+    const kernels::Elem dl_type = elem_of(p.dlogits_dtype);
+    const std::size_t dw_size = size_of(p.options.dweight_dtype);
+    float* dbias = out.dbias.empty() ? nullptr : out.dbias.data();
+
+    for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
+      const std::int64_t c0 = j * vt;
+      const std::int64_t cols = std::min(vt, vocab - c0);
+      for (std::int64_t i = 0; i < na; ++i) {
+        const std::int64_t r = active[i];
+        const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
+        const std::int64_t row = b0 + r;
+        const std::int64_t tgt = valid(row) ? in.batch.ids[row] - c0 : -1;
+        const float a = logp_coef[r] * temp.grad_scale;
+        // Row i <= s: the compacted output never overwrites a stored row not yet read.
+        if (entropy_coef == nullptr) {
+          k.dlogits_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max, lse[s],
+                        a, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
+        } else {
+          // E_p[x] = M + D/S = LSE - entropy (RowStats); dEnt/dx_v = -p_v (x_v - E_p[x]).
+          k.dlogits_entropy_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F,
+                                tile_stats[s * p.tiles + j].max, lse[s], a, entropy_coef[r] * temp.entropy_grad_scale,
+                                lse[s] - entropy[s], tgt, block_at(i, c0, dl_size), dl_type,
+                                dbias != nullptr ? dbias + c0 : nullptr);
+        }
+      }
+      for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
+      const kernels::Gemm& gemm = *dweight_gemms.pick(j == p.tiles - 1)[accumulate];
+      auto* dw = static_cast<std::byte*>(out.dweight.data) +
+                 static_cast<std::size_t>(vocab_major ? c0 * p.shape.dweight_ld : c0) * dw_size;
+      if (vocab_major) {
+        bindings.at(gemm, slot).run(block_at(0, c0, dl_size), hidden_act, dw, nullptr, slot_scratch(slot));
+      } else {
+        bindings.at(gemm, slot).run(hidden_act, block_at(0, c0, dl_size), dw, nullptr, slot_scratch(slot));
+      }
+    });
+    *dweight_written = true;
+
+    const auto& dhidden_gemms = p.dhidden[padded / kRowQuantum - 1];
+    for_each_item(p.hidden_chunks, p.schedule.threads, [&](std::int64_t chunk, int slot) {
+      const std::int64_t h0 = chunk * kHiddenChunk;
+      const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
+      bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot));
+    });
+
+    std::int64_t i = 0;
+    for (std::int64_t r = 0; r < nb; ++r) {
+      if (i < na && active[i] == r) {
+        auto* dst = static_cast<std::byte*>(out.dhidden.data) +
+                    static_cast<std::size_t>((b0 + r) * out.dhidden.ld) * size_of(out.dhidden.dtype);
+        const float* src = dhidden_act + i * hidden;
+        if (out.dhidden.dtype == DType::f32) {
+          std::memcpy(dst, src, static_cast<std::size_t>(hidden) * sizeof(float));
+        } else {
+          k.f32_to_bf16(src, reinterpret_cast<std::uint16_t*>(dst), hidden);
+        }
+        ++i;
+      } else {
+        zero_dhidden_row(b0 + r);
+      }
+    }
+  }
+
+  void zero_dweight() const {
+    const std::size_t elem = size_of(out.dweight.dtype);
+    for (std::int64_t r = 0; r < out.dweight.rows; ++r) {
+      std::memset(static_cast<std::byte*>(out.dweight.data) + static_cast<std::size_t>(r * out.dweight.ld) * elem, 0,
+                  static_cast<std::size_t>(out.dweight.cols) * elem);
+    }
+  }
+
+ private:
+  // The forward of nb rows: chunk_source(c) is the GEMM's A operand for rows
+  // [c * forward_rows, (c + 1) * forward_rows) (forward_rows rows of stride
+  // hidden_ld), row_of(r) the batch row of block row r.
+  template <class ChunkSource, class RowOf>
+  void forward_rows(std::int64_t nb, bool keep, ChunkSource&& chunk_source, RowOf&& row_of) {
+    const std::int64_t vt = p.schedule.vocab_tile;
+    const std::int64_t vocab = p.shape.vocab;
+    const std::int64_t fr = p.forward_rows;
+    const std::int64_t chunks = (nb + fr - 1) / fr;
+    stats.logits_gemm_rows += chunks * fr;
+    const std::size_t bias_size = in.bias.empty() ? 0 : size_of(in.bias.dtype);
+    for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
+      const std::int64_t c0 = j * vt;
+      const std::int64_t cols = std::min(vt, vocab - c0);
+      float* tile = slot_tile(slot);
+      const kernels::Gemm& gemm = *p.forward.pick(j == p.tiles - 1);
+      const void* bias = in.bias.empty() ? nullptr : static_cast<const std::byte*>(in.bias.data) + c0 * bias_size;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        const std::int64_t r0 = c * fr;
+        bindings.at(gemm, slot).run(chunk_source(c), weight_at_vocab(c0), tile, bias, slot_scratch(slot));
+        for (std::int64_t r = r0; r < std::min(nb, r0 + fr); ++r) {
+          const float* z = tile + (r - r0) * cols;
+          tile_stats[r * p.tiles + j] =
+              keep ? k.row_stats_store(z, cols, temp.scale, block_at(r, c0, store_size), p.store_type)
+                   : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
+          const std::int64_t row = row_of(r);
+          if (valid(row)) {
+            const std::int64_t id = in.batch.ids[row];
+            if (id >= c0 && id < c0 + cols) target[r] = z[id - c0] * temp.scale;
+          }
+        }
+      }
+    });
+    for (std::int64_t r = 0; r < nb; ++r) {
+      kernels::RowStats st;
+      for (std::int64_t j = 0; j < p.tiles; ++j) st = kernels::merge(st, tile_stats[r * p.tiles + j]);
+      const std::int64_t row = row_of(r);
+      const RowResult res = finish_row(st, target[r], valid(row), temp);
+      check_row(res.lse, res.logp, valid(row), row, "hidden");
+      lse[r] = res.lse;
+      logp[r] = res.logp;
+      entropy[r] = res.entropy;
+    }
+  }
+};
+
+}  // namespace grpo::detail

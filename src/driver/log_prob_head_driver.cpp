@@ -1,0 +1,58 @@
+// The generic log-prob head on the fused LM head's schedule (LmHeadStep):
+//   forward   per token block, the fused forward without keeping logits:
+//             logp and entropy, bitwise the fused plan's.
+//   backward  per token block, the rows with a nonzero upstream gradient
+//             (dlogp or dentropy; valid rows only) gathered to the top of the
+//             block; their logits recomputed from the gathered rows (same GEMM
+//             calls, so the same logits as the forward); dlogits with the
+//             entropy term in place; dbias, dW and dhidden as the fused
+//             backward. Inactive rows take part in no GEMM; a block without an
+//             active row costs no GEMM at all.
+#include "driver/log_prob_head_driver.hpp"
+
+#include <algorithm>
+
+#include "driver/lm_head_step.hpp"
+
+namespace grpo::detail {
+
+void run_log_prob_forward(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
+                          std::byte* workspace) {
+  LmHeadStep step(p, inputs, outputs, workspace);
+  const std::int64_t nb = p.schedule.token_block;
+  for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
+    const std::int64_t rows = std::min(nb, p.rows - b0);
+    step.forward(b0, rows, false);
+    step.write_token_outputs(b0, rows, step.logp, step.entropy, nullptr);
+  }
+  if (outputs.stats != nullptr) *outputs.stats = step.stats;
+}
+
+void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, std::span<const float> dlogp,
+                           std::span<const float> dentropy, const LmHeadOutputs& outputs, std::byte* workspace) {
+  LmHeadStep step(p, inputs, outputs, workspace);
+  const std::int64_t nb = p.schedule.token_block;
+  const bool with_entropy = !dentropy.empty();
+  bool dweight_written = p.options.accumulate_weight_grads;  // accumulate: always add
+  if (!outputs.dbias.empty() && !p.options.accumulate_weight_grads) {
+    std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
+  }
+  for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
+    const std::int64_t rows = std::min(nb, p.rows - b0);
+    const std::int64_t na = step.select_active(rows, [&](std::int64_t r) {
+      const std::int64_t row = b0 + r;
+      return step.valid(row) && (dlogp[row] != 0.0F || (with_entropy && dentropy[row] != 0.0F));
+    });
+    if (na > 0) {
+      // Padded to whole forward calls (>= the backward GEMMs' row quantum).
+      step.gather_active(b0, na, (na + p.forward_rows - 1) / p.forward_rows * p.forward_rows);
+      step.forward_gathered(b0, na);
+    }
+    step.backward(b0, rows, na, true, dlogp.data() + b0, with_entropy ? dentropy.data() + b0 : nullptr,
+                  &dweight_written);
+  }
+  if (!dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
+  if (outputs.stats != nullptr) *outputs.stats = step.stats;
+}
+
+}  // namespace grpo::detail
