@@ -101,12 +101,12 @@ void expect_same_head_outputs(const HeadOutputs& got, const HeadOutputs& want) {
   EXPECT_TRUE(same_bits(got.dbias, want.dbias));
 }
 
-// Several token blocks and vocab tiles (block 32, tile 64 at N = 66, V = 500),
+// Several token blocks and vocab tiles (block 32, tile 64 at N = 80, V = 500),
 // each call long enough (~1 ms) for the two threads to overlap.
 HeadCase concurrent_head_case(DType dtype, IsLevel level) {
   HeadCase c;
-  c.spec.batch = 3;
-  c.spec.seq_len = 22;
+  c.spec.batch = 2;
+  c.spec.seq_len = 40;
   c.spec.vocab = 500;
   c.spec.config = config_for(LossType::grpo);
   c.spec.config.importance_sampling_level = level;
@@ -138,6 +138,9 @@ TEST_P(ConcurrentHeadExecute, MatchesSequentialBitwise) {
   const LmHeadLossPlan plan({c.spec.batch, c.spec.seq_len, c.hidden, c.spec.vocab, c.dtype, c.layout, c.bias},
                             c.spec.config, opt);
   SCOPED_TRACE(plan.describe());
+  // Sequences of 40 tokens are longer than the 32-row block: sequence-level IS
+  // runs the recompute schedule, so both schedules are exercised concurrently.
+  EXPECT_EQ(plan.schedule().recompute_logits, level == IsLevel::sequence);
   const HeadProblem* problems[2] = {&first, &second};
   HeadOutputs sequential[2];
   for (int i = 0; i < 2; ++i) {
@@ -281,7 +284,8 @@ std::vector<HeadCase> padded_cases() {
         c.spec.vocab = sh.v;
         c.hidden = sh.h;
         c.spec.config = config_for(variant == 0 ? LossType::grpo : LossType::dapo);
-        c.spec.config.importance_sampling_level = i % 3 == 2 ? IsLevel::sequence : IsLevel::token;
+        // Sequence level on T = 11 (blocks aligned to sequences) and T = 65 (recompute).
+        c.spec.config.importance_sampling_level = i % 4 >= 2 ? IsLevel::sequence : IsLevel::token;
         c.spec.config.beta = variant == 1 ? 0.04F : 0.0F;
         c.spec.is_weight_kind = i % 3;
         c.spec.seed = 9100 + i;
