@@ -159,6 +159,75 @@ bool check(grpo::DType dtype, grpo::IsLevel level, bool bias, const char* name) 
   return g_ours.load() == 0;
 }
 
+// The generic log-prob head: forward and backward (dentropy given, some rows
+// with zero upstream, one masked), each counted on its own.
+bool check_log_prob(grpo::DType dtype, bool bias, const char* name) {
+  using namespace grpo;
+  constexpr std::int64_t kB = 2, kT = 200, kH = 256, kV = 5003;
+  constexpr std::int64_t kN = kB * kT;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0F, 1.0F);
+  std::vector<float> hf(kN * kH), wf(kV * kH), b(kV);
+  for (float& x : hf) x = normal(rng);
+  for (float& x : wf) x = 0.2F * normal(rng);
+  for (float& x : b) x = 0.1F * normal(rng);
+  std::vector<std::uint16_t> hb(hf.size()), wb(wf.size());
+  for (std::size_t i = 0; i < hf.size(); ++i) hb[i] = to_bf16(hf[i]);
+  for (std::size_t i = 0; i < wf.size(); ++i) wb[i] = to_bf16(wf[i]);
+  const void* h = dtype == DType::f32 ? static_cast<const void*>(hf.data()) : hb.data();
+  const void* w = dtype == DType::f32 ? static_cast<const void*>(wf.data()) : wb.data();
+  std::vector<std::int32_t> ids(kN);
+  std::uniform_int_distribution<std::int32_t> token(0, kV - 1);
+  for (auto& id : ids) id = token(rng);
+  std::vector<float> mask(kN, 1.0F), dlogp(kN), dent(kN);
+  mask[3] = 0.0F;
+  for (std::int64_t t = 0; t < kN; ++t) {
+    dlogp[t] = t % 5 == 0 ? 0.0F : normal(rng);
+    dent[t] = t % 5 == 0 ? 0.0F : 0.1F * normal(rng);
+  }
+  LmHeadShape shape{kB, kT, kH, kV, dtype, WeightLayout::vocab_major, bias, DType::f32};
+  LmHeadOptions options;
+  options.token_block = 128;
+  const LmHeadLogProbPlan plan(shape, {0.9F, false}, options);
+  std::vector<std::byte> workspace_storage(plan.workspace_size() + 64);
+  auto* ws = workspace_storage.data() + (64 - reinterpret_cast<std::uintptr_t>(workspace_storage.data()) % 64) % 64;
+  const std::span<std::byte> workspace(ws, plan.workspace_size());
+  std::vector<float> logp(kN), entropy(kN), dh(kN * kH), dw(kV * kH), db(bias ? kV : 0);
+  LmHeadStepStats fstats, bstats;
+  const LogProbInputs in{{h, dtype, kN, kH, kH},
+                         {w, dtype, kV, kH, kH},
+                         bias ? VectorView{b.data(), DType::f32, kV} : VectorView{},
+                         ids,
+                         mask};
+  const LogProbOutputs out{logp, entropy, &fstats};
+  const LogProbGradients grads{{dh.data(), DType::f32, kN, kH, kH}, {dw.data(), DType::f32, kV, kH, kH}, db, &bstats};
+  for (int i = 0; i < 2; ++i) {  // warm-up
+    plan.forward(in, out, workspace);
+    plan.backward(in, {dlogp, dent}, grads, workspace);
+  }
+  constexpr int kCalls = 3;
+  bool ok = true;
+  for (int pass = 0; pass < 2; ++pass) {
+    g_ours = 0;
+    g_onednn = 0;
+    g_counting = true;
+    for (int i = 0; i < kCalls; ++i) {
+      if (pass == 0) {
+        plan.forward(in, out, workspace);
+      } else {
+        plan.backward(in, {dlogp, dent}, grads, workspace);
+      }
+    }
+    g_counting = false;
+    const std::string label = std::string(name) + (pass == 0 ? " forward" : " backward");
+    std::printf("%-34s library: %ld allocations; inside oneDNN's execute: %ld (%.1f per call)  [%s]\n", label.c_str(),
+                g_ours.load(), g_onednn.load(), static_cast<double>(g_onednn.load()) / kCalls, plan.describe().c_str());
+    if (g_ours.load() != 0) std::printf("  first allocation outside oneDNN from: %s\n", g_first_ours);
+    ok &= g_ours.load() == 0;
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -169,6 +238,8 @@ int main() {
   ok &= check(grpo::DType::bf16, grpo::IsLevel::token, true, "bf16 token-level, bias");
   ok &= check(grpo::DType::f32, grpo::IsLevel::token, false, "f32 token-level");
   ok &= check(grpo::DType::bf16, grpo::IsLevel::sequence, false, "bf16 sequence-level (recompute)");
+  ok &= check_log_prob(grpo::DType::bf16, true, "log-prob head bf16, bias");
+  ok &= check_log_prob(grpo::DType::f32, false, "log-prob head f32");
   std::printf(ok ? "alloc_check: OK\n" : "alloc_check: FAILED (the library allocated during execute)\n");
   return ok ? 0 : 1;
 }

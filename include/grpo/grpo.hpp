@@ -29,6 +29,7 @@
 
 #include "grpo/baseline.hpp"
 #include "grpo/lm_head_loss.hpp"
+#include "grpo/log_prob_head.hpp"
 #include "grpo/logits_loss.hpp"
 #include "grpo/loss_config.hpp"
 #include "grpo/types.hpp"

@@ -69,7 +69,7 @@ ByteRange span_range(std::span<float> s) { return byte_range(s.data(), s.size_by
 
 }  // namespace
 
-double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, const LmHeadOutputs& out) {
+void validate_lm_head_operands(const LmHeadCallSpec& spec, const LmHeadInputs& in) {
   const LmHeadShape& s = spec.shape;
   const std::int64_t rows = s.batch * s.seq_len;
   const bool vocab_major = s.layout == WeightLayout::vocab_major;
@@ -87,51 +87,37 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
   } else if (!in.bias.empty()) {
     throw Error("bias", "was given but the plan was built without has_bias");
   }
-  const BatchMagnitudes magnitudes = validate_batch(spec.config, s.batch, s.seq_len, s.vocab, in.batch);
-  validate_token_outputs(out.tokens, rows);
+}
 
-  const ByteRange inputs[] = {byte_range(in.hidden), byte_range(in.weight),
-                              byte_range(in.bias.data, static_cast<std::size_t>(in.bias.size) *
-                                                           (in.bias.empty() ? 0 : size_of(in.bias.dtype)))};
-  const char* input_names[] = {"hidden", "weight", "bias"};
-  // Every output with its bytes (a fixed array: validation allocates nothing).
-  std::pair<ByteRange, const char*> outputs[6] = {{span_range(out.tokens.logp), "logp"},
-                                                  {span_range(out.tokens.entropy), "entropy"},
-                                                  {span_range(out.tokens.kl), "kl"}};
-  std::size_t num_outputs = 3;
-
+void validate_lm_head_gradients(const LmHeadCallSpec& spec, const LmHeadOutputs& out) {
+  const LmHeadShape& s = spec.shape;
+  const std::int64_t rows = s.batch * s.seq_len;
+  const bool vocab_major = s.layout == WeightLayout::vocab_major;
   if (spec.forward_only) {
     if (!out.dhidden.empty()) throw Error("dhidden", "was given but the plan is forward-only");
     if (!out.dweight.empty()) throw Error("dweight", "was given but the plan is forward-only");
     if (!out.dbias.empty()) throw Error("dbias", "was given but the plan is forward-only");
-  } else {
-    validate_matrix(out.dhidden, "dhidden", rows, s.hidden, spec.dhidden_dtype);
-    if (spec.dhidden_dense && out.dhidden.ld != s.hidden)
-      throw Error("dhidden", "must be dense (ld == hidden) for the baseline", ErrorKind::unsupported);
-    validate_matrix(out.dweight, "dweight", vocab_major ? s.vocab : s.hidden, vocab_major ? s.hidden : s.vocab,
-                    spec.dweight_dtype);
-    check_ld(out.dweight.ld, s.dweight_ld, "dweight");
-    if (s.has_bias) {
-      if (out.dbias.size() != static_cast<std::size_t>(s.vocab)) {
-        throw Error("dbias",
-                    "has " + std::to_string(out.dbias.size()) + " elements, expected " + std::to_string(s.vocab));
-      }
-    } else if (!out.dbias.empty()) {
-      throw Error("dbias", "was given but the plan was built without has_bias");
-    }
-    outputs[num_outputs++] = {byte_range(out.dhidden.as_const()), "dhidden"};
-    outputs[num_outputs++] = {byte_range(out.dweight.as_const()), "dweight"};
-    outputs[num_outputs++] = {span_range(out.dbias), "dbias"};
+    return;
   }
-  for (std::size_t a = 0; a < num_outputs; ++a) {
-    for (std::size_t i = 0; i < 3; ++i)
-      check_no_overlap(outputs[a].first, outputs[a].second, inputs[i], input_names[i]);
-    for (std::size_t b = a + 1; b < num_outputs; ++b) {
-      check_no_overlap(outputs[b].first, outputs[b].second, outputs[a].first, outputs[a].second);
+  validate_matrix(out.dhidden, "dhidden", rows, s.hidden, spec.dhidden_dtype);
+  if (spec.dhidden_dense && out.dhidden.ld != s.hidden)
+    throw Error("dhidden", "must be dense (ld == hidden) for the baseline", ErrorKind::unsupported);
+  validate_matrix(out.dweight, "dweight", vocab_major ? s.vocab : s.hidden, vocab_major ? s.hidden : s.vocab,
+                  spec.dweight_dtype);
+  check_ld(out.dweight.ld, s.dweight_ld, "dweight");
+  if (s.has_bias) {
+    if (out.dbias.size() != static_cast<std::size_t>(s.vocab)) {
+      throw Error("dbias",
+                  "has " + std::to_string(out.dbias.size()) + " elements, expected " + std::to_string(s.vocab));
     }
-    check_output_vs_batch(outputs[a].first, outputs[a].second, in.batch, a == 0);
+  } else if (!out.dbias.empty()) {
+    throw Error("dbias", "was given but the plan was built without has_bias");
   }
+}
 
+OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadInputs& in) {
+  const LmHeadShape& s = spec.shape;
+  const std::int64_t rows = s.batch * s.seq_len;
   // Values: bias may hold -inf (banned tokens) but not NaN / +inf, and a valid
   // row's chosen token must not be banned.
   const kernels::StageKernels& k = kernels::kernels();
@@ -151,7 +137,7 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
     }
     if (!any_allowed) throw Error("bias", "is -inf for every token: every row's logits would be -inf");
     for (std::int64_t r = 0; r < rows; ++r) {
-      if (in.batch.mask[r] == 0.0F) continue;
+      if (!in.batch.mask.empty() && in.batch.mask[r] == 0.0F) continue;  // no mask: every row valid
       const std::int32_t id = in.batch.ids[r];
       const float b = in.bias.dtype == DType::f32
                           ? static_cast<const float*>(in.bias.data)[id]
@@ -199,13 +185,48 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
                                           std::to_string(z_bound) +
                                           " (from max |h|, max |W|) to log-probabilities that can overflow f32");
   }
+  return {hidden.max_abs, weight.max_abs, x_bound};
+}
+
+double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, const LmHeadOutputs& out) {
+  const LmHeadShape& s = spec.shape;
+  const std::int64_t rows = s.batch * s.seq_len;
+  validate_lm_head_operands(spec, in);
+  const BatchMagnitudes magnitudes = validate_batch(spec.config, s.batch, s.seq_len, s.vocab, in.batch);
+  validate_token_outputs(out.tokens, rows);
+  validate_lm_head_gradients(spec, out);
+
+  const ByteRange inputs[] = {byte_range(in.hidden), byte_range(in.weight),
+                              byte_range(in.bias.data, static_cast<std::size_t>(in.bias.size) *
+                                                           (in.bias.empty() ? 0 : size_of(in.bias.dtype)))};
+  const char* input_names[] = {"hidden", "weight", "bias"};
+  // Every output with its bytes (a fixed array: validation allocates nothing).
+  std::pair<ByteRange, const char*> outputs[6] = {{span_range(out.tokens.logp), "logp"},
+                                                  {span_range(out.tokens.entropy), "entropy"},
+                                                  {span_range(out.tokens.kl), "kl"}};
+  std::size_t num_outputs = 3;
+  if (!spec.forward_only) {
+    outputs[num_outputs++] = {byte_range(out.dhidden.as_const()), "dhidden"};
+    outputs[num_outputs++] = {byte_range(out.dweight.as_const()), "dweight"};
+    outputs[num_outputs++] = {span_range(out.dbias), "dbias"};
+  }
+  for (std::size_t a = 0; a < num_outputs; ++a) {
+    for (std::size_t i = 0; i < 3; ++i)
+      check_no_overlap(outputs[a].first, outputs[a].second, inputs[i], input_names[i]);
+    for (std::size_t b = a + 1; b < num_outputs; ++b) {
+      check_no_overlap(outputs[b].first, outputs[b].second, outputs[a].first, outputs[a].second);
+    }
+    check_output_vs_batch(outputs[a].first, outputs[a].second, in.batch, a == 0);
+  }
+
+  const OperandBounds bounds = validate_lm_head_values(spec, in);
   if (spec.forward_only) return std::numeric_limits<double>::infinity();
   // dweight and dbias sum dlogits over the valid rows (times h for dW); a
   // dhidden row sums |onehot - p| <= 2 times max |W|.
   const double n_valid = static_cast<double>(magnitudes.num_valid);
   return check_coefficient_bound(
       spec.config, s.batch, magnitudes, std::max(n_valid, 2.0),
-      std::max({1.0, static_cast<double>(hidden.max_abs), static_cast<double>(weight.max_abs)}));
+      std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)}));
 }
 
 }  // namespace grpo::detail

@@ -20,7 +20,28 @@ struct LmHeadCallSpec {
 // |c_t| whose gradients stay finite (LossAccumulator's max_abs_coef).
 double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& inputs, const LmHeadOutputs& outputs);
 
+// The pieces of validate_lm_head_call, for the generic log-prob head too.
+// hidden, weight, bias views against the plan (shapes, strides, dtypes).
+void validate_lm_head_operands(const LmHeadCallSpec& spec, const LmHeadInputs& inputs);
+// dhidden, dweight, dbias views (or their absence when forward_only).
+void validate_lm_head_gradients(const LmHeadCallSpec& spec, const LmHeadOutputs& outputs);
+
+struct OperandBounds {
+  float max_hidden = 0.0F;  // max |h|
+  float max_weight = 0.0F;  // max |W|
+  double x_bound = 0.0;     // bound on |x| = |z| * scale over every finite logit
+};
+// Values: bias (no NaN / +inf, not all -inf, not -inf at a valid row's id;
+// inputs.batch.ids / mask are read, an empty mask meaning every row valid),
+// finiteness of hidden and weight, and logits / logp that cannot overflow f32.
+// ids must already be validated.
+OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadInputs& inputs);
+
 // Shape and option checks done once at plan creation.
 void validate_lm_head_shape(const LmHeadShape& shape);
+// The shape with every *_ld resolved (0 = dense).
+LmHeadShape resolve_lds(LmHeadShape shape);
+// dweight / dhidden dtypes the plan can produce from the shape's dtype.
+void validate_grad_dtypes(const LmHeadShape& shape, DType dweight, DType dhidden);
 
 }  // namespace grpo::detail

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "driver/lm_head_plan.hpp"
+#include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
 
 namespace grpo::detail {
@@ -73,8 +74,8 @@ std::size_t bytes_per_row(const LmHeadPlanData& p) {
   const LmHeadShape& s = p.shape;
   std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 6 * sizeof(float) + 8;
   if (!p.options.forward_only) {
-    b += static_cast<std::size_t>(s.vocab) * store_bytes(p) +
-         static_cast<std::size_t>(s.hidden_ld) * size_of(s.dtype) + static_cast<std::size_t>(s.hidden) * sizeof(float);
+    b += static_cast<std::size_t>(s.vocab) * store_bytes(p) + static_cast<std::size_t>(s.hidden_ld) * size_of(s.dtype) +
+         static_cast<std::size_t>(s.hidden) * sizeof(float);
   }
   return b;
 }
@@ -195,7 +196,8 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
 
   // The schedule is a function of the shape, the options and the budget: the
   // thread count only decides how many slots run at once (see kSlotBudgetDivisor).
-  const bool sequence = config.importance_sampling_level == IsLevel::sequence;
+  // Coefficients that need whole sequences: s_i, vespo's phi_i, the off-policy mask.
+  const bool sequence = needs_whole_sequences(config);
   const std::size_t budget = options.workspace_budget;
   const std::size_t block_budget = budget - budget / kSlotBudgetDivisor;
   const std::int64_t cap = options.forward_only ? kMaxForwardOnlyBlock : std::numeric_limits<std::int64_t>::max();

@@ -212,10 +212,9 @@ struct LmHeadStep {
                         a, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
         } else {
           // E_p[x] = M + D/S = LSE - entropy (RowStats); dEnt/dx_v = -p_v (x_v - E_p[x]).
-          k.dlogits_entropy_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F,
-                                tile_stats[s * p.tiles + j].max, lse[s], a, entropy_coef[r] * temp.entropy_grad_scale,
-                                lse[s] - entropy[s], tgt, block_at(i, c0, dl_size), dl_type,
-                                dbias != nullptr ? dbias + c0 : nullptr);
+          k.dlogits_entropy_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max,
+                                lse[s], a, entropy_coef[r] * temp.entropy_grad_scale, lse[s] - entropy[s], tgt,
+                                block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
         }
       }
       for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);

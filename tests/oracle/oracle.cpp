@@ -311,26 +311,22 @@ std::vector<double> lm_head_logits(const LmHeadProblem& pb) {
   return logits;
 }
 
-LmHeadResult evaluate_lm_head(const LmHeadProblem& pb) {
-  Problem head = pb.head;
-  head.logits = lm_head_logits(pb);
-  LmHeadResult res;
-  res.head = evaluate(head);
-  const std::vector<double>& dz = res.head.dlogits;
-  const std::int64_t n = head.batch * head.seq_len;
-  const std::int64_t vocab = head.vocab;
+void lm_head_chain(const LmHeadProblem& pb, const std::vector<double>& dz, std::vector<double>& dhidden,
+                   std::vector<double>& dweight, std::vector<double>& dbias) {
+  const std::int64_t n = pb.head.batch * pb.head.seq_len;
+  const std::int64_t vocab = pb.head.vocab;
   const std::int64_t h = pb.hidden_size;
-
+  require(dz.size() == static_cast<std::size_t>(n * vocab), "dlogits size");
   // z = h W^T + b: dh = dz W, dW = dz^T h, db = column sums of dz.
-  res.dhidden.assign(static_cast<std::size_t>(n * h), 0.0);
-  res.dweight.assign(static_cast<std::size_t>(vocab * h), 0.0);
+  dhidden.assign(static_cast<std::size_t>(n * h), 0.0);
+  dweight.assign(static_cast<std::size_t>(vocab * h), 0.0);
   for (std::int64_t t = 0; t < n; ++t) {
     for (std::int64_t k = 0; k < h; ++k) {
       long double acc = 0.0L;
       for (std::int64_t v = 0; v < vocab; ++v) {
         acc += static_cast<long double>(dz[t * vocab + v]) * pb.weight[v * h + k];
       }
-      res.dhidden[t * h + k] = static_cast<double>(acc);
+      dhidden[t * h + k] = static_cast<double>(acc);
     }
   }
   for (std::int64_t v = 0; v < vocab; ++v) {
@@ -339,17 +335,26 @@ LmHeadResult evaluate_lm_head(const LmHeadProblem& pb) {
       for (std::int64_t t = 0; t < n; ++t) {
         acc += static_cast<long double>(dz[t * vocab + v]) * pb.hidden[t * h + k];
       }
-      res.dweight[v * h + k] = static_cast<double>(acc);
+      dweight[v * h + k] = static_cast<double>(acc);
     }
   }
+  dbias.clear();
   if (!pb.bias.empty()) {
-    res.dbias.assign(static_cast<std::size_t>(vocab), 0.0);
+    dbias.assign(static_cast<std::size_t>(vocab), 0.0);
     for (std::int64_t v = 0; v < vocab; ++v) {
       long double acc = 0.0L;
       for (std::int64_t t = 0; t < n; ++t) acc += dz[t * vocab + v];
-      res.dbias[v] = static_cast<double>(acc);
+      dbias[v] = static_cast<double>(acc);
     }
   }
+}
+
+LmHeadResult evaluate_lm_head(const LmHeadProblem& pb) {
+  Problem head = pb.head;
+  head.logits = lm_head_logits(pb);
+  LmHeadResult res;
+  res.head = evaluate(head);
+  lm_head_chain(pb, res.head.dlogits, res.dhidden, res.dweight, res.dbias);
   return res;
 }
 

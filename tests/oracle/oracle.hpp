@@ -67,4 +67,35 @@ LmHeadResult evaluate_lm_head(const LmHeadProblem& problem);
 // Logits of an LM-head problem (hidden * W^T + bias), for building a Problem.
 std::vector<double> lm_head_logits(const LmHeadProblem& problem);
 
+// The chain rule through z = hidden W^T + bias: dhidden = dz W, dweight =
+// dz^T hidden (vocab-major), dbias = column sums of dz (empty without bias).
+void lm_head_chain(const LmHeadProblem& problem, const std::vector<double>& dlogits, std::vector<double>& dhidden,
+                   std::vector<double>& dweight, std::vector<double>& dbias);
+
+// The generic log-prob head (oracle_log_prob.cpp): per-token logp and entropy
+// of the LM head's logits, and the gradients of the linear functional
+//   L = sum over valid rows t of dlogp_t logp_t + dentropy_t Ent_t
+// for given upstream dlogp, dentropy (what any loss computed outside hands
+// back). Masked rows: logp 0, entropy computed, upstream ignored.
+struct LogProbProblem {
+  LmHeadProblem lm;              // lm.head: batch, seq_len, vocab, ids, mask (empty = every row
+                                 // valid), config.temperature / temperature_on_logp; the rest unused
+  std::vector<double> dlogp;     // [N]
+  std::vector<double> dentropy;  // [N] or empty (= 0)
+};
+
+struct LogProbResult {
+  std::vector<double> logp;     // [N]
+  std::vector<double> entropy;  // [N]
+  std::vector<double> dlogits;  // [N * V]
+  std::vector<double> dhidden;  // [N * H]
+  std::vector<double> dweight;  // [V * H], vocab-major
+  std::vector<double> dbias;    // [V] (empty without bias)
+};
+
+LogProbResult evaluate_log_prob_head(const LogProbProblem& problem);
+
+// L above, alone (what finite differences differentiate).
+double log_prob_objective(const LogProbProblem& problem);
+
 }  // namespace grpo::oracle

@@ -1,0 +1,242 @@
+// The generic log-prob head's entry points: plan creation (the fused LM head's
+// schedule and GEMMs, built for the head's temperature) and the two calls,
+// each validating every argument before its first write.
+#include "grpo/log_prob_head.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "api/buffer.hpp"
+#include "api/lm_head_validate.hpp"
+#include "api/validate.hpp"
+#include "driver/lm_head_plan.hpp"
+#include "driver/log_prob_head_driver.hpp"
+
+namespace grpo {
+namespace {
+
+// The token-level loss configuration the shared plan builder and row math
+// read: only the temperature fields matter to the generic head.
+LossConfig loss_config_of(const LogProbConfig& c) {
+  LossConfig config;
+  config.temperature = c.temperature;
+  config.temperature_on_logp = c.temperature_on_logp;
+  return config;
+}
+
+void check_rows(std::size_t got, std::int64_t rows, const char* name) {
+  if (static_cast<std::int64_t>(got) != rows) {
+    throw Error(name, "has " + std::to_string(got) + " elements, expected " + std::to_string(rows));
+  }
+}
+
+// ids [N] in [0, V) on valid rows; mask [N] of 0 / 1 or empty (every row valid).
+void validate_ids_mask(const LogProbInputs& in, std::int64_t rows, std::int64_t vocab) {
+  check_rows(in.ids.size(), rows, "ids");
+  if (!in.mask.empty()) check_rows(in.mask.size(), rows, "mask");
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (!in.mask.empty()) {
+      const float m = in.mask[r];
+      if (m != 0.0F && m != 1.0F) throw Error("mask", "element " + std::to_string(r) + " is not 0 or 1");
+      if (m == 0.0F) continue;  // ids of masked rows are never read as indices
+    }
+    const std::int32_t id = in.ids[r];
+    if (id < 0 || id >= vocab) {
+      throw Error("ids", "element " + std::to_string(r) + " = " + std::to_string(id) + " is outside [0, " +
+                             std::to_string(vocab) + ")");
+    }
+  }
+}
+
+detail::ByteRange float_range(std::span<const float> s) { return detail::byte_range(s.data(), s.size_bytes()); }
+
+// The fused plan's view of the call: Step reads hidden, weight, bias, ids, mask.
+LmHeadInputs as_lm_head_inputs(const LogProbInputs& in) {
+  LmHeadInputs out{in.hidden, in.weight, in.bias, {}};
+  out.batch.ids = in.ids;
+  out.batch.mask = in.mask;
+  return out;
+}
+
+// Every output range against every input range and the outputs before it.
+template <std::size_t NO, std::size_t NI>
+void check_aliasing(const std::pair<detail::ByteRange, const char*> (&outputs)[NO], std::size_t num_outputs,
+                    const std::pair<detail::ByteRange, const char*> (&inputs)[NI]) {
+  for (std::size_t a = 0; a < num_outputs; ++a) {
+    for (const auto& [range, name] : inputs) detail::check_no_overlap(outputs[a].first, outputs[a].second, range, name);
+    for (std::size_t b = 0; b < a; ++b) {
+      detail::check_no_overlap(outputs[a].first, outputs[a].second, outputs[b].first, outputs[b].second);
+    }
+  }
+}
+
+}  // namespace
+
+struct LmHeadLogProbPlan::Impl {
+  std::unique_ptr<detail::LmHeadPlanData> data;
+  detail::LmHeadCallSpec call;
+
+  std::int64_t rows() const { return data->rows; }
+
+  // hidden, weight, bias, ids, mask: views and index values (not yet the
+  // operand values, scanned last).
+  void validate_inputs(const LogProbInputs& in) const {
+    detail::validate_lm_head_operands(call, as_lm_head_inputs(in));
+    validate_ids_mask(in, rows(), call.shape.vocab);
+  }
+
+  std::pair<detail::ByteRange, const char*> input_range(int which, const LogProbInputs& in) const {
+    switch (which) {
+      case 0: return {detail::byte_range(in.hidden), "hidden"};
+      case 1: return {detail::byte_range(in.weight), "weight"};
+      case 2:
+        return {detail::byte_range(in.bias.data, static_cast<std::size_t>(in.bias.size) *
+                                                     (in.bias.empty() ? 0 : size_of(in.bias.dtype))),
+                "bias"};
+      case 3: return {detail::byte_range(in.ids.data(), in.ids.size_bytes()), "ids"};
+      default: return {float_range(in.mask), "mask"};
+    }
+  }
+
+  std::byte* workspace(std::span<std::byte> given, detail::Buffer& owned) const {
+    const std::size_t need = data->layout.total;
+    if (given.empty()) {
+      owned = detail::Buffer(detail::resolve(data->options.allocator), need);
+      return owned.as();
+    }
+    if (given.size() < need) {
+      throw Error("workspace",
+                  "has " + std::to_string(given.size()) + " bytes, the plan needs " + std::to_string(need));
+    }
+    if (reinterpret_cast<std::uintptr_t>(given.data()) % detail::kAlignment != 0) {
+      throw Error("workspace", "must be 64-byte aligned");
+    }
+    return given.data();
+  }
+};
+
+LmHeadLogProbPlan::LmHeadLogProbPlan(const LmHeadShape& shape, const LogProbConfig& config,
+                                     const LmHeadOptions& options) {
+  detail::validate_lm_head_shape(shape);
+  if (!(config.temperature > 0.0F) || !std::isfinite(config.temperature)) {
+    throw Error("config.temperature", "must be finite and > 0, got " + std::to_string(config.temperature));
+  }
+  detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
+  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
+  if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
+  const LossConfig loss = loss_config_of(config);
+  auto impl = std::make_unique<Impl>();
+  impl->data = detail::build_lm_head_plan(detail::resolve_lds(shape), loss, options);
+  impl->call = {impl->data->shape, loss,  options.forward_only,        options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype,  false, impl->data->schedule.threads};
+  impl_ = std::move(impl);
+}
+
+LmHeadLogProbPlan::~LmHeadLogProbPlan() = default;
+LmHeadLogProbPlan::LmHeadLogProbPlan(LmHeadLogProbPlan&&) noexcept = default;
+LmHeadLogProbPlan& LmHeadLogProbPlan::operator=(LmHeadLogProbPlan&&) noexcept = default;
+
+std::size_t LmHeadLogProbPlan::workspace_size() const { return impl_->data->layout.total; }
+const LmHeadSchedule& LmHeadLogProbPlan::schedule() const { return impl_->data->schedule; }
+
+std::string LmHeadLogProbPlan::describe() const {
+  const detail::LmHeadPlanData& d = *impl_->data;
+  const LmHeadSchedule& s = d.schedule;
+  std::ostringstream os;
+  os << "log-prob head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
+     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk
+     << " threads=" << s.threads << " gemm_passes=1 forward"
+     << (d.options.forward_only ? "" : " + 3 backward (logits of rows with nonzero upstream recomputed)")
+     << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
+  return os.str();
+}
+
+void LmHeadLogProbPlan::forward(const LogProbInputs& inputs, const LogProbOutputs& outputs,
+                                std::span<std::byte> workspace) const {
+  const Impl& m = *impl_;
+  m.validate_inputs(inputs);
+  check_rows(outputs.logp.size(), m.rows(), "logp");
+  if (!outputs.entropy.empty()) check_rows(outputs.entropy.size(), m.rows(), "entropy");
+  std::pair<detail::ByteRange, const char*> ins[5];
+  for (int i = 0; i < 5; ++i) ins[i] = m.input_range(i, inputs);
+  const std::pair<detail::ByteRange, const char*> outs[2] = {{float_range(outputs.logp), "logp"},
+                                                             {float_range(outputs.entropy), "entropy"}};
+  check_aliasing(outs, 2, ins);
+  const LmHeadInputs in = as_lm_head_inputs(inputs);
+  detail::validate_lm_head_values(m.call, in);
+  detail::Buffer owned;
+  std::byte* ws = m.workspace(workspace, owned);
+  LmHeadOutputs out;
+  out.tokens.logp = outputs.logp;
+  out.tokens.entropy = outputs.entropy;
+  out.stats = outputs.stats;
+  detail::run_log_prob_forward(*m.data, in, out, ws);
+}
+
+void LmHeadLogProbPlan::backward(const LogProbInputs& inputs, const LogProbUpstream& upstream,
+                                 const LogProbGradients& gradients, std::span<std::byte> workspace) const {
+  const Impl& m = *impl_;
+  if (m.call.forward_only) {
+    throw Error("options.forward_only", "the plan was built forward-only: backward() needs a plan with gradients",
+                ErrorKind::unsupported);
+  }
+  m.validate_inputs(inputs);
+  check_rows(upstream.dlogp.size(), m.rows(), "dlogp");
+  if (!upstream.dentropy.empty()) check_rows(upstream.dentropy.size(), m.rows(), "dentropy");
+  LmHeadOutputs out;
+  out.dhidden = gradients.dhidden;
+  out.dweight = gradients.dweight;
+  out.dbias = gradients.dbias;
+  out.stats = gradients.stats;
+  detail::validate_lm_head_gradients(m.call, out);
+  std::pair<detail::ByteRange, const char*> ins[7];
+  for (int i = 0; i < 5; ++i) ins[i] = m.input_range(i, inputs);
+  ins[5] = {float_range(upstream.dlogp), "dlogp"};
+  ins[6] = {float_range(upstream.dentropy), "dentropy"};
+  const std::pair<detail::ByteRange, const char*> outs[3] = {
+      {detail::byte_range(gradients.dhidden.as_const()), "dhidden"},
+      {detail::byte_range(gradients.dweight.as_const()), "dweight"},
+      {detail::byte_range(gradients.dbias.data(), gradients.dbias.size_bytes()), "dbias"}};
+  check_aliasing(outs, 3, ins);
+
+  // Upstream values: finite everywhere (masked rows' are ignored, not exempt).
+  const auto finite_all = [](std::span<const float> v, const char* name) {
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (!std::isfinite(v[i])) throw Error(name, "element " + std::to_string(i) + " is not finite");
+    }
+  };
+  finite_all(upstream.dlogp, "dlogp");
+  finite_all(upstream.dentropy, "dentropy");
+  const LmHeadInputs in = as_lm_head_inputs(inputs);
+  const detail::OperandBounds bounds = detail::validate_lm_head_values(m.call, in);
+  // Gradients that overflow f32 from finite inputs: row t's dlogits sum to at
+  // most 2|a_t| + |b_t| sum_v p_v |x_v - E_p[x]| <= 2|a_t| + 2|b_t| x_bound
+  // (a_t = dlogp_t / tau, b_t = dentropy_t dx/dz); dbias and dW (over max|h|)
+  // sum those over the valid rows, a dhidden row takes one of them times max|W|.
+  const double tau = m.call.config.temperature;
+  const double entropy_scale = m.call.config.temperature_on_logp ? 1.0 : 1.0 / tau;
+  double sum_logp = 0.0, sum_entropy = 0.0;
+  for (std::int64_t r = 0; r < m.rows(); ++r) {
+    if (!inputs.mask.empty() && inputs.mask[r] == 0.0F) continue;
+    sum_logp += 2.0 * std::abs(static_cast<double>(upstream.dlogp[r])) / tau;
+    if (!upstream.dentropy.empty()) {
+      sum_entropy += 2.0 * std::abs(static_cast<double>(upstream.dentropy[r])) * entropy_scale * bounds.x_bound;
+    }
+  }
+  const double operand_max =
+      std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)});
+  if (!((sum_logp + sum_entropy) * operand_max * 4.0 < static_cast<double>(std::numeric_limits<float>::max()))) {
+    throw Error(sum_entropy > sum_logp ? "dentropy" : "dlogp",
+                "upstream gradients of this magnitude can overflow f32 in dhidden / dweight / dbias");
+  }
+  detail::Buffer owned;
+  std::byte* ws = m.workspace(workspace, owned);
+  detail::run_log_prob_backward(*m.data, in, upstream.dlogp, upstream.dentropy, out, ws);
+}
+
+}  // namespace grpo
