@@ -196,6 +196,68 @@ grpo::Metrics execute_lm_head(const grpo::LmHeadLossPlan& plan, Workspace* works
   return metrics;
 }
 
+// hidden / weight / bias / ids / mask of a log-prob head call.
+grpo::LogProbInputs log_prob_inputs(const Array& hidden, const Array& weight, const OptArray& bias, const Array& ids,
+                                    const OptArray& mask) {
+  grpo::LogProbInputs in;
+  in.hidden = in_matrix(hidden, "hidden");
+  in.weight = in_matrix(weight, "weight");
+  if (bias) {
+    check_cpu(*bias, "bias");
+    if (bias->ndim() != 1) refuse("bias", "must be 1-D");
+    if (bias->shape(0) > 1 && bias->stride(0) != 1) refuse("bias", "must be contiguous");
+    in.bias = {bias->data(), float_dtype(*bias, "bias"), static_cast<std::int64_t>(bias->shape(0))};
+  }
+  in.ids = flat<const std::int32_t>(ids, "ids");
+  in.mask = flat<const float>(mask, "mask");
+  return in;
+}
+
+template <typename Call>
+void with_workspace(Workspace* workspace, std::size_t bytes, Call&& call) {
+  nb::gil_scoped_release release;
+  if (workspace != nullptr) {
+    std::unique_lock<std::mutex> lock;
+    call(workspace->acquire(bytes, lock));
+  } else {
+    call(std::span<std::byte>{});
+  }
+}
+
+grpo::LmHeadStepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace,
+                                       const Array& hidden, const Array& weight, const OptArray& bias,
+                                       const Array& ids, const OptArray& mask, const Array& logp,
+                                       const OptArray& entropy) {
+  const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
+  grpo::LmHeadStepStats stats;
+  grpo::LogProbOutputs out;
+  out.logp = flat<float>(logp, "logp");
+  out.entropy = flat<float>(entropy, "entropy");
+  out.stats = &stats;
+  with_workspace(workspace, plan.workspace_size(), [&](std::span<std::byte> ws) { plan.forward(in, out, ws); });
+  return stats;
+}
+
+grpo::LmHeadStepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace,
+                                        const Array& hidden, const Array& weight, const OptArray& bias,
+                                        const Array& ids, const OptArray& mask, const Array& dlogp,
+                                        const OptArray& dentropy, const Array& dhidden, const Array& dweight,
+                                        const OptArray& dbias) {
+  const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
+  grpo::LmHeadStepStats stats;
+  grpo::LogProbUpstream up;
+  up.dlogp = flat<const float>(dlogp, "dlogp");
+  up.dentropy = flat<const float>(dentropy, "dentropy");
+  grpo::LogProbGradients grads;
+  grads.dhidden = out_matrix(dhidden, "dhidden");
+  grads.dweight = out_matrix(dweight, "dweight");
+  grads.dbias = flat<float>(dbias, "dbias");
+  grads.stats = &stats;
+  with_workspace(workspace, plan.workspace_size(),
+                 [&](std::span<std::byte> ws) { plan.backward(in, up, grads, ws); });
+  return stats;
+}
+
 void raise_with_argument(PyObject* type, const std::string& argument, const char* message) {
   nb::object instance = nb::steal(PyObject_CallFunction(type, "s", message));
   if (!instance.is_valid()) return;  // the call set its own Python error
@@ -344,4 +406,41 @@ NB_MODULE(_core, m) {
            "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a, "advantages"_a,
            "old_logp"_a.none(), "ref_logp"_a.none(), "is_weight"_a.none(), "logp"_a, "entropy"_a.none(), "kl"_a.none(),
            "dhidden"_a.none(), "dweight"_a.none(), "dbias"_a.none());
+
+  nb::class_<grpo::LmHeadStepStats>(m, "LmHeadStepStats",
+                                    "Rows through the logits GEMM and through each backward GEMM (padding included).")
+      .def_ro("logits_gemm_rows", &grpo::LmHeadStepStats::logits_gemm_rows)
+      .def_ro("backward_gemm_rows", &grpo::LmHeadStepStats::backward_gemm_rows);
+
+  nb::class_<grpo::LogProbConfig>(m, "LogProbConfig", "The log-prob head's configuration (grpo::LogProbConfig).")
+      .def(nb::init<>())
+      .def_rw("temperature", &grpo::LogProbConfig::temperature)
+      .def_rw("temperature_on_logp", &grpo::LogProbConfig::temperature_on_logp);
+
+  nb::class_<grpo::LmHeadLogProbPlan>(
+      m, "LmHeadLogProbPlan",
+      "The generic log-prob head (grpo::LmHeadLogProbPlan): per-token logp / entropy of hidden x W without [N, V] "
+      "logits, and the gradients of hidden / weight / bias from any upstream dL/dlogp, dL/dentropy.")
+      .def(
+          "__init__",
+          [](grpo::LmHeadLogProbPlan* self, const grpo::LmHeadShape& shape, const grpo::LogProbConfig& config,
+             const grpo::LmHeadOptions& options) {
+            nb::gil_scoped_release release;
+            new (self) grpo::LmHeadLogProbPlan(shape, config, options);
+          },
+          "shape"_a, "config"_a = grpo::LogProbConfig{}, "options"_a = grpo::LmHeadOptions{})
+      .def_prop_ro("workspace_size", &grpo::LmHeadLogProbPlan::workspace_size)
+      .def("describe", &grpo::LmHeadLogProbPlan::describe)
+      .def("forward", &log_prob_forward,
+           "Validates, then writes logp (and entropy) float32 [N] (GIL released). hidden [N, H], weight, bias [V] "
+           "as LmHeadLossPlan.execute; ids int32 [N]; mask float32 [N] of 0 / 1 or None (every row valid). Returns "
+           "the LmHeadStepStats; on a refusal nothing was written.",
+           "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a.none(), "logp"_a,
+           "entropy"_a.none())
+      .def("backward", &log_prob_backward,
+           "Validates, then writes dhidden [N, H], dweight (weight's layout; the options' dtypes) and dbias float32 "
+           "[V] (when the plan has a bias) from dlogp float32 [N] and dentropy float32 [N] or None (GIL released). "
+           "Every gradient buffer the plan has is required. Returns the LmHeadStepStats.",
+           "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a.none(), "dlogp"_a,
+           "dentropy"_a.none(), "dhidden"_a, "dweight"_a, "dbias"_a.none());
 }
