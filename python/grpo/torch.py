@@ -5,6 +5,11 @@
   return value: `(loss, (kl_mean if beta != 0, clip_ratio))`).
 - `lm_head_grpo_loss`: the functional form with grpo's own semantics and
   every output (per-token logp, entropy, KL, all metrics).
+- `fused_log_probs`: per-token log-probabilities and entropy of an LM head
+  (the generic log-prob head), differentiable for any loss computed on them
+  in Python; what TRL's fused LM head computes. Its backward runs the C++
+  head's backward from the upstream gradients (the loss ops above compute
+  theirs in forward instead).
 
 Both run the C++ fused kernel once in forward: it computes the loss and the
 gradients of hidden, weight and bias together (the [N, V] logits never exist);
@@ -29,7 +34,7 @@ import torch
 import grpo
 from grpo import _core
 
-__all__ = ["LmHeadGRPOLoss", "LmHeadLossResult", "lm_head_grpo_loss"]
+__all__ = ["LmHeadGRPOLoss", "LmHeadLossResult", "fused_log_probs", "lm_head_grpo_loss"]
 
 _LOSS_TYPES = {
     "grpo": _core.LossType.grpo,
@@ -601,3 +606,229 @@ class LmHeadGRPOLoss(torch.nn.Module):
         return (f"loss_type={self.loss_type!r}, beta={self.beta}, epsilon_low={self.epsilon_low}, "
                 f"epsilon_high={self.epsilon_high}, importance_sampling_level={self.importance_sampling_level!r}, "
                 f"temperature={self.temperature}")
+
+
+# --------------------------------------------------------------------------
+# The generic log-prob head: per-token logp / entropy, differentiable for any
+# loss computed on them in Python.
+# --------------------------------------------------------------------------
+
+_LOG_PROB_OUTPUTS = ("log_probs", "entropy")
+# TRL's ChunkedLogProbFunction outputs grpo does not compute.
+_UNSUPPORTED_LOG_PROB_OUTPUTS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+_LOG_PROB_NAMES = {"hidden": "hidden", "weight": "weight", "bias": "bias", "ids": "labels", "mask": "mask",
+                   "dlogp": "grad of log_probs", "dentropy": "grad of entropy"}
+
+
+def _scratch(cache: grpo.PlanCache, shape: tuple[int, ...]) -> torch.Tensor:
+    """A float32 buffer of `shape` kept in the cache, for a gradient the C++ head must write but nobody wants.
+
+    Its contents are garbage; every backward of that cache that needs it
+    writes into the same buffer (serialized by the cache's workspace lock).
+    """
+    return cache.get("scratch", (shape, "f32"), lambda: torch.empty(shape, dtype=torch.float32))
+
+
+class _FusedLogProbs(torch.autograd.Function):
+    """hidden / weight / bias -> (logp, entropy) through grpo.LmHeadLogProbPlan.
+
+    forward saves hidden (as its [N, H] row view), weight, bias, the int32
+    labels and the mask: no logits. backward hands grad_output of logp and
+    entropy to the C++ head's backward, which recomputes the logits of the
+    rows with a nonzero upstream gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, rows, ids32, mask32, plan, cache, want_entropy):  # noqa: D401
+        # An entropy computed for logging only gets no gradient: None, not zeros.
+        ctx.set_materialize_grads(False)
+        n = rows.shape[0]
+        logp = torch.empty(n, dtype=torch.float32)
+        entropy = torch.empty(n, dtype=torch.float32) if want_entropy else None
+        w, b = weight.detach(), None if bias is None else bias.detach()
+        try:
+            plan.forward(cache.workspace, rows.detach(), w, b, ids32, mask32, logp, entropy)
+        except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
+            raise _renamed(error, _LOG_PROB_NAMES) from None
+        ctx.save_for_backward(rows, weight, bias, ids32, mask32)
+        ctx.plan, ctx.cache = plan, cache
+        ctx.meta = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        none = (None,) * 9
+        if grad_logp is None and grad_entropy is None:
+            return none
+        rows, weight, bias, ids32, mask32 = ctx.saved_tensors
+        hidden_shape, hidden_dtype, weight_dtype, bias_dtype = ctx.meta
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if not (need_h or need_w or need_b):
+            return none
+        n, h = rows.shape
+        v = weight.shape[0]
+        cache = ctx.cache
+        dlogp = (grad_logp.detach().to(torch.float32).reshape(-1).contiguous() if grad_logp is not None
+                 else torch.zeros(n, dtype=torch.float32))
+        dent = grad_entropy.detach().to(torch.float32).reshape(-1).contiguous() if grad_entropy is not None else None
+        # The C++ head writes every gradient it has: an unwanted one goes to a cached scratch buffer.
+        dhidden = torch.empty(n, h, dtype=torch.float32) if need_h else _scratch(cache, (n, h))
+        dweight = torch.empty(v, h, dtype=torch.float32) if need_w else _scratch(cache, (v, h))
+        dbias = None
+        if bias is not None:
+            dbias = torch.empty(v, dtype=torch.float32) if need_b else _scratch(cache, (v,))
+        try:
+            ctx.plan.backward(cache.workspace, rows.detach(), weight.detach(), None if bias is None else bias.detach(),
+                              ids32, mask32, dlogp, dent, dhidden, dweight, dbias)
+        except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
+            raise _renamed(error, _LOG_PROB_NAMES) from None
+        gh = dhidden.to(hidden_dtype).view(hidden_shape) if need_h else None
+        gw = dweight.to(weight_dtype) if need_w else None
+        gb = dbias.to(bias_dtype) if (need_b and bias is not None) else None
+        return (gh, gw, gb) + (None,) * 6
+
+
+def fused_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    outputs: tuple[str, ...] = _LOG_PROB_OUTPUTS,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    temperature_on_logp: bool = False,
+    num_threads: Optional[int] = None,
+    workspace_budget: Optional[int] = None,
+    plan_cache: Optional[grpo.PlanCache] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token log-probabilities (and entropy) of an LM head, without the [N, V] logits.
+
+    Returns `(log_probs, entropy)`, float32, shaped like `labels`; entropy is
+    None unless "entropy" is in `outputs`. Both are differentiable w.r.t.
+    hidden, weight and bias for any loss computed on them: backward runs
+    grpo's log-prob head backward (grpo.LmHeadLogProbPlan) with their
+    grad_output (None = 0), recomputing only the logits of rows with a nonzero
+    upstream gradient. It is the primitive TRL 1.16's `add_fused_lm_head`
+    computes with its `ChunkedLogProbFunction` (same temperature semantics:
+    x = z / temperature, logp = x_y - logsumexp(x), entropy of softmax(x)).
+
+    hidden [B, T, H] or [N, H], weight [V, H] (lm_head.weight): both float32 or
+    both bfloat16, unit inner stride (any row stride: viewed, not copied);
+    bias [V] or None. labels: integer ids in [0, V), B*T (or N) of them, any
+    shape; int64 is converted to int32 (ids outside int32 are refused).
+    outputs: "log_probs" (always computed) and optionally "entropy"; TRL's
+    other outputs raise NotImplementedError.
+
+    Masks: none by default, every position is computed (as TRL does on CPU:
+    it scores every position with the ignored labels clamped to 0 and zeroes
+    them afterwards), so labels must be valid everywhere: pass
+    `labels.clamp(min=0)` for -100 labels and mask the outputs yourself.
+    `mask` (0 / 1, shaped like labels) is the C++ head's row mask: a masked
+    row's log_prob is 0, its label is not read, its entropy is still
+    computed, and the upstream gradients of both are ignored.
+
+    Gradients: computed in float32 and cast to each input's dtype. The C++
+    head writes dhidden, dweight and dbias in every backward: one that is not
+    needed (a frozen lm_head, a hidden that does not require grad) is written
+    into a float32 scratch buffer kept in the plan cache (a [V, H] float32
+    buffer for a frozen weight, held as long as the cache holds it) and
+    discarded. temperature_on_logp: grpo's other temperature convention
+    (logp = (z_y - LSE(z)) / tau, entropy of softmax(z)). Plans are cached per
+    (N, H, V, dtypes, strides, temperature, options) in `plan_cache` (the
+    process-wide one by default) and share its workspace; threads:
+    `num_threads`, else torch.get_num_threads(). Refusals raise grpo.Error /
+    grpo.ArgumentTypeError / NotImplementedError naming the argument.
+    """
+    outputs = tuple(outputs)
+    for name in outputs:
+        if name in _UNSUPPORTED_LOG_PROB_OUTPUTS:
+            raise _refuse("outputs", f"'{name}' is not computed by grpo", NotImplementedError)
+        if name not in _LOG_PROB_OUTPUTS:
+            raise _refuse("outputs", f"unknown output '{name}' (one of {', '.join(_LOG_PROB_OUTPUTS)})")
+    for t, name in ((hidden, "hidden"), (weight, "weight")):
+        _check_cpu(t, name)
+        _check_float(t, name)
+    _check_cpu(labels, "labels")
+    if hidden.dim() not in (2, 3):
+        raise _refuse("hidden", f"must be [B, T, H] or [N, H], got {hidden.dim()} dimensions")
+    n = hidden.shape[0] * (hidden.shape[1] if hidden.dim() == 3 else 1)
+    if weight.dtype != hidden.dtype:
+        raise _refuse("weight", f"has dtype {weight.dtype} but hidden has {hidden.dtype}; "
+                      "grpo needs both float32 or both bfloat16", grpo.ArgumentTypeError)
+    rows = _as_rows(hidden, "hidden", n)
+    h = rows.shape[1]
+    if weight.dim() != 2 or weight.shape[1] != h:
+        raise _refuse("weight", f"has shape {list(weight.shape)}, expected [V, {h}]")
+    if weight.shape[1] > 1 and weight.stride(1) != 1:
+        raise _refuse("weight", f"must have unit inner stride, got {weight.stride(1)}")
+    v = weight.shape[0]
+    if bias is not None:
+        _check_cpu(bias, "bias")
+        _check_float(bias, "bias")
+        _check_shape(bias, "bias", (v,))
+        if v > 1 and bias.stride(0) != 1:
+            raise _refuse("bias", f"must be contiguous, got stride {bias.stride(0)}")
+    if labels.numel() != n:
+        raise _refuse("labels", f"has {labels.numel()} elements (shape {list(labels.shape)}), expected {n}")
+    out_shape = labels.shape
+    ids32 = _per_token(labels.reshape(n), "labels", 1, n, dtype=torch.int32, extra_shapes=((n,),))
+    mask32 = None
+    if mask is not None:
+        _check_cpu(mask, "mask")
+        _check_shape(mask, "mask", tuple(out_shape))
+        mask32 = _per_token(mask.reshape(n), "mask", 1, n, extra_shapes=((n,),))
+    if not (float(temperature) > 0.0 and math.isfinite(float(temperature))):
+        raise _refuse("temperature", f"must be finite and > 0, got {temperature}")
+
+    needs_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    threads = int(num_threads) if num_threads is not None else torch.get_num_threads()
+    dtype = _FLOAT_DTYPES[hidden.dtype]
+    bias_dtype = _FLOAT_DTYPES[bias.dtype] if bias is not None else _core.DType.f32
+    hidden_ld, weight_ld = _row_stride(rows), _row_stride(weight)
+    key = (n, h, v, str(hidden.dtype), None if bias is None else str(bias.dtype), hidden_ld, weight_ld,
+           float(temperature), bool(temperature_on_logp), threads, needs_grad, workspace_budget)
+
+    def build():
+        shape = _core.LmHeadShape()
+        # One sequence of N rows: the head has no per-sequence term, so the
+        # plan depends on N only.
+        shape.batch, shape.seq_len, shape.hidden, shape.vocab = 1, n, h, v
+        shape.dtype = dtype
+        shape.has_bias = bias is not None
+        shape.bias_dtype = bias_dtype
+        shape.hidden_ld, shape.weight_ld = hidden_ld, weight_ld
+        config = _core.LogProbConfig()
+        config.temperature = float(temperature)
+        config.temperature_on_logp = bool(temperature_on_logp)
+        options = _core.LmHeadOptions()
+        options.max_threads = threads
+        options.forward_only = not needs_grad
+        if workspace_budget is not None:
+            options.workspace_budget = int(workspace_budget)
+        return _core.LmHeadLogProbPlan(shape, config, options)
+
+    cache = plan_cache if plan_cache is not None else grpo.default_plan_cache()
+    try:
+        plan = cache.get("lm_head_log_prob", key, build)
+    except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
+        raise _renamed(error, _LOG_PROB_NAMES) from None
+    want_entropy = "entropy" in outputs
+    if needs_grad:
+        logp, entropy = _FusedLogProbs.apply(hidden, weight, bias, rows, ids32, mask32, plan, cache, want_entropy)
+    else:
+        with torch.no_grad():
+            logp, entropy = _FusedLogProbs.forward(_NoCtx(), hidden, weight, bias, rows, ids32, mask32, plan, cache,
+                                                   want_entropy)
+    return logp.view(out_shape), None if entropy is None else entropy.view(out_shape)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx when no gradient is needed."""
+
+    def set_materialize_grads(self, value):
+        pass
+
+    def save_for_backward(self, *tensors):
+        pass
