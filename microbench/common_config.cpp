@@ -1,6 +1,7 @@
 #include "common_config.hpp"
 
 #include <cmath>
+#include <utility>
 
 namespace grpo::bench {
 namespace {
@@ -67,7 +68,9 @@ LossSpec parse_loss(MapReader& parent) {
                                                    {"dr_grpo", LossType::dr_grpo},
                                                    {"dapo", LossType::dapo},
                                                    {"cispo", LossType::cispo},
-                                                   {"sapo", LossType::sapo}})
+                                                   {"sapo", LossType::sapo},
+                                                   {"luspo", LossType::luspo},
+                                                   {"vespo", LossType::vespo}})
                     .value_or(c.loss_type);
   c.importance_sampling_level =
       r.get_enum<IsLevel>("importance_sampling_level", {{"token", IsLevel::token}, {"sequence", IsLevel::sequence}})
@@ -99,6 +102,24 @@ LossSpec parse_loss(MapReader& parent) {
   }
   c.sapo_tau_pos = get_float("sapo_tau_pos", c.sapo_tau_pos);
   c.sapo_tau_neg = get_float("sapo_tau_neg", c.sapo_tau_neg);
+  c.kl_estimator = r.get_enum<KlEstimator>("kl_estimator", {{"k3", KlEstimator::k3},
+                                                            {"k1", KlEstimator::k1},
+                                                            {"abs", KlEstimator::abs},
+                                                            {"k2", KlEstimator::k2},
+                                                            {"k1+", KlEstimator::k1_plus},
+                                                            {"abs+", KlEstimator::abs_plus},
+                                                            {"k3+", KlEstimator::k3_plus}})
+                       .value_or(c.kl_estimator);
+  c.vespo_k_pos = get_float("vespo_k_pos", c.vespo_k_pos);
+  c.vespo_lambda_pos = get_float("vespo_lambda_pos", c.vespo_lambda_pos);
+  c.vespo_k_neg = get_float("vespo_k_neg", c.vespo_k_neg);
+  c.vespo_lambda_neg = get_float("vespo_lambda_neg", c.vespo_lambda_neg);
+  // Absent or null: off.
+  for (const auto& [key, field] : {std::pair{"off_policy_mask_threshold", &c.off_policy_mask_threshold},
+                                   std::pair{"clip_ratio_c", &c.clip_ratio_c}}) {
+    if (r.has(key) && !r.raw(key).IsNull()) *field = get_float(key, 0.0F);
+    r.raw(key);
+  }
   r.finish();
   return spec;
 }

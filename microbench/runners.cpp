@@ -262,7 +262,10 @@ bool same_loss(const LossConfig& a, const LossConfig& b) {
          a.kl_bias_correction == b.kl_bias_correction && a.temperature == b.temperature &&
          a.temperature_on_logp == b.temperature_on_logp && a.max_completion_length == b.max_completion_length &&
          a.num_items_in_batch == b.num_items_in_batch && a.sapo_tau_pos == b.sapo_tau_pos &&
-         a.sapo_tau_neg == b.sapo_tau_neg;
+         a.sapo_tau_neg == b.sapo_tau_neg && a.kl_clamp == b.kl_clamp && a.kl_estimator == b.kl_estimator &&
+         a.vespo_k_pos == b.vespo_k_pos && a.vespo_lambda_pos == b.vespo_lambda_pos && a.vespo_k_neg == b.vespo_k_neg &&
+         a.vespo_lambda_neg == b.vespo_lambda_neg && a.off_policy_mask_threshold == b.off_policy_mask_threshold &&
+         a.clip_ratio_c == b.clip_ratio_c;
 }
 
 }  // namespace

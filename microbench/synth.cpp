@@ -103,6 +103,7 @@ bool near_kink(const LossConfig& c, double log_ratio, double margin) {
   if (std::abs(std::abs(log_ratio) - 20.0) < margin) return true;
   if (near(1.0 - c.epsilon_low) || near(1.0 + c.epsilon_high)) return true;
   if (c.delta && near(*c.delta)) return true;
+  if (c.clip_ratio_c && near(*c.clip_ratio_c)) return true;
   return c.loss_type == LossType::cispo && near(c.epsilon_high);
 }
 

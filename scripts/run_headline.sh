@@ -16,7 +16,7 @@ if [[ ! -x $bench ]]; then
   cmake --build build -j2 --target grpo-microbench
 fi
 
-for name in ${GRPO_HEADLINE_CONFIGS:-fused_bf16_tile2048 baseline_bf16_logits fused_bf16_tile1024 fused_f32 baseline_f32_logits}; do
+for name in ${GRPO_HEADLINE_CONFIGS:-fused_bf16_tile2048 baseline_bf16_logits fused_f32 baseline_f32 fused_bf16_tile1024 baseline_f32_logits}; do
   "$bench" --config "configs/microbench/headline_$name.yaml" \
     --benchmark_out="$out/headline_$name.json" --benchmark_out_format=json
 done

@@ -36,7 +36,11 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
   HeadOracleBounds b;
   b.tol_logp.resize(n);
   b.dz_err.resize(n);
-  double sum_abs_c = 0.0;
+  double sum_abs_c = 0.0, phi_loss_tol = 0.0;
+  // vespo: phi_i carries the logp errors of the whole sequence (see
+  // coefficient_amplification); 1 for every other loss.
+  const std::vector<double> amp = coefficient_amplification(p.oracle.head, want.head.logp);
+  std::vector<double> abs_a_row(static_cast<std::size_t>(n), 0.0);
   for (std::int64_t t = 0; t < n; ++t) {
     double zmag = 0.0, xmax = 1.0;
     for (std::int64_t a = 0; a < v; ++a) {
@@ -61,6 +65,14 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
     // dz = a (onehot - p): |error| <= |a| (3 tol_logp + 4 eps), plus in the bf16
     // path the f16 storage of x - max: |dp| <= p |u| 2^-11 <= 2^-11 / e < 2^-11.
     b.dz_err[t] = abs_a * (3.0 * b.tol_logp[t] + 4.0 * kEpsF32 + (bf16 ? 1.0 / 2048.0 : 0.0));
+    abs_a_row[t] = abs_a;
+  }
+  // phi's relative error (vespo): amp times the largest tol_logp (any row of its sequence).
+  const double tol_max = *std::max_element(b.tol_logp.begin(), b.tol_logp.end());
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (amp[t] <= 1.0) continue;
+    b.dz_err[t] += abs_a_row[t] * amp[t] * tol_max;
+    phi_loss_tol += abs_a_row[t] * tau * std::abs(want.head.logp[t]) * amp[t] * tol_max;
   }
 
   for (std::int64_t t = 0; t < n; ++t) {
@@ -71,7 +83,7 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
   }
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_region, want.head.clip_ratio_region);
   EXPECT_NEAR(got.metrics.loss, want.head.loss,
-              2.0 * sum_abs_c * *std::max_element(b.tol_logp.begin(), b.tol_logp.end()) +
+              2.0 * sum_abs_c * *std::max_element(b.tol_logp.begin(), b.tol_logp.end()) + phi_loss_tol +
                   16.0 * kEpsF32 * std::abs(want.head.loss) + 1e-12);
 
   // Gradient GEMMs: a sum of products whose dz factor has the systematic bound

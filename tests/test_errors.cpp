@@ -290,13 +290,25 @@ std::vector<Refusal> output_over_input_refusals() {
     std::function<void(Call&, float*)> place;
   };
   const Output outputs[] = {
-      {"logp", kAll, [](Call& c, float* at) { c.tokens.logp = {at, kRows}; }},
-      {"entropy", kAll, [](Call& c, float* at) { c.tokens.entropy = {at, kRows}; }},
-      {"kl", kAll, [](Call& c, float* at) { c.tokens.kl = {at, kRows}; }},
+      {"logp", kAll,
+       [](Call& c, float* at) {
+         c.tokens.logp = {at, kRows};
+       }},
+      {"entropy", kAll,
+       [](Call& c, float* at) {
+         c.tokens.entropy = {at, kRows};
+       }},
+      {"kl", kAll,
+       [](Call& c, float* at) {
+         c.tokens.kl = {at, kRows};
+       }},
       {"dlogits", kLogits, [](Call& c, float* at) { c.dlogits.data = at; }},
       {"dhidden", kHead, [](Call& c, float* at) { c.dhidden.data = at; }},
       {"dweight", kHead, [](Call& c, float* at) { c.dweight.data = at; }},
-      {"dbias", kHead, [](Call& c, float* at) { c.dbias = {at, kVocab}; }},
+      {"dbias", kHead,
+       [](Call& c, float* at) {
+         c.dbias = {at, kVocab};
+       }},
   };
   std::vector<Refusal> out;
   for (const Output& o : outputs) {
@@ -584,6 +596,84 @@ std::vector<Refusal> refusals() {
          c.config.loss_type = LossType::sapo;
          c.config.sapo_tau_neg = 0.0F;
        }},
+      // --- luspo, vespo, the off-policy mask, dual-clip, the KL estimator ---
+      {"LuspoAtTokenLevel",
+       {"config.importance_sampling_level"},
+       kAll,
+       [](Call& c, B&) { c.config.loss_type = LossType::luspo; }},
+      {"VespoAtSequenceLevel",
+       {"config.importance_sampling_level"},
+       kAll,
+       [](Call& c, B&) {
+         c.config.loss_type = LossType::vespo;
+         c.config.num_items_in_batch = 6.0;
+         c.config.importance_sampling_level = IsLevel::sequence;
+       }},
+      {"VespoWithoutNumItems",
+       {"config.num_items_in_batch"},
+       kAll,
+       [](Call& c, B&) { c.config.loss_type = LossType::vespo; }},
+      {"VespoLambdaZero",
+       {"config.vespo_lambda_neg"},
+       kAll,
+       [](Call& c, B&) {
+         c.config.loss_type = LossType::vespo;
+         c.config.num_items_in_batch = 6.0;
+         c.config.vespo_lambda_neg = 0.0F;
+       }},
+      {"VespoKNaN",
+       {"config.vespo_k_pos"},
+       kAll,
+       [](Call& c, B&) {
+         c.config.loss_type = LossType::vespo;
+         c.config.num_items_in_batch = 6.0;
+         c.config.vespo_k_pos = kNaN;
+       }},
+      {"VespoPerSequenceIsWeight",
+       {"is_weight"},
+       kAll,
+       [](Call& c, B&) {
+         c.config.loss_type = LossType::vespo;
+         c.config.num_items_in_batch = 6.0;
+         c.batch.is_weight = c.batch.is_weight.first(kBatch);
+       }},
+      {"VespoNegativeIsWeight",
+       {"is_weight"},
+       kAll,
+       [](Call& c, B& b) {
+         c.config.loss_type = LossType::vespo;
+         c.config.num_items_in_batch = 6.0;
+         b.is_weight[kLateRow] = -0.5F;
+       }},
+      {"OffPolicyMaskNegative",
+       {"config.off_policy_mask_threshold"},
+       kAll,
+       [](Call& c, B&) { c.config.off_policy_mask_threshold = -0.1F; }},
+      {"OffPolicyMaskInf",
+       {"config.off_policy_mask_threshold"},
+       kAll,
+       [](Call& c, B&) { c.config.off_policy_mask_threshold = kInf; }},
+      {"ClipRatioCOne", {"config.clip_ratio_c"}, kAll, [](Call& c, B&) { c.config.clip_ratio_c = 1.0F; }},
+      {"ClipRatioCNaN", {"config.clip_ratio_c"}, kAll, [](Call& c, B&) { c.config.clip_ratio_c = kNaN; }},
+      {"ClipRatioCWithSapo",
+       {"config.clip_ratio_c"},
+       kAll,
+       [](Call& c, B&) {
+         c.config.loss_type = LossType::sapo;
+         c.config.clip_ratio_c = 3.0F;
+       }},
+      {"KlEstimatorUnknown",
+       {"config.kl_estimator"},
+       kAll,
+       [](Call& c, B&) { c.config.kl_estimator = static_cast<KlEstimator>(200); }},
+      // k2 of a finite d beyond sqrt(2 FLT_MAX) overflows f32 like k3 does.
+      {"RefLogpFarFromLogpK2",
+       {"ref_logp"},
+       kAll,
+       [](Call& c, B& b) {
+         c.config.kl_estimator = KlEstimator::k2;
+         b.ref_logp[1] = 3e19F;
+       }},
 
       // --- shapes and options at plan creation ---
       {"ShapeBatchZero", {"shape.batch"}, kAll, [](Call& c, B&) { c.logits_shape.batch = c.head_shape.batch = 0; }},
@@ -613,7 +703,10 @@ std::vector<Refusal> refusals() {
          c.logits_shape.batch = c.head_shape.batch = std::int64_t{1} << 30;
          c.logits_shape.seq_len = c.head_shape.seq_len = std::int64_t{1} << 30;
        }},
-      {"ShapeHiddenBeyondOneDnn", {"shape.hidden"}, kHead, [](Call& c, B&) { c.head_shape.hidden = std::int64_t{1} << 32; }},
+      {"ShapeHiddenBeyondOneDnn",
+       {"shape.hidden"},
+       kHead,
+       [](Call& c, B&) { c.head_shape.hidden = std::int64_t{1} << 32; }},
       {"ShapeHiddenLdTooSmall", {"shape.hidden_ld"}, kHead, [](Call& c, B&) { c.head_shape.hidden_ld = kHidden - 1; }},
       {"MaxThreadsNegative",
        {"options.max_threads"},

@@ -62,6 +62,58 @@ std::vector<HeadCase> fused_cases() {
       }
     }
   }
+  // The options of the current trainers (issue 8), appended so the cases
+  // above keep their shapes and seeds. T = 65 and 20 over 32-row blocks (and
+  // 7, 11, 16 per block) exercise both schedules of the options that need
+  // whole sequences: vespo, the off-policy mask, luspo.
+  const auto add = [&](LossType type, IsLevel level, auto&& tweak) {
+    HeadCase c;
+    const auto& sh = shapes[i % std::size(shapes)];
+    c.spec.batch = sh[0];
+    c.spec.seq_len = sh[1];
+    c.spec.vocab = sh[2];
+    c.hidden = sh[3];
+    c.spec.config = config_for(type);
+    c.spec.config.importance_sampling_level = level;
+    c.spec.config.temperature_on_logp = i % 4 == 3;
+    c.spec.config.temperature = i % 3 == 0 ? 1.0F : 0.8F;
+    c.spec.per_token_advantages = i % 5 == 4;
+    c.spec.is_weight_kind = type == LossType::vespo ? i % 2 : i % 3;
+    c.spec.seed = 4000 + i;
+    c.dtype = i % 2 == 0 ? DType::f32 : DType::bf16;
+    c.layout = (i / 2) % 2 == 0 ? WeightLayout::vocab_major : WeightLayout::hidden_major;
+    c.bias = i % 3 != 2;
+    c.accumulate = i % 4 == 2;
+    tweak(c.spec);
+    cases.push_back(c);
+    ++i;
+  };
+  const auto none = [](BatchSpec&) {};
+  const auto kl = [](BatchSpec& s) { s.config.beta = 0.04F; };
+  const auto opsm = [](BatchSpec& s) { s.config.off_policy_mask_threshold = 0.02F; };
+  const auto dual = [](BatchSpec& s) { s.config.clip_ratio_c = 1.25F; };
+  for (int k = 0; k < 2; ++k) {
+    add(LossType::luspo, IsLevel::sequence, k == 0 ? none : kl);
+    add(LossType::vespo, IsLevel::token, none);
+    add(LossType::vespo, IsLevel::token, kl);
+  }
+  for (KlEstimator e : {KlEstimator::k1, KlEstimator::abs, KlEstimator::k2, KlEstimator::k1_plus, KlEstimator::abs_plus,
+                        KlEstimator::k3_plus}) {
+    add(LossType::grpo, IsLevel::token, [&](BatchSpec& s) {
+      s.config.beta = 0.04F;
+      s.config.kl_estimator = e;
+      s.config.kl_bias_correction = e == KlEstimator::k2;
+    });
+  }
+  for (LossType type : {LossType::grpo, LossType::vespo, LossType::cispo, LossType::dapo}) {
+    add(type, IsLevel::token, opsm);
+  }
+  add(LossType::grpo, IsLevel::token, dual);
+  add(LossType::luspo, IsLevel::sequence, [&](BatchSpec& s) {
+    dual(s);
+    opsm(s);
+  });
+  add(LossType::dapo, IsLevel::token, dual);
   return cases;
 }
 

@@ -126,7 +126,10 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
   // |dz error| <= |a| (3 tol + 4 eps) (+ 2^-8 |dz| when stored as bf16: RNE to 8 bits is
   // 2^-9 relative, doubled for the f32 error under it). |a| is recovered from the oracle row:
   // sum_v |dz_v| = 2 |a| (1 - p_y).
-  double sum_abs_a = 0.0;
+  // vespo: phi_i carries the logp errors of the whole sequence (amp, see
+  // coefficient_amplification), and the loss moves by |c_t logp_t| amp tol.
+  const std::vector<double> amp = coefficient_amplification(h.problem, want.logp);
+  double sum_abs_a = 0.0, phi_loss_tol = 0.0;
   const double out_rel = c.dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
   for (std::int64_t r = 0; r < n; ++r) {
     double row_sum = 0.0;
@@ -138,7 +141,8 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
     }
     const double a = row_sum / (2.0 * one_minus_py);
     sum_abs_a += a;
-    const double tol_abs = a * (3.0 * tol_logp + 4.0 * kEpsF32);
+    if (amp[r] > 1.0) phi_loss_tol += tau * a * std::abs(want.logp[r]) * amp[r] * tol_logp;
+    const double tol_abs = a * (3.0 * tol_logp * amp[r] + 4.0 * kEpsF32);
     for (std::int64_t v = 0; v < s.vocab; ++v) {
       const double w = want.dlogits[r * s.vocab + v];
       const double g = got.dlogits[r * s.vocab + v];
@@ -147,7 +151,7 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
   }
   // loss = sum_t w_t l_t moves by sum_t |c_t| tol_logp, c_t = tau a_t; plus f32 rounding.
   EXPECT_NEAR(got.metrics.loss, want.loss,
-              2.0 * tau * sum_abs_a * tol_logp + 16.0 * kEpsF32 * std::abs(want.loss) + 1e-12);
+              2.0 * tau * sum_abs_a * tol_logp + phi_loss_tol + 16.0 * kEpsF32 * std::abs(want.loss) + 1e-12);
   // Branch decisions agree exactly (inputs are drawn away from the kinks).
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_low, want.clip_ratio_low);
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_high, want.clip_ratio_high);
@@ -195,6 +199,65 @@ std::vector<LogitsCase> semantic_cases() {
       }
     }
   }
+  // The options of the current trainers (issue 8), appended so the cases
+  // above keep their shapes and seeds: luspo (sequence level), vespo (token
+  // level, with and without per-token is_weight), every KL estimator, the
+  // off-policy sequence mask and dual-clip.
+  const auto add = [&](LossType type, IsLevel level, auto&& tweak) {
+    LogitsCase c;
+    const auto& sh = shapes[i % std::size(shapes)];
+    c.spec.batch = sh[0];
+    c.spec.seq_len = sh[1];
+    c.spec.vocab = sh[2];
+    c.spec.config = config_for(type);
+    c.spec.config.importance_sampling_level = level;
+    c.spec.config.temperature = (i % 3 == 0) ? 1.0F : 0.7F;
+    c.spec.config.temperature_on_logp = i % 4 == 3;
+    c.spec.per_token_advantages = i % 5 == 4;
+    c.spec.is_weight_kind = type == LossType::vespo ? (i % 2) : i % 3;
+    c.spec.seed = 1000 + i;
+    c.dtype = i % 2 == 0 ? DType::f32 : DType::bf16;
+    c.in_place = (i / 3) % 2 == 1;
+    tweak(c.spec);
+    cases.push_back(c);
+    ++i;
+  };
+  const auto none = [](BatchSpec&) {};
+  const auto kl = [](BatchSpec& s) { s.config.beta = 0.04F; };
+  const auto opsm = [](BatchSpec& s) { s.config.off_policy_mask_threshold = 0.02F; };
+  const auto dual = [](BatchSpec& s) { s.config.clip_ratio_c = 1.25F; };
+  for (int k = 0; k < 2; ++k) {
+    add(LossType::luspo, IsLevel::sequence, none);
+    add(LossType::luspo, IsLevel::sequence, kl);
+    add(LossType::vespo, IsLevel::token, none);
+    add(LossType::vespo, IsLevel::token, kl);
+  }
+  for (KlEstimator e : {KlEstimator::k3, KlEstimator::k1, KlEstimator::abs, KlEstimator::k2, KlEstimator::k1_plus,
+                        KlEstimator::abs_plus, KlEstimator::k3_plus}) {
+    add(i % 2 ? LossType::dapo : LossType::grpo, IsLevel::token, [&](BatchSpec& s) {
+      s.config.beta = 0.04F;
+      s.config.kl_estimator = e;
+      // Not abs+ with bias correction: its d + |d| cancels exactly for d < 0,
+      // leaving only rounding in c (no relative bound applies).
+      s.config.kl_bias_correction = e == KlEstimator::k2 || e == KlEstimator::k3_plus;
+      if (e == KlEstimator::k1_plus) s.config.kl_clamp = 0.1F;  // some |d| beyond it: gradient 0 there
+    });
+  }
+  for (LossType type : {LossType::grpo, LossType::cispo, LossType::sapo, LossType::vespo}) {
+    add(type, IsLevel::token, opsm);
+  }
+  add(LossType::grpo, IsLevel::sequence, opsm);
+  add(LossType::luspo, IsLevel::sequence, [&](BatchSpec& s) {
+    opsm(s);
+    dual(s);
+    s.config.beta = 0.04F;
+  });
+  add(LossType::grpo, IsLevel::token, dual);
+  add(LossType::dapo, IsLevel::token, [&](BatchSpec& s) {
+    dual(s);
+    s.config.delta = 1.6F;
+  });
+  add(LossType::bnpo, IsLevel::sequence, dual);
   return cases;
 }
 

@@ -112,6 +112,91 @@ INSTANTIATE_TEST_SUITE_P(OracleSweep, OracleFd,
                                   to_string(std::get<1>(info.param));
                          });
 
+// The options of the current trainers (issue 8) under the same check: luspo,
+// vespo (phi detached: pinned like cispo's ratio, see surrogate_derivative),
+// the off-policy sequence mask (kept away from its threshold), dual-clip and
+// the differentiable KL estimators k1, abs, k2. Each base is swept over both
+// conventions, KL on/off, bias correction, advantages [B]/[N], old present or
+// not, delta, every is_weight kind (vespo: none and [N]) and masking.
+struct TrainerBase {
+  LossType type;
+  IsLevel level;
+  KlEstimator kl;
+  bool opsm;
+  bool dual;
+};
+
+TEST(OracleFdTrainerOptions, DlogitsMatchCentralDifferences) {
+  using K = KlEstimator;
+  const TrainerBase bases[] = {
+      {LossType::luspo, IsLevel::sequence, K::k3, false, false},
+      {LossType::luspo, IsLevel::sequence, K::k3, true, true},
+      {LossType::vespo, IsLevel::token, K::k3, false, false},
+      {LossType::vespo, IsLevel::token, K::k2, true, false},
+      {LossType::grpo, IsLevel::token, K::k3, true, false},
+      {LossType::grpo, IsLevel::sequence, K::k1, true, false},
+      {LossType::cispo, IsLevel::token, K::abs, true, false},
+      {LossType::sapo, IsLevel::token, K::k3, true, false},
+      {LossType::grpo, IsLevel::token, K::abs, false, true},
+      {LossType::dapo, IsLevel::token, K::k2, false, true},
+      {LossType::bnpo, IsLevel::sequence, K::k1, false, true},
+  };
+  double worst = 0.0;
+  std::int64_t dropped = 0, kept_negative = 0, dual_clipped = 0, cases = 0;
+  for (std::size_t b = 0; b < std::size(bases); ++b) {
+    const TrainerBase& base = bases[b];
+    std::vector<CaseOptions> sweep = fd::sweep(base.type, base.level);
+    for (std::size_t c = 0; c < sweep.size(); ++c) {
+      CaseOptions o = sweep[c];
+      if (o.tau == 1.0 && c % 2 == 0) continue;  // half of the tau = 1 points: the sweep is 11 bases wide
+      if (base.type == LossType::vespo && o.is_weight == IsWeightKind::per_sequence) continue;  // refused
+      o.kl_estimator = base.kl;
+      o.off_policy_mask = base.opsm;
+      o.dual_clip = base.dual;
+      const unsigned seed = 500000U + 1000U * static_cast<unsigned>(b) + static_cast<unsigned>(c);
+      std::mt19937 rng(seed);
+      Problem p = fd::random_problem(o, rng);
+      for (int redraw = 0; fd::near_kink(p, kKinkMargin); ++redraw) {
+        ASSERT_LT(redraw, 100) << o.describe() << " seed=" << seed;
+        p = fd::random_problem(o, rng);
+      }
+      const std::string where = o.describe() + shape_of(p) + " seed=" + std::to_string(seed);
+      const Result res = evaluate(p);
+      ASSERT_TRUE(std::isfinite(res.loss)) << where;
+      for (std::size_t k = 0; k < res.dlogits.size(); ++k) {
+        if (p.mask[k / p.vocab] == 0.0) continue;
+        const double fd = fd::surrogate_derivative(p, k, kStep);
+        worst = std::max(worst, std::abs(fd - res.dlogits[k]));
+        ASSERT_NEAR(res.dlogits[k], fd, kFdTolerance) << where << " entry " << k;
+      }
+      ++cases;
+      // Coverage: sequences the mask drops and keeps, tokens on the -A c branch.
+      const std::vector<double> lr = fd::raw_log_ratios(p, res.logp);
+      for (std::int64_t i = 0; i < p.batch; ++i) {
+        double shift = 0.0, count = 0.0;
+        bool negative = false;
+        for (std::int64_t t = i * p.seq_len; t < (i + 1) * p.seq_len; ++t) {
+          if (p.mask[t] == 0.0) continue;
+          shift += p.old_logp.empty() ? 0.0 : p.old_logp[t] - res.logp[t];
+          count += 1.0;
+          const double a = p.advantages[p.advantages.size() == lr.size() ? t : t / p.seq_len];
+          negative = negative || a < 0.0;
+          if (base.dual && a < 0.0 && lr[t] > std::log(fd::kDualClip)) ++dual_clipped;
+        }
+        if (base.opsm && negative && count > 0.0) {
+          (shift / count > fd::kOffPolicyThreshold ? dropped : kept_negative) += 1;
+        }
+      }
+    }
+  }
+  std::printf("trainer options FD: %lld cases, worst |oracle - central difference| = %.3g\n",
+              static_cast<long long>(cases), worst);
+  RecordProperty("worst_abs_error", std::to_string(worst));
+  EXPECT_GT(dropped, 0) << "the off-policy mask never dropped a sequence";
+  EXPECT_GT(kept_negative, 0) << "the off-policy mask never kept a negative sequence";
+  EXPECT_GT(dual_clipped, 0) << "no token reached the dual-clip cap";
+}
+
 // The LM head on top: finite differences in hidden, weight and bias entries.
 // One entry moves a whole logits row (or column) by h * |W| or h * |h| <= h,
 // so the same step, margin and tolerance apply.
@@ -510,6 +595,74 @@ TEST(OracleClosedForm, PerSequenceTensorsBroadcastOverTheirSequence) {
     EXPECT_EQ(a.loss, b.loss) << to_string(type);
     EXPECT_EQ(a.dlogits, b.dlogits) << to_string(type);
   }
+}
+
+// The straight-through KL variants: the forward value of their estimator, the
+// gradient of k2 (so their dlogits equal k2's bit for bit without bias
+// correction, and their loss equals their estimator's).
+TEST(OracleClosedForm, KlPlusVariantsAreStraightThrough) {
+  CaseOptions o;
+  o.beta = 0.04;
+  o.with_mask = true;
+  std::mt19937 rng(4242);
+  const Problem base = fd::random_problem(o, rng);
+  const std::pair<KlEstimator, KlEstimator> pairs[] = {{KlEstimator::k1_plus, KlEstimator::k1},
+                                                       {KlEstimator::abs_plus, KlEstimator::abs},
+                                                       {KlEstimator::k3_plus, KlEstimator::k3}};
+  Problem k2 = base;
+  k2.config.kl_estimator = KlEstimator::k2;
+  const Result want_grad = evaluate(k2);
+  for (const auto& [plus, plain] : pairs) {
+    Problem a = base, b = base;
+    a.config.kl_estimator = plus;
+    b.config.kl_estimator = plain;
+    const Result ra = evaluate(a), rb = evaluate(b);
+    EXPECT_EQ(ra.loss, rb.loss) << to_string(plus);
+    EXPECT_EQ(ra.kl, rb.kl) << to_string(plus);
+    EXPECT_EQ(ra.dlogits, want_grad.dlogits) << to_string(plus);
+  }
+}
+
+// k1, abs, k2, k3 at d = logp - ref = -log 2 (ref = logp + log 2), hand values.
+TEST(OracleClosedForm, KlEstimatorValues) {
+  const double d = -std::log(2.0);
+  const std::pair<KlEstimator, double> expected[] = {
+      {KlEstimator::k1, d}, {KlEstimator::abs, -d}, {KlEstimator::k2, 0.5 * d * d}, {KlEstimator::k3, 2.0 + d - 1.0}};
+  for (const auto& [e, value] : expected) {
+    LossConfig config;
+    config.beta = 1.0F;
+    config.kl_estimator = e;
+    const double logp = evaluate(one_row({0.3, -1.2, 2.0}, 1, LossConfig{})).logp[0];
+    Problem p = one_row({0.3, -1.2, 2.0}, 1, config);
+    p.advantages = {0.0};
+    p.ref_logp = {logp - d};
+    EXPECT_NEAR(evaluate(p).kl[0], value, kExact) << to_string(e);
+  }
+}
+
+// vespo on one sequence, by hand: on-policy w = 1 gives phi = e^(lam - lam) = 1
+// for both signs, so l = -A logp; with log w = 0.5 summed over two tokens
+// (0.25 each) and A < 0: phi = exp(2 + 3 * 0.5 - 2 e^0.5).
+TEST(OracleClosedForm, VespoGammaWeight) {
+  LossConfig config;
+  config.loss_type = LossType::vespo;
+  config.num_items_in_batch = 2.0;
+  Problem p;
+  p.batch = 1;
+  p.seq_len = 2;
+  p.vocab = 3;
+  p.logits = {0.3, -1.2, 2.0, 1.0, 0.0, -1.0};
+  p.ids = {2, 0};
+  p.mask = {1.0, 1.0};
+  p.advantages = {-1.5};
+  p.config = config;
+  const Result on = evaluate(p);
+  EXPECT_NEAR(on.loss, 1.5 * (on.logp[0] + on.logp[1]) / 2.0, kExact);
+  p.old_logp = {on.logp[0] - 0.25, on.logp[1] - 0.25};
+  const Result off = evaluate(p);
+  const double phi = std::exp(2.0 + 3.0 * 0.5 - 2.0 * std::exp(0.5));
+  EXPECT_NEAR(off.loss, phi * 1.5 * (on.logp[0] + on.logp[1]) / 2.0, 1e-13);
+  EXPECT_EQ(off.clip_ratio_region, 0.0);
 }
 
 }  // namespace

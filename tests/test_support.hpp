@@ -2,6 +2,7 @@
 // library, double copies for the oracle) and the tolerance helpers.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -50,6 +51,9 @@ inline std::string describe(const BatchSpec& s) {
          " beta=" + std::to_string(s.config.beta) + (s.config.kl_bias_correction ? " kl*r" : "") +
          (s.per_token_advantages ? " adv[N]" : " adv[B]") + (s.off_policy ? " off-policy" : " on-policy") +
          " isw=" + std::to_string(s.is_weight_kind) + (s.adversarial ? " adversarial" : "") +
+         (s.config.kl_estimator != KlEstimator::k3 ? std::string(" kl=") + to_string(s.config.kl_estimator) : "") +
+         (s.config.off_policy_mask_threshold ? " opsm=" + std::to_string(*s.config.off_policy_mask_threshold) : "") +
+         (s.config.clip_ratio_c ? " clip_c=" + std::to_string(*s.config.clip_ratio_c) : "") +
          " seed=" + std::to_string(s.seed);
 }
 
@@ -99,7 +103,36 @@ inline bool near_kink(const LossConfig& c, double log_ratio) {
   if (near(1.0 - c.epsilon_low) || near(1.0 + c.epsilon_high)) return true;
   if (c.delta && near(*c.delta)) return true;
   if (c.loss_type == LossType::cispo && near(c.epsilon_high)) return true;
+  if (c.clip_ratio_c && near(*c.clip_ratio_c)) return true;
   return false;
+}
+
+// The relative error of a token's coefficient per unit of logp error, beyond
+// the token's own: vespo's phi_i moves with every logp of its sequence,
+// d log phi / d log w = k - lam w summed over |o_i| tokens (1 otherwise).
+// logp: the oracle's; the factor multiplies tol_logp in the dlogits bound.
+inline std::vector<double> coefficient_amplification(const oracle::Problem& p, const std::vector<double>& logp) {
+  const std::int64_t n = p.batch * p.seq_len;
+  std::vector<double> amp(static_cast<std::size_t>(n), 1.0);
+  if (p.config.loss_type != LossType::vespo) return amp;
+  for (std::int64_t i = 0; i < p.batch; ++i) {
+    double log_w = 0.0, count = 0.0;
+    for (std::int64_t t = i * p.seq_len; t < (i + 1) * p.seq_len; ++t) {
+      if (p.mask[t] == 0.0) continue;
+      count += 1.0;
+      if (!p.old_logp.empty()) log_w += std::clamp(logp[t] - p.old_logp[t], -20.0, 20.0);
+      if (!p.is_weight.empty()) log_w += std::max(std::log(p.is_weight[t]), -18.420680743952367);
+    }
+    const double w = std::exp(std::clamp(log_w, -18.420680743952367, 20.0));
+    for (std::int64_t t = i * p.seq_len; t < (i + 1) * p.seq_len; ++t) {
+      const bool pos =
+          (p.advantages.size() == static_cast<std::size_t>(p.batch) ? p.advantages[i] : p.advantages[t]) >= 0;
+      const double k = pos ? p.config.vespo_k_pos : p.config.vespo_k_neg;
+      const double lam = pos ? p.config.vespo_lambda_pos : p.config.vespo_lambda_neg;
+      amp[t] = 1.0 + std::abs(k - lam * w) * count;
+    }
+  }
+  return amp;
 }
 
 // Fills ids, mask, advantages, is_weight, ref_logp and old_logp (from the
@@ -170,6 +203,9 @@ inline void fill_batch(const BatchSpec& s, HostBatch& h, std::mt19937& rng,
           count += h.mask[t];
         }
         if (sequence && near_kink(s.config, sum / std::max(count, 1.0))) ok = false;
+        // The off-policy mask's decision: mean(old - logp) away from the threshold.
+        const auto& opsm = s.config.off_policy_mask_threshold;
+        if (opsm && std::abs(-sum / std::max(count, 1.0) - static_cast<double>(*opsm)) < 2e-3) ok = false;
         if (ok || attempt > 100) break;
       }
     }

@@ -12,15 +12,28 @@
 
 namespace grpo {
 
-enum class LossType : std::uint8_t { grpo, bnpo, dr_grpo, dapo, cispo, sapo };
+// luspo and vespo are appended: the earlier values keep their numbers.
+enum class LossType : std::uint8_t { grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo };
 enum class IsLevel : std::uint8_t { token, sequence };
+// The KL estimator, with d = logp - ref_logp (the policy's minus the
+// reference's): k1 = d, abs = |d|, k2 = d^2 / 2, k3 = e^-d + d - 1 (TRL's and
+// Liger's, the default). The _plus variants are verl's straight-through ones:
+// the forward value of the named estimator, the gradient of k2 (d). k2's own
+// "+" is k2 itself, so it has no entry.
+enum class KlEstimator : std::uint8_t { k3, k1, abs, k2, k1_plus, abs_plus, k3_plus };
 
 const char* to_string(LossType type);
 const char* to_string(IsLevel level);
+const char* to_string(KlEstimator estimator);
 
 struct LossConfig {
   LossType loss_type = LossType::grpo;
   // token: r per token; sequence: GSPO, one ratio per sequence.
+  // luspo requires sequence; vespo requires token (it forms its own
+  // sequence weight from the token log ratios).
+  //   luspo: the grpo term with r := s_i, aggregated (1/B) sum_i sum_t m_t l_t.
+  //   vespo: l_t = -phi_i A_t logp_t with phi_i detached (see vespo_k_pos);
+  //          aggregated as dapo (num_items_in_batch).
   IsLevel importance_sampling_level = IsLevel::token;
   float epsilon_low = 0.2F;
   // For cispo this is the cap of the detached ratio (min(r, epsilon_high)).
@@ -32,9 +45,12 @@ struct LossConfig {
   // whose e^d overflows f32 (d > 88.7, where TRL's value is inf) is refused
   // naming ref_logp.
   float beta = 0.0F;
-  // Multiply the k3 KL by the (non-detached) importance ratio.
+  // Multiply the KL term by the (non-detached) importance ratio.
   bool kl_bias_correction = false;
-  // verl-style clamp: d is clamped to [-kl_clamp, kl_clamp] before the KL (its
+  // Which KL term beta multiplies (see KlEstimator). Only k3 and k3_plus
+  // exponentiate, so only they can overflow f32 (refused, as above).
+  KlEstimator kl_estimator = KlEstimator::k3;
+  // verl-style clamp (any estimator): d is clamped to [-kl_clamp, kl_clamp] before the KL (its
   // gradient is 0 outside), so no finite input can overflow. Absent = no clamp.
   std::optional<float> kl_clamp;
   float temperature = 1.0F;
@@ -48,6 +64,29 @@ struct LossConfig {
   // sapo temperatures: k = tau_pos when A > 0, tau_neg otherwise.
   float sapo_tau_pos = 1.0F;
   float sapo_tau_neg = 1.05F;
+  // vespo's gamma weight (TRL's vespo_k_pos / vespo_lambda_pos / _neg and
+  // their defaults): per sequence, log w_i = clamp(sum_t m_t clamp(log r_t,
+  // -20, 20) + sum_t m_t clamp(log is_weight_t, log 1e-8, 20), log 1e-8, 20);
+  // (k, lam) = (k_pos, lambda_pos) when A_t >= 0, else (k_neg, lambda_neg),
+  // lam floored at 1e-4 as TRL does; phi = exp(lam + k log w - lam w), taken as
+  // 0 when it is not finite in f32 (TRL computes it in f32 and maps inf/NaN to
+  // 0). is_weight enters phi only (it must be [N] and >= 0 for vespo) and does
+  // not multiply l_t again.
+  float vespo_k_pos = 2.0F;
+  float vespo_lambda_pos = 3.0F;
+  float vespo_k_neg = 3.0F;
+  float vespo_lambda_neg = 2.0F;
+  // Off-policy sequence mask (TRL's off_policy_mask_threshold, DeepSeek-V3.2):
+  // sequence i keeps its policy term iff A >= 0 or sum_t m_t (old_t - logp_t) /
+  // max(|o_i|, 1) <= threshold (logp detached; per-token advantages decide per
+  // token). It multiplies the policy term only (not the KL). Absent = off.
+  // Finite and >= 0. Without old_logp the mean is 0: nothing is dropped.
+  std::optional<float> off_policy_mask_threshold;
+  // Dual-clip (verl's clip_ratio_c), for A < 0 in the PPO-clipped losses
+  // (grpo, bnpo, dr_grpo, dapo, luspo): l = min(max(-A r~, -A clip(r)), -A c),
+  // gradient 0 where -A c is strictly smaller (ties flow). Must exceed 1.
+  // Absent = off (verl's default is 3).
+  std::optional<float> clip_ratio_c;
 };
 
 // The per-token tensors of one micro-batch of B sequences of T tokens (N = B * T rows).
@@ -67,7 +106,7 @@ struct BatchInputs {
 struct TokenOutputs {
   std::span<float> logp;     // [N], required
   std::span<float> entropy;  // [N] or empty
-  std::span<float> kl;       // [N] or empty: the KL term added per token (k3, times r under
+  std::span<float> kl;       // [N] or empty: the KL term added per token (its forward value, times r under
                              // kl_bias_correction: TRL's per_token_kl); 0 on masked rows or when beta == 0
 };
 
@@ -78,7 +117,7 @@ struct TokenOutputs {
 // cispo_clip_ratio r > eps_high with A > 0 in high and region (low = 0).
 // With sequence-level IS and per-sequence advantages, r is one per sequence
 // and the ratios are fractions of the B sequences (TRL's global_masked_mean
-// of a [B, 1] tensor).
+// of a [B, 1] tensor). vespo: all three are 0 (TRL logs none for it).
 struct Metrics {
   double loss = 0.0;
   double clip_ratio_low = 0.0;

@@ -18,6 +18,21 @@ const char* to_string(LossType type) {
     case LossType::dapo: return "dapo";
     case LossType::cispo: return "cispo";
     case LossType::sapo: return "sapo";
+    case LossType::luspo: return "luspo";
+    case LossType::vespo: return "vespo";
+  }
+  return "?";
+}
+
+const char* to_string(KlEstimator estimator) {
+  switch (estimator) {
+    case KlEstimator::k3: return "k3";
+    case KlEstimator::k1: return "k1";
+    case KlEstimator::abs: return "abs";
+    case KlEstimator::k2: return "k2";
+    case KlEstimator::k1_plus: return "k1+";
+    case KlEstimator::abs_plus: return "abs+";
+    case KlEstimator::k3_plus: return "k3+";
   }
   return "?";
 }

@@ -70,10 +70,10 @@ void validate_config(const LossConfig& c) {
   if (c.loss_type == LossType::dr_grpo && c.max_completion_length <= 0) {
     throw Error("config.max_completion_length", "must be > 0 for dr_grpo");
   }
-  if ((c.loss_type == LossType::dapo || c.loss_type == LossType::cispo) &&
+  if ((c.loss_type == LossType::dapo || c.loss_type == LossType::cispo || c.loss_type == LossType::vespo) &&
       !(c.num_items_in_batch > 0.0 && std::isfinite(c.num_items_in_batch))) {
     throw Error("config.num_items_in_batch",
-                "must be > 0 for dapo and cispo (the global valid-token count, passed by the caller)");
+                "must be > 0 for dapo, cispo and vespo (the global valid-token count, passed by the caller)");
   }
   if (c.loss_type == LossType::sapo && !(c.sapo_tau_pos > 0.0F && c.sapo_tau_neg > 0.0F &&
                                          std::isfinite(c.sapo_tau_pos) && std::isfinite(c.sapo_tau_neg))) {
@@ -85,11 +85,59 @@ void validate_config(const LossConfig& c) {
     case LossType::dr_grpo:
     case LossType::dapo:
     case LossType::cispo:
-    case LossType::sapo: break;
+    case LossType::sapo:
+    case LossType::luspo:
+    case LossType::vespo: break;
     default: throw Error("config.loss_type", "unknown loss type");
   }
   if (c.importance_sampling_level != IsLevel::token && c.importance_sampling_level != IsLevel::sequence) {
     throw Error("config.importance_sampling_level", "unknown level");
+  }
+  // TRL only warns for these two; a loss that silently is not the paper's is refused here.
+  if (c.loss_type == LossType::luspo && c.importance_sampling_level != IsLevel::sequence) {
+    throw Error("config.importance_sampling_level", "must be sequence for luspo (its ratio is s_i)");
+  }
+  if (c.loss_type == LossType::vespo && c.importance_sampling_level != IsLevel::token) {
+    throw Error("config.importance_sampling_level",
+                "must be token for vespo (it forms its own sequence weight from the token log ratios)");
+  }
+  if (c.loss_type == LossType::vespo) {
+    const std::pair<float, const char*> ks[] = {{c.vespo_k_pos, "config.vespo_k_pos"},
+                                                {c.vespo_k_neg, "config.vespo_k_neg"}};
+    for (const auto& [k, name] : ks) {
+      if (!std::isfinite(k)) throw Error(name, "must be finite");
+    }
+    const std::pair<float, const char*> lambdas[] = {{c.vespo_lambda_pos, "config.vespo_lambda_pos"},
+                                                     {c.vespo_lambda_neg, "config.vespo_lambda_neg"}};
+    for (const auto& [lam, name] : lambdas) {
+      if (!(lam > 0.0F) || !std::isfinite(lam)) {
+        throw Error(name, "must be finite and > 0, got " + std::to_string(lam));
+      }
+    }
+  }
+  switch (c.kl_estimator) {
+    case KlEstimator::k3:
+    case KlEstimator::k1:
+    case KlEstimator::abs:
+    case KlEstimator::k2:
+    case KlEstimator::k1_plus:
+    case KlEstimator::abs_plus:
+    case KlEstimator::k3_plus: break;
+    default: throw Error("config.kl_estimator", "unknown KL estimator");
+  }
+  if (c.off_policy_mask_threshold &&
+      !(*c.off_policy_mask_threshold >= 0.0F && std::isfinite(*c.off_policy_mask_threshold))) {
+    throw Error("config.off_policy_mask_threshold",
+                "must be finite and >= 0, got " + std::to_string(*c.off_policy_mask_threshold));
+  }
+  if (c.clip_ratio_c) {
+    if (!(*c.clip_ratio_c > 1.0F && std::isfinite(*c.clip_ratio_c))) {
+      throw Error("config.clip_ratio_c", "must be finite and exceed 1, got " + std::to_string(*c.clip_ratio_c));
+    }
+    if (c.loss_type == LossType::cispo || c.loss_type == LossType::sapo || c.loss_type == LossType::vespo) {
+      throw Error("config.clip_ratio_c",
+                  std::string("applies to the PPO-clipped losses only, not ") + to_string(c.loss_type));
+    }
   }
 }
 
@@ -136,6 +184,16 @@ BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std
   check_finite(in.old_logp, "old_logp");
   check_finite(in.ref_logp, "ref_logp");
   check_finite(in.is_weight, "is_weight");
+  if (config.loss_type == LossType::vespo && !in.is_weight.empty()) {
+    // vespo sums log is_weight_t into its sequence weight: per token, and a
+    // logarithm (TRL refuses sequence-level correction modes for vespo).
+    if (static_cast<std::int64_t>(in.is_weight.size()) != rows) {
+      throw Error("is_weight", "must be per token ([N] = " + std::to_string(rows) + ") for vespo");
+    }
+    for (std::size_t i = 0; i < in.is_weight.size(); ++i) {
+      if (in.is_weight[i] < 0.0F) throw Error("is_weight", "element " + std::to_string(i) + " is negative (vespo)");
+    }
+  }
   for (const float a : in.advantages) mag.max_abs_advantage = std::max(mag.max_abs_advantage, std::fabs(double{a}));
   if (!in.is_weight.empty()) {
     mag.max_is_weight = 0.0;
@@ -149,22 +207,40 @@ double check_coefficient_bound(const LossConfig& c, std::int64_t batch, const Ba
   double w_max = 1.0;  // dLoss/dl_t: the aggregation's normalizer (per-sequence ones are <= 1)
   switch (c.loss_type) {
     case LossType::grpo:
-    case LossType::sapo: w_max = 1.0 / static_cast<double>(batch); break;
+    case LossType::sapo:
+    case LossType::luspo: w_max = 1.0 / static_cast<double>(batch); break;
     case LossType::bnpo: w_max = 1.0; break;
     case LossType::dr_grpo:
       w_max = 1.0 / (static_cast<double>(batch) * static_cast<double>(c.max_completion_length));
       break;
     case LossType::dapo:
-    case LossType::cispo: w_max = 1.0 / c.num_items_in_batch; break;
+    case LossType::cispo:
+    case LossType::vespo: w_max = 1.0 / c.num_items_in_batch; break;
   }
   double ratio = std::exp(kernels::kLogRatioClamp);
   if (c.delta) ratio = std::min(ratio, static_cast<double>(*c.delta));
   if (c.loss_type == LossType::cispo) ratio = std::min(ratio, static_cast<double>(c.epsilon_high));
+  double is_weight_max = m.max_is_weight;
+  if (c.loss_type == LossType::vespo) {
+    // The gradient scale is phi (is_weight is inside it): its largest value
+    // over log w in [log 1e-8, 20] is at the ends or at log w = log(k / lam).
+    ratio = 0.0;
+    for (const double adv : {1.0, -1.0}) {
+      const double k = adv > 0 ? c.vespo_k_pos : c.vespo_k_neg;
+      const double lam =
+          std::max(static_cast<double>(adv > 0 ? c.vespo_lambda_pos : c.vespo_lambda_neg), kernels::kVespoMinLambda);
+      const double stationary = k > 0.0 ? std::log(k / lam) : kernels::kVespoLogWeightMin;  // clamped by vespo_phi
+      for (const double lw : {kernels::kVespoLogWeightMin, kernels::kLogRatioClamp, stationary}) {
+        ratio = std::max(ratio, kernels::vespo_phi(c, lw, adv));
+      }
+    }
+    is_weight_max = 1.0;
+  }
   const double inv_tau = 1.0 / static_cast<double>(c.temperature);
   // A factor 4 of headroom for the f32 sums' rounding and the bf16 dlogits.
   const double limit = static_cast<double>(std::numeric_limits<float>::max()) / 4.0 /
                        (inv_tau * std::max(1.0, fan_in) * std::max(1.0, operand_max));
-  const double policy = w_max * m.max_abs_advantage * ratio * m.max_is_weight;
+  const double policy = w_max * m.max_abs_advantage * ratio * is_weight_max;
   if (policy < limit) return limit;
   const double bound = policy * inv_tau * std::max(1.0, fan_in) * std::max(1.0, operand_max);
   // Name the input that contributes most (on a log scale) to the overflow.

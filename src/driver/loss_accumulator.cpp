@@ -18,6 +18,11 @@ double clamp_log_ratio(double q, bool* flows) {
 
 }  // namespace
 
+bool needs_whole_sequences(const LossConfig& config) {
+  return config.importance_sampling_level == IsLevel::sequence || config.loss_type == LossType::vespo ||
+         config.off_policy_mask_threshold.has_value();
+}
+
 LossAccumulator::LossAccumulator(const LossConfig& config, std::int64_t batch, std::int64_t seq_len,
                                  const BatchInputs& inputs, double max_abs_coef)
     : config_(config), batch_(batch), seq_len_(seq_len), in_(inputs), max_abs_coef_(max_abs_coef) {
@@ -26,13 +31,15 @@ LossAccumulator::LossAccumulator(const LossConfig& config, std::int64_t batch, s
   for (const float m : inputs.mask) num_valid_ += m != 0.0F ? 1 : 0;
   switch (config.loss_type) {
     case LossType::grpo:
-    case LossType::sapo: norm_ = 1.0 / static_cast<double>(batch); break;
+    case LossType::sapo:
+    case LossType::luspo: norm_ = 1.0 / static_cast<double>(batch); break;
     case LossType::bnpo: norm_ = 1.0 / std::max(static_cast<double>(num_valid_), 1.0); break;
     case LossType::dr_grpo:
       norm_ = 1.0 / (static_cast<double>(batch) * static_cast<double>(config.max_completion_length));
       break;
     case LossType::dapo:
-    case LossType::cispo: norm_ = 1.0 / config.num_items_in_batch; break;
+    case LossType::cispo:
+    case LossType::vespo: norm_ = 1.0 / config.num_items_in_batch; break;
   }
 }
 
@@ -67,6 +74,7 @@ double LossAccumulator::log_ratio(std::int64_t row, double logp) const {
 }
 
 void LossAccumulator::count_clip(double ratio, double adv, double weight) {
+  if (config_.loss_type == LossType::vespo) return;  // no clipping; TRL logs no clip ratio
   const bool cispo = config_.loss_type == LossType::cispo;
   const bool low = !cispo && ratio < 1.0 - config_.epsilon_low && adv < 0;
   const bool high = adv > 0 && (cispo ? ratio > config_.epsilon_high : ratio > 1.0 + config_.epsilon_high);
@@ -78,19 +86,34 @@ void LossAccumulator::count_clip(double ratio, double adv, double weight) {
 void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef,
                                float* kl) {
   const bool sequence = config_.importance_sampling_level == IsLevel::sequence;
+  const bool whole = needs_whole_sequences(config_);
+  const bool vespo = config_.loss_type == LossType::vespo;
   std::int64_t r = r0;
   while (r < r1) {
-    // One sequence at sequence level, one token at token level.
-    const std::int64_t end = sequence ? r + seq_len_ : r + 1;
+    // One sequence when a token needs its sequence, else one token.
+    const std::int64_t end = whole ? r + seq_len_ : r + 1;
     double q_seq = 0.0;
     bool seq_flows = true;
-    if (sequence) {
+    double log_w_sum = 0.0;   // vespo: sum_t m_t (clamp(log r_t) + clamp(log is_weight_t))
+    double mean_shift = 0.0;  // off-policy mask: sum_t m_t (old_t - logp_t) / max(|o_i|, 1)
+    if (whole) {
       double sum = 0.0;
       for (std::int64_t t = r; t < end; ++t) {
-        if (in_.mask[t] != 0.0F) sum += log_ratio(t, logp[t - r0]);
+        if (in_.mask[t] == 0.0F) continue;
+        const double lr = log_ratio(t, logp[t - r0]);
+        sum += lr;
+        if (vespo) {
+          log_w_sum += std::clamp(lr, -kernels::kLogRatioClamp, kernels::kLogRatioClamp);
+          if (!in_.is_weight.empty()) {
+            log_w_sum += std::clamp(std::log(is_weight(t)), kernels::kVespoLogWeightMin, kernels::kLogRatioClamp);
+          }
+        }
       }
-      q_seq = clamp_log_ratio(sum * seq_norm(r), &seq_flows);
-      if (per_sequence_clip_) count_clip(std::exp(q_seq), advantage(r), 1.0);
+      mean_shift = -sum * seq_norm(r);
+      if (sequence) {
+        q_seq = clamp_log_ratio(sum * seq_norm(r), &seq_flows);
+        if (per_sequence_clip_) count_clip(std::exp(q_seq), advantage(r), 1.0);
+      }
     }
     double seq_d_ratio = 0.0;  // sum_u w_u dl_u/dq_i
     for (std::int64_t t = r; t < end; ++t) {
@@ -103,11 +126,16 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
       const double q = sequence ? q_seq : clamp_log_ratio(log_ratio(t, lp), &flows);
       const double adv = advantage(t);
       const double ref = in_.ref_logp.empty() ? 0.0 : in_.ref_logp[t];
-      const kernels::TokenTerms terms = kernels::token_terms(config_, q, lp, ref, adv, is_weight(t));
+      kernels::SequenceFactors factors;
+      if (vespo) factors.vespo_phi = kernels::vespo_phi(config_, log_w_sum, adv);
+      if (config_.off_policy_mask_threshold && adv < 0.0 && !(mean_shift <= *config_.off_policy_mask_threshold)) {
+        factors.keep = 0.0;
+      }
+      const kernels::TokenTerms terms = kernels::token_terms(config_, q, lp, ref, adv, is_weight(t), factors);
       if (terms.kl_overflow || !(std::fabs(terms.kl) <= std::numeric_limits<float>::max())) {
         throw Error("ref_logp", "row " + std::to_string(t) + ": ref_logp - logp = " + std::to_string(ref - lp) +
-                                    " makes the k3 KL e^d - d - 1 overflow f32 (TRL's would be inf); set "
-                                    "config.kl_clamp to bound d");
+                                    " makes the " + to_string(config_.kl_estimator) +
+                                    " KL term overflow f32 (TRL's k3 would be inf); set config.kl_clamp to bound d");
       }
       const double w = weight(t);
       loss_ += w * terms.loss;

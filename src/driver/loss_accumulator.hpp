@@ -12,6 +12,12 @@
 
 namespace grpo::detail {
 
+// Whether the coefficients of a token need its whole sequence's logp first:
+// sequence-level IS (s_i), vespo (phi_i) and the off-policy sequence mask.
+// The fused driver then keeps whole sequences per block or runs its
+// two-pass schedule (lm_head_schedule.cpp).
+bool needs_whole_sequences(const LossConfig& config);
+
 class LossAccumulator {
  public:
   // The batch must already be validated. max_abs_coef: the largest |c_t| whose
@@ -24,8 +30,8 @@ class LossAccumulator {
   // Rows [r0, r1): logp and entropy indexed by r - r0. Writes coef[r - r0] and
   // kl[r - r0] (the per-token KL term; kl may be null), nothing else: the
   // caller copies them out, so refusals here (a KL that overflows f32) come
-  // before this block writes any output. For sequence-level importance
-  // sampling, [r0, r1) must consist of whole sequences. Call in row order.
+  // before this block writes any output. When needs_whole_sequences(config),
+  // [r0, r1) must consist of whole sequences. Call in row order.
   void add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef, float* kl);
 
   Metrics metrics() const;

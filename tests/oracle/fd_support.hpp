@@ -31,6 +31,10 @@ struct CaseOptions {
   bool with_delta = false;
   IsWeightKind is_weight = IsWeightKind::none;
   bool with_mask = false;
+  // Options of the current trainers (issue 8); off by default.
+  KlEstimator kl_estimator = KlEstimator::k3;
+  bool off_policy_mask = false;  // threshold kOffPolicyThreshold
+  bool dual_clip = false;        // clip_ratio_c = kDualClip
 
   std::string describe() const {
     return std::string(to_string(loss_type)) + " level=" + to_string(level) +
@@ -38,7 +42,8 @@ struct CaseOptions {
            " beta=" + std::to_string(beta) + " kl_bias=" + std::to_string(kl_bias_correction) +
            " adv_per_token=" + std::to_string(per_token_advantages) + " old=" + std::to_string(with_old) +
            " delta=" + std::to_string(with_delta) + " is_weight=" + std::to_string(static_cast<int>(is_weight)) +
-           " mask=" + std::to_string(with_mask);
+           " mask=" + std::to_string(with_mask) + " kl=" + to_string(kl_estimator) +
+           " opsm=" + std::to_string(off_policy_mask) + " dual_clip=" + std::to_string(dual_clip);
   }
 };
 
@@ -74,6 +79,12 @@ inline std::vector<CaseOptions> sweep(LossType type, IsLevel level) {
   return cases;
 }
 
+// The off-policy mask threshold: old - logp is drawn within +-1.2 per token,
+// so sequence means fall on both sides of 0.1. The dual-clip c = 1.5 lies
+// inside the drawn ratio range (r <= 3.4).
+inline constexpr double kOffPolicyThreshold = 0.1;
+inline constexpr double kDualClip = 1.5;
+
 // eps_low != eps_high (DAPO's clip-higher values) so a swapped pair shows. For
 // cispo eps_high is the cap of min(r, eps_high): 1.3 lies inside the drawn
 // ratio range, so both the capped and the uncapped side are exercised.
@@ -89,6 +100,9 @@ inline LossConfig make_config(const CaseOptions& o) {
   c.kl_bias_correction = o.kl_bias_correction;
   c.temperature = static_cast<float>(o.tau);
   c.temperature_on_logp = o.temperature_on_logp;
+  c.kl_estimator = o.kl_estimator;
+  if (o.off_policy_mask) c.off_policy_mask_threshold = static_cast<float>(kOffPolicyThreshold);
+  if (o.dual_clip) c.clip_ratio_c = static_cast<float>(kDualClip);
   return c;
 }
 
@@ -188,11 +202,30 @@ inline bool near_kink(const Problem& p, double margin) {
   if (c.loss_type == LossType::cispo) {
     kinks.push_back(std::log(static_cast<double>(c.epsilon_high)));
   }
-  const std::vector<double> lr = raw_log_ratios(p, evaluate(p).logp);
+  if (c.clip_ratio_c) kinks.push_back(std::log(static_cast<double>(*c.clip_ratio_c)));
+  const std::vector<double> logp = evaluate(p).logp;
+  const std::vector<double> lr = raw_log_ratios(p, logp);
   for (std::size_t t = 0; t < lr.size(); ++t) {
     if (p.mask[t] == 0.0) continue;
     for (const double k : kinks) {
       if (std::abs(lr[t] - k) < margin) return true;
+    }
+    // |d| has a kink at d = 0.
+    const bool abs_kl = c.kl_estimator == KlEstimator::abs || c.kl_estimator == KlEstimator::abs_plus;
+    if (c.beta != 0.0F && abs_kl && std::abs(logp[t] - p.ref_logp[t]) < margin) return true;
+  }
+  // The off-policy mask's step: mean(old - logp) of a sequence at the threshold.
+  if (c.off_policy_mask_threshold && !p.old_logp.empty()) {
+    for (std::int64_t i = 0; i < p.batch; ++i) {
+      double sum = 0.0, count = 0.0;
+      for (std::int64_t t = i * p.seq_len; t < (i + 1) * p.seq_len; ++t) {
+        if (p.mask[t] == 0.0) continue;
+        sum += p.old_logp[t] - logp[t];
+        count += 1.0;
+      }
+      if (std::abs(sum / std::max(count, 1.0) - static_cast<double>(*c.off_policy_mask_threshold)) < margin) {
+        return true;
+      }
     }
   }
   return false;
@@ -222,11 +255,14 @@ double central_difference(F&& f, std::vector<double>& x, std::size_t k, double h
 //   (advantages = 0 zeroes P for every loss type) keeps r live, since the
 //   bias-corrected KL * r is not detached. l_t is linear in (P, KL), so the
 //   two derivatives add up to the full one.
+// - vespo: phi_i is detached; pinning r pins phi_i, exactly as for cispo.
+// The off-policy mask is piecewise constant in logp: away from its threshold
+// (near_kink) a central difference does not see it.
 inline double surrogate_derivative(const Problem& base, std::size_t k, double h) {
   Problem p = base;
   const std::vector<double> logp0 = evaluate(base).logp;
   if (p.old_logp.empty()) p.old_logp = logp0;
-  if (p.config.loss_type != LossType::cispo) {
+  if (p.config.loss_type != LossType::cispo && p.config.loss_type != LossType::vespo) {
     return central_difference([&] { return loss_only(p); }, p.logits, k, h);
   }
   Problem policy = p;

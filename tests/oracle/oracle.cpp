@@ -44,7 +44,8 @@ void check_problem(const Problem& pb) {
   }
   const LossType type = pb.config.loss_type;
   require(type != LossType::dr_grpo || pb.config.max_completion_length > 0, "max_completion_length");
-  require((type != LossType::dapo && type != LossType::cispo) || pb.config.num_items_in_batch > 0.0,
+  require((type != LossType::dapo && type != LossType::cispo && type != LossType::vespo) ||
+              pb.config.num_items_in_batch > 0.0,
           "num_items_in_batch");
 }
 
@@ -121,8 +122,10 @@ double aggregation_weight(const Problem& pb, std::int64_t seq_valid, std::int64_
     case LossType::dr_grpo: return 1.0 / (batch * static_cast<double>(pb.config.max_completion_length));
     case LossType::dapo:
     case LossType::cispo:
+    case LossType::vespo:
       // The caller's global count; never guessed from this micro-batch.
       return 1.0 / pb.config.num_items_in_batch;
+    case LossType::luspo: return 1.0 / batch;  // (1/B) sum_i sum_t: each sequence weighted by |o_i|
   }
   return 0.0;
 }
@@ -178,11 +181,34 @@ Forward forward(const Problem& pb) {
     }
   }
 
+  // Per-sequence factors over the valid tokens: vespo's log-weight sum and
+  // the off-policy mask's mean of old - logp (logp detached: neither has a
+  // derivative here).
+  std::vector<double> vespo_sum(static_cast<std::size_t>(pb.batch), 0.0);
+  std::vector<double> mean_old_minus_logp(static_cast<std::size_t>(pb.batch), 0.0);
+  for (std::int64_t i = 0; i < pb.batch; ++i) {
+    double shift = 0.0;
+    for (std::int64_t t = i * pb.seq_len; t < (i + 1) * pb.seq_len; ++t) {
+      if (!f.valid[t]) continue;
+      shift += -log_ratio[t];
+      vespo_sum[i] += clamp_q(log_ratio[t]);
+      if (!pb.is_weight.empty()) {
+        vespo_sum[i] += std::clamp(std::log(per_row(pb.is_weight, pb, t, 1.0)), detail::kVespoLogFloor, kLogRatioClamp);
+      }
+    }
+    mean_old_minus_logp[i] = shift / static_cast<double>(std::max<std::int64_t>(f.seq_valid[i], 1));
+  }
+
   // Masked rows are skipped outright, so nothing read there (old_logp,
   // ref_logp, is_weight of a masked token) can leak into the loss, not even a NaN.
   for (std::int64_t t = 0; t < n; ++t) {
     if (!f.valid[t]) continue;
     detail::TokenInputs in;
+    const std::int64_t seq = t / pb.seq_len;
+    const double adv = per_row(pb.advantages, pb, t, 0.0);
+    if (pb.config.loss_type == LossType::vespo) in.vespo_phi = detail::vespo_phi(pb.config, vespo_sum[seq], adv);
+    const auto& opsm = pb.config.off_policy_mask_threshold;
+    in.keep = !opsm || adv >= 0.0 || mean_old_minus_logp[seq] <= static_cast<double>(*opsm) ? 1.0 : 0.0;
     in.q = f.q[t];
     in.logp = f.rows[t].logp;
     in.advantage = per_row(pb.advantages, pb, t, 0.0);
@@ -267,6 +293,7 @@ Result evaluate(const Problem& pb) {
                             pb.advantages.size() == static_cast<std::size_t>(pb.batch);
   double low = 0.0, high = 0.0, region = 0.0, kl = 0.0, entropy = 0.0;
   auto count_clip = [&](double r, double a) {
+    if (pb.config.loss_type == LossType::vespo) return;  // TRL logs no clip ratio for vespo
     const bool is_low = !cispo && r < lo && a < 0.0;
     const bool is_high = r > hi && a > 0.0;
     low += is_low ? 1.0 : 0.0;

@@ -28,8 +28,65 @@ struct TokenInputs {
   double logp = 0.0;  // log-prob of the chosen token
   double advantage = 0.0;
   double is_weight = 1.0;
-  double ref_logp = 0.0;  // read only when beta != 0
+  double ref_logp = 0.0;   // read only when beta != 0
+  double vespo_phi = 1.0;  // vespo's detached sequence weight (see vespo_phi)
+  double keep = 1.0;       // the off-policy sequence mask, 0 or 1
 };
+
+// log(1e-8): vespo's floor for log w and for each log is_weight (TRL).
+inline constexpr double kVespoLogFloor = -18.420680743952367;
+// log(FLT_MAX): TRL's f32 exp of a larger log phi is inf, mapped to 0.
+inline constexpr double kLogFloatMax = 88.72283905206835;
+
+// vespo's gamma weight phi = e^lam w^k e^(-lam w) for one token, from the
+// unclamped sum S_i = sum over the sequence's valid tokens of clamp(log r_t,
+// -20, 20) + clamp(log is_weight_t, log 1e-8, 20); log w = clamp(S_i, log
+// 1e-8, 20). (k, lam) follow the sign of the token's advantage (A >= 0: pos).
+inline double vespo_phi(const LossConfig& config, double log_w_sum, double advantage) {
+  const double log_w = std::clamp(log_w_sum, kVespoLogFloor, kLogRatioClamp);
+  const double k = advantage >= 0.0 ? config.vespo_k_pos : config.vespo_k_neg;
+  double lam = advantage >= 0.0 ? config.vespo_lambda_pos : config.vespo_lambda_neg;
+  lam = std::max(lam, 1e-4);  // TRL's lambda_seq.clamp(min=1e-4)
+  const double log_phi = lam + k * log_w - lam * std::exp(log_w);
+  return log_phi > kLogFloatMax ? 0.0 : std::exp(log_phi);
+}
+
+// A KL estimator's value and derivative in logp, d = logp - ref (after
+// config.kl_clamp, which makes the derivative 0 outside). The _plus variants
+// keep the value and take k2's derivative d (verl's straight-through trick).
+struct KlValue {
+  double value = 0.0;
+  double d_logp = 0.0;
+};
+
+inline KlValue kl_estimate(const LossConfig& config, double logp, double ref_logp) {
+  const double d_raw = logp - ref_logp;
+  double d = d_raw;
+  bool inside = true;
+  if (config.kl_clamp) {
+    const double c = *config.kl_clamp;
+    d = std::clamp(d_raw, -c, c);
+    inside = d_raw > -c && d_raw < c;
+  }
+  KlValue kl;
+  switch (config.kl_estimator) {
+    case KlEstimator::k1:
+    case KlEstimator::k1_plus: kl = {d, 1.0}; break;
+    case KlEstimator::abs:
+    case KlEstimator::abs_plus: kl = {std::abs(d), d > 0.0 ? 1.0 : (d < 0.0 ? -1.0 : 0.0)}; break;
+    case KlEstimator::k2: kl = {0.5 * d * d, d}; break;
+    case KlEstimator::k3:
+    case KlEstimator::k3_plus:
+      // e^-d + d - 1; expm1 keeps the tiny values near d = 0 exact instead of
+      // cancelling 1 - 1 (truth should not carry the float path's rounding).
+      kl = {std::expm1(-d) + d, -std::expm1(-d)};
+      break;
+  }
+  const KlEstimator e = config.kl_estimator;
+  if (e == KlEstimator::k1_plus || e == KlEstimator::abs_plus || e == KlEstimator::k3_plus) kl.d_logp = d;
+  if (!inside) kl.d_logp = 0.0;
+  return kl;
+}
 
 // The policy term P and its partials, before is_weight.
 inline TokenTerms policy_term(const LossConfig& config, const TokenInputs& in) {
@@ -42,7 +99,8 @@ inline TokenTerms policy_term(const LossConfig& config, const TokenInputs& in) {
     case LossType::grpo:
     case LossType::bnpo:
     case LossType::dr_grpo:
-    case LossType::dapo: {
+    case LossType::dapo:
+    case LossType::luspo: {  // luspo: q is the sequence's (sequence-level IS)
       // PPO clipping, with optional two-sided clipping r~ = min(r, delta).
       const bool has_delta = config.delta.has_value();
       const double delta = has_delta ? static_cast<double>(*config.delta) : 0.0;
@@ -51,10 +109,21 @@ inline TokenTerms policy_term(const LossConfig& config, const TokenInputs& in) {
       out.loss = -std::min(r_tilde * a, r_clip * a);
       // The unclipped branch carries the gradient; ties count as unclipped
       // (SPEC.md). Above delta, r~ is the constant delta: no gradient.
-      const bool unclipped = r_tilde * a <= r_clip * a && (!has_delta || r <= delta);
+      bool unclipped = r_tilde * a <= r_clip * a && (!has_delta || r <= delta);
+      // Dual-clip (verl), A < 0 only: min(loss, -A c); the constant branch
+      // has no gradient, ties keep the ratio branch.
+      if (config.clip_ratio_c && a < 0.0 && -a * static_cast<double>(*config.clip_ratio_c) < out.loss) {
+        out.loss = -a * static_cast<double>(*config.clip_ratio_c);
+        unclipped = false;
+      }
       out.d_q = unclipped ? -a * r : 0.0;
       break;
     }
+    case LossType::vespo:
+      // phi is detached: a pure gradient scale on logp, nothing through r.
+      out.loss = -in.vespo_phi * a * in.logp;
+      out.d_logp = -in.vespo_phi * a;
+      break;
     case LossType::cispo: {
       // The coefficient min(r, eps_high) is detached: the gradient reaches
       // logp only directly, never through r.
@@ -75,30 +144,21 @@ inline TokenTerms policy_term(const LossConfig& config, const TokenInputs& in) {
   return out;
 }
 
-// l_t = is_weight * P + beta * KL term, with both partials.
+// l_t = keep * is_weight * P + beta * KL term, with both partials (TRL's
+// order: policy term, off-policy mask, is_weight, + beta KL). vespo's
+// is_weight is inside phi and does not multiply again.
 inline TokenTerms token_terms(const LossConfig& config, const TokenInputs& in) {
   TokenTerms out = policy_term(config, in);
-  out.loss *= in.is_weight;
-  out.d_q *= in.is_weight;
-  out.d_logp *= in.is_weight;
+  const double factor = in.keep * (config.loss_type == LossType::vespo ? 1.0 : in.is_weight);
+  out.loss *= factor;
+  out.d_q *= factor;
+  out.d_logp *= factor;
   const double beta = config.beta;
   if (beta == 0.0) return out;
 
-  // k3 estimator with d = ref - logp: KL = e^d - d - 1. expm1 keeps the tiny
-  // values near d = 0 exact instead of cancelling 1 - 1 (truth should not
-  // carry the float path's rounding).
-  // No clamp (TRL, Liger) unless config.kl_clamp asks for verl's: d is then
-  // clamped to [-c, c] and constant beyond.
-  const double d_raw = in.ref_logp - in.logp;
-  double d = d_raw;
-  bool inside = true;
-  if (config.kl_clamp) {
-    const double c = *config.kl_clamp;
-    d = std::clamp(d_raw, -c, c);
-    inside = d_raw > -c && d_raw < c;
-  }
-  out.kl = std::expm1(d) - d;
-  const double d_kl = inside ? -std::expm1(d) : 0.0;  // dKL/dlogp = 1 - e^d
+  // No clamp (TRL, Liger) unless config.kl_clamp asks for verl's.
+  const KlValue kl = kl_estimate(config, in.logp, in.ref_logp);
+  out.kl = kl.value;
   if (config.kl_bias_correction) {
     // KL * r with r live: both the q path and the direct path see it; the
     // term added (and reported, as TRL's per_token_kl) is KL * r.
@@ -106,10 +166,10 @@ inline TokenTerms token_terms(const LossConfig& config, const TokenInputs& in) {
     out.kl *= r;
     out.loss += beta * out.kl;
     out.d_q += beta * out.kl;
-    out.d_logp += beta * d_kl * r;
+    out.d_logp += beta * kl.d_logp * r;
   } else {
     out.loss += beta * out.kl;
-    out.d_logp += beta * d_kl;
+    out.d_logp += beta * kl.d_logp;
   }
   return out;
 }
