@@ -1,0 +1,1 @@
+"""Integrations of grpo with training frameworks (imported on demand: `grpo.integrations.trl`)."""

@@ -1,0 +1,177 @@
+"""grpo.integrations.trl.patch_grpo_trainer on a tiny TRL 1.16 GRPOTrainer (CPU, built in code).
+
+The same batch through the unpatched trainer (TRL's ChunkedLogProbFunction)
+and the patched one (grpo's log-prob head): per-token log-probs and entropy
+of the policy and the reference model, the loss, and every parameter's
+gradient. The backbone is the same computation on both sides, so the
+differences are the two heads' float32 errors: per row, each is within the
+logp bound of reference.py (f32 logits of depth H, an LSE over V terms), so
+|dlogp| <= e_grpo + e_trl = 2 e; entropy within e (2 + max|x|); the loss
+within 2 sum_t |c_t| 2e (c_t = dLoss/dlogp_t, through the ratio and the KL);
+each gradient, relative to its largest entry, within 8 max e plus float32
+accumulation, as in test_liger.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("transformers")
+
+import grpo  # noqa: E402
+from grpo.integrations.trl import is_patched, patch_grpo_trainer  # noqa: E402
+from reference import U32, UBF  # noqa: E402
+from trl_tiny import tiny_trainer  # noqa: E402
+
+
+def logp_bound(trainer, model, input_ids, attention_mask, logits_to_keep, logits_round=0.0):
+    """Per-token bound on a head's |logp - exact| (reference.py's logp_error), [B, logits_to_keep].
+
+    logits_round: a relative rounding of the logits (TRL's bf16 tiles under autocast).
+    """
+    with torch.no_grad(), trainer.accelerator.autocast():
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
+    dtype = torch.bfloat16 if logits_round else torch.float32  # what both heads multiply
+    hidden = hidden.to(dtype).double()
+    with torch.no_grad():
+        w = model.lm_head.weight.to(dtype).double()
+        absdot = hidden.abs() @ w.abs().T
+        if model.lm_head.bias is not None:
+            absdot = absdot + model.lm_head.bias.double().abs()
+        tau = trainer.temperature
+        x = (hidden @ w.T) / tau
+    hdim, v = w.shape[1], w.shape[0]
+    dz = ((hdim + 1) * U32 + logits_round) * absdot.max(-1).values / tau
+    xmax = x.abs().max(-1).values
+    e = 2.0 * dz + (v + 4) * U32 * (1.0 + xmax)
+    return e[:, -logits_to_keep:], xmax[:, -logits_to_keep:]
+
+
+def one_pass(trainer, inputs):
+    """Policy and reference logps / entropies, the loss, dLoss/dlogp and every gradient, on `inputs`."""
+    model = trainer.model
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    keep = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        logps, ents, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, keep,
+                                                                    compute_entropy=True)
+        ref_logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, input_ids, attention_mask,
+                                                                     keep)
+    captured = {}
+    original = trainer._get_per_token_logps_and_entropies
+
+    def spy(*args, **kwargs):
+        lp, ent, aux = original(*args, **kwargs)
+        if lp.requires_grad:
+            lp.retain_grad()
+            captured["logps"] = lp
+        return lp, ent, aux
+
+    trainer._get_per_token_logps_and_entropies = spy
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+    finally:
+        del trainer._get_per_token_logps_and_entropies
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return dict(logps=logps, entropy=ents, ref_logps=ref_logps, loss=loss.detach(), c=captured["logps"].grad,
+                grads=grads, input_ids=input_ids, attention_mask=attention_mask, keep=keep)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "f32"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_patched_trainer_matches_trl(temperature, precision, record):
+    """precision bf16: GRPOConfig's default (bf16=True: CPU autocast to bfloat16, the head's operands cast to
+    bf16, TRL's logit tiles rounded to bf16); f32: bf16=False."""
+    bf16 = precision == "bf16"
+    trainer = tiny_trainer(temperature=temperature, bf16=bf16)
+    batch = next(iter(trainer.get_train_dataloader()))
+    inputs = trainer._generate_and_score_completions(batch)
+    theirs = one_pass(trainer, inputs)
+
+    cache = grpo.PlanCache()
+    assert patch_grpo_trainer(trainer, plan_cache=cache) is trainer
+    assert is_patched(trainer.model) and is_patched(trainer.ref_model)
+    ours = one_pass(trainer, inputs)
+    assert cache.builds > 0, "grpo's head was not called"
+
+    args = (trainer, trainer.model, theirs["input_ids"], theirs["attention_mask"], theirs["keep"])
+    e, xmax = logp_bound(*args)
+    # Both heads err: grpo's f32 logits, TRL's (rounded to bf16 under autocast).
+    e2 = e + logp_bound(*args, logits_round=UBF if bf16 else 0.0)[0]
+    tag = f"trainer {precision} T={temperature:g}"
+    for name, tol in (("logps", e2), ("ref_logps", e2), ("entropy", e2 * (2.0 + xmax))):
+        diff = (ours[name].double() - theirs[name].double()).abs()
+        record(tag, name, ours[name], theirs[name])
+        assert torch.all(diff <= tol), f"{name}: max diff {float(diff.max()):.3g}, worst diff/bound {float((diff / tol).max()):.3g}"
+    c = theirs["c"].double().abs()
+    loss_tol = 2.0 * float((c * 2.0 * e2).sum()) + 64 * U32 * abs(float(theirs["loss"]))
+    record(tag, "loss", ours["loss"], theirs["loss"])
+    assert abs(float(ours["loss"]) - float(theirs["loss"])) <= loss_tol
+    assert ours["grads"].keys() == theirs["grads"].keys() and "lm_head.weight" in ours["grads"]
+    v = trainer.model.lm_head.weight.shape[0]
+    # bf16: grpo rounds dlogits to bf16 and so does TRL (its tile); the backbone's
+    # backward runs in bf16 under autocast: a few bf16 roundings more.
+    budget = 8 * float(e2.max()) + (8 * UBF if bf16 else 64 * U32 * v)
+    for name, g in theirs["grads"].items():
+        rel = float((ours["grads"][name].double() - g.double()).abs().max()) / max(float(g.abs().max()), 1e-30)
+        record(tag, "grad " + (name if name == "lm_head.weight" else "backbone (worst)"),
+               abs_diff=rel * float(g.abs().max()), rel=rel)
+        assert rel <= budget, f"{name}: {rel:.3g} > {budget:.3g}"
+
+    # And it trains: two steps of the patched trainer.
+    builds = cache.builds
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(float(x)) for x in losses)
+    assert cache.builds >= builds
+
+
+def test_patch_is_scoped_to_the_trainer():
+    """An unpatched model keeps TRL's own head after another trainer was patched; patching twice is harmless."""
+    import trl.trainer.utils as trl_utils
+    from grpo.integrations import trl as integration
+
+    patched = tiny_trainer(max_steps=1)
+    patch_grpo_trainer(patched)
+    patch_grpo_trainer(patched)
+    other = tiny_trainer(max_steps=1, beta=0.0)
+    assert not is_patched(other.model)
+    calls = []
+    original = integration._Dispatch.original
+
+    class Spy:
+        @staticmethod
+        def apply(*args):
+            calls.append(1)
+            return original.apply(*args)
+
+    integration._Dispatch.original = Spy
+    try:
+        ids = torch.randint(3, 64, (2, 6))
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            other._get_per_token_logps_and_entropies(other.model, ids, mask, 3)
+            assert len(calls) == 1
+            patched._get_per_token_logps_and_entropies(patched.model, ids, mask, 3)
+            assert len(calls) == 1  # grpo's head, not TRL's
+    finally:
+        integration._Dispatch.original = original
+    assert trl_utils._ChunkedLogProbFunction is integration._Dispatch
+
+
+def test_refuses_a_model_without_the_fused_head():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    class Fake:
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1))
+        ref_model = None
+
+    with pytest.raises(ValueError, match="fused LM head"):
+        patch_grpo_trainer(Fake())
