@@ -99,24 +99,42 @@ std::uint16_t to_bf16(float f) {
 }
 
 // One configuration: returns false when the library itself allocated.
+// The operands both checks share: hidden [N, H], weight [V, H], bias and ids.
+constexpr std::int64_t kB = 2, kT = 200, kH = 256, kV = 5003;
+constexpr std::int64_t kN = kB * kT;
+
+struct Operands {
+  std::vector<float> hf, wf, b;
+  std::vector<std::uint16_t> hb, wb;
+  std::vector<std::int32_t> ids;
+  const void* h = nullptr;
+  const void* w = nullptr;
+
+  Operands(grpo::DType dtype, std::mt19937& rng) : hf(kN * kH), wf(kV * kH), b(kV), ids(kN) {
+    std::normal_distribution<float> normal(0.0F, 1.0F);
+    for (float& x : hf) x = normal(rng);
+    for (float& x : wf) x = 0.2F * normal(rng);
+    for (float& x : b) x = 0.1F * normal(rng);
+    hb.resize(hf.size());
+    wb.resize(wf.size());
+    for (std::size_t i = 0; i < hf.size(); ++i) hb[i] = to_bf16(hf[i]);
+    for (std::size_t i = 0; i < wf.size(); ++i) wb[i] = to_bf16(wf[i]);
+    h = dtype == grpo::DType::f32 ? static_cast<const void*>(hf.data()) : hb.data();
+    w = dtype == grpo::DType::f32 ? static_cast<const void*>(wf.data()) : wb.data();
+    std::uniform_int_distribution<std::int32_t> token(0, kV - 1);
+    for (auto& id : ids) id = token(rng);
+  }
+};
+
 bool check(grpo::DType dtype, grpo::IsLevel level, bool bias, const char* name) {
   using namespace grpo;
-  constexpr std::int64_t kB = 2, kT = 200, kH = 256, kV = 5003;
-  constexpr std::int64_t kN = kB * kT;
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0F, 1.0F);
-  std::vector<float> hf(kN * kH), wf(kV * kH), b(kV);
-  for (float& x : hf) x = normal(rng);
-  for (float& x : wf) x = 0.2F * normal(rng);
-  for (float& x : b) x = 0.1F * normal(rng);
-  std::vector<std::uint16_t> hb(hf.size()), wb(wf.size());
-  for (std::size_t i = 0; i < hf.size(); ++i) hb[i] = to_bf16(hf[i]);
-  for (std::size_t i = 0; i < wf.size(); ++i) wb[i] = to_bf16(wf[i]);
-  const void* h = dtype == DType::f32 ? static_cast<const void*>(hf.data()) : hb.data();
-  const void* w = dtype == DType::f32 ? static_cast<const void*>(wf.data()) : wb.data();
-  std::vector<std::int32_t> ids(kN);
-  std::uniform_int_distribution<std::int32_t> token(0, kV - 1);
-  for (auto& id : ids) id = token(rng);
+  Operands op(dtype, rng);
+  const void* h = op.h;
+  const void* w = op.w;
+  std::vector<float>& b = op.b;
+  std::vector<std::int32_t>& ids = op.ids;
   std::vector<float> mask(kN, 1.0F), adv(kN), old(kN), ref(kN, -9.0F);
   for (auto& a : adv) a = normal(rng);
   for (auto& o : old) o = -8.5F + 0.5F * normal(rng);  // a mix of clipped and unclipped rows
@@ -163,22 +181,13 @@ bool check(grpo::DType dtype, grpo::IsLevel level, bool bias, const char* name) 
 // with zero upstream, one masked), each counted on its own.
 bool check_log_prob(grpo::DType dtype, bool bias, const char* name) {
   using namespace grpo;
-  constexpr std::int64_t kB = 2, kT = 200, kH = 256, kV = 5003;
-  constexpr std::int64_t kN = kB * kT;
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0F, 1.0F);
-  std::vector<float> hf(kN * kH), wf(kV * kH), b(kV);
-  for (float& x : hf) x = normal(rng);
-  for (float& x : wf) x = 0.2F * normal(rng);
-  for (float& x : b) x = 0.1F * normal(rng);
-  std::vector<std::uint16_t> hb(hf.size()), wb(wf.size());
-  for (std::size_t i = 0; i < hf.size(); ++i) hb[i] = to_bf16(hf[i]);
-  for (std::size_t i = 0; i < wf.size(); ++i) wb[i] = to_bf16(wf[i]);
-  const void* h = dtype == DType::f32 ? static_cast<const void*>(hf.data()) : hb.data();
-  const void* w = dtype == DType::f32 ? static_cast<const void*>(wf.data()) : wb.data();
-  std::vector<std::int32_t> ids(kN);
-  std::uniform_int_distribution<std::int32_t> token(0, kV - 1);
-  for (auto& id : ids) id = token(rng);
+  Operands op(dtype, rng);
+  const void* h = op.h;
+  const void* w = op.w;
+  std::vector<float>& b = op.b;
+  std::vector<std::int32_t>& ids = op.ids;
   std::vector<float> mask(kN, 1.0F), dlogp(kN), dent(kN);
   mask[3] = 0.0F;
   for (std::int64_t t = 0; t < kN; ++t) {

@@ -111,8 +111,8 @@ std::string LmHeadLossPlan::describe() const {
   os << "fused lm-head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
      << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk
      << " threads=" << s.threads << " gemm_passes=" << passes
-     << (s.recompute_logits ? " (logits recomputed: sequence-level IS)" : "") << " workspace=" << s.workspace_bytes
-     << "B forward_gemm=" << d.forward.full->implementation();
+     << (s.recompute_logits ? " (logits recomputed: a whole-sequence term spans token blocks)" : "")
+     << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
   return os.str();
 }
 
