@@ -5,6 +5,7 @@ namespace {
 
 const std::vector<std::pair<std::string, Impl>> kImpls = {
     {"fused", Impl::fused},
+    {"generic_head", Impl::generic_head},
     {"baseline", Impl::baseline},
     {"unfused_gemms", Impl::unfused_gemms},
     {"logits_fused", Impl::logits_fused},
@@ -110,7 +111,9 @@ const char* to_string(Impl impl) {
   return "?";
 }
 
-bool is_lm_head(Impl impl) { return impl == Impl::fused || impl == Impl::baseline || impl == Impl::unfused_gemms; }
+bool is_lm_head(Impl impl) {
+  return impl == Impl::fused || impl == Impl::generic_head || impl == Impl::baseline || impl == Impl::unfused_gemms;
+}
 
 BenchConfig parse_bench_config(const YAML::Node& tree, const std::string& source) {
   try {

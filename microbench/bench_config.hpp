@@ -13,6 +13,7 @@ namespace grpo::bench {
 
 enum class Impl : std::uint8_t {
   fused,            // LmHeadLossPlan
+  generic_head,     // LmHeadLogProbPlan forward, a GRPO loss on its logp computed outside, its backward
   baseline,         // LmHeadBaseline (full logits)
   unfused_gemms,    // the unfused step's three oneDNN GEMMs alone, no loss work (unfused_gemms.hpp)
   logits_fused,     // LogitsLossPlan on materialized logits

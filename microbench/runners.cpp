@@ -1,8 +1,10 @@
 #include "runners.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -109,6 +111,95 @@ class FusedRunner final : public Runner {
   HeadOutputs out_;
   LmHeadStepStats rows_;
   std::optional<LmHeadLossPlan> plan_;
+};
+
+// The generic log-prob head as a trainer drives it: forward (logp, entropy),
+// the loss computed outside the library from logp, then backward from
+// dL/dlogp. The outside loss is the token-level clipped GRPO family term with
+// its aggregation weight (what TRL computes on the head's logp; no KL), so the
+// step does the fused loss's work through the generic interface.
+class GenericHeadRunner final : public Runner {
+ public:
+  GenericHeadRunner(const BenchConfig& c, const Problem& p, Allocator& a)
+      : c_(c), p_(p), a_(a), out_(c, false), entropy_(out_.logp.size()), dlogp_(out_.logp.size()) {
+    const LossConfig& l = p.config;
+    if (l.beta != 0.0F || l.importance_sampling_level != IsLevel::token || c.forward_only ||
+        (l.loss_type != LossType::grpo && l.loss_type != LossType::dapo && l.loss_type != LossType::bnpo)) {
+      throw std::invalid_argument(
+          "impl generic_head computes a token-level grpo / bnpo / dapo loss without KL outside the head: "
+          "set loss.type accordingly, loss.beta 0, importance sampling level token, forward_only false");
+    }
+  }
+
+  void create() override {
+    LogProbConfig lc;
+    lc.temperature = p_.config.temperature;
+    lc.temperature_on_logp = p_.config.temperature_on_logp;
+    plan_.emplace(p_.lm_head_shape(), lc, options(c_, a_));
+  }
+  std::optional<double> step() override {
+    const LmHeadInputs head = p_.lm_head_inputs();
+    const LogProbInputs in{head.hidden, head.weight, head.bias, p_.ids, p_.mask};
+    plan_->forward(in, {out_.logp, entropy_, &forward_rows_});
+    outside_loss();
+    const LmHeadOutputs g = out_.view(c_, nullptr);
+    plan_->backward(in, {dlogp_, {}}, {g.dhidden, g.dweight, g.dbias, &rows_});
+    rows_.logits_gemm_rows += forward_rows_.logits_gemm_rows;
+    return std::nullopt;
+  }
+  std::string describe() const override { return plan_->describe(); }
+  std::size_t workspace_bytes() const override { return plan_->workspace_size(); }
+  std::optional<LmHeadStepStats> step_stats() const override { return rows_; }
+
+ private:
+  // dL/dlogp_t and the loss / clip metrics, in double, as a trainer would.
+  void outside_loss() {
+    const LossConfig& l = p_.config;
+    const std::int64_t b = p_.spec.shape.batch, t_len = p_.spec.shape.seq_len, n = b * t_len;
+    const double lo = 1.0 - l.epsilon_low, hi = 1.0 + l.epsilon_high;
+    double loss = 0.0, clipped = 0.0, valid = 0.0;
+    for (float m : p_.mask) valid += m;
+    for (std::int64_t i = 0; i < b; ++i) {
+      double seq_valid = 0.0;
+      for (std::int64_t t = i * t_len; t < (i + 1) * t_len; ++t) seq_valid += p_.mask[t];
+      double w = 1.0;  // dLoss/dl_t
+      if (l.loss_type == LossType::grpo) w = 1.0 / (static_cast<double>(b) * std::max(seq_valid, 1.0));
+      if (l.loss_type == LossType::bnpo) w = 1.0 / std::max(valid, 1.0);
+      if (l.loss_type == LossType::dapo) w = 1.0 / l.num_items_in_batch;
+      for (std::int64_t t = i * t_len; t < (i + 1) * t_len; ++t) {
+        dlogp_[t] = 0.0F;
+        if (p_.mask[t] == 0.0F) continue;
+        const double a = p_.advantages.size() == static_cast<std::size_t>(n) ? p_.advantages[t] : p_.advantages[i];
+        const double q = p_.old_logp.empty() ? 0.0 : std::clamp(out_.logp[t] - double{p_.old_logp[t]}, -20.0, 20.0);
+        const double r = std::exp(q);
+        const double unclipped = r * a, clip = std::clamp(r, lo, hi) * a;
+        loss -= w * std::min(unclipped, clip);
+        clipped += (r < lo && a < 0) || (r > hi && a > 0) ? 1.0 : 0.0;
+        if (unclipped <= clip) dlogp_[t] = static_cast<float>(-w * a * r);
+      }
+    }
+    metrics_.loss = loss;
+    metrics_.clip_ratio_region = clipped / std::max(valid, 1.0);
+    metrics_.num_valid = static_cast<std::int64_t>(valid);
+  }
+  static LmHeadOptions options(const BenchConfig& c, Allocator& a) {
+    LmHeadOptions o;
+    o.token_block = c.token_block;
+    o.vocab_tile = c.vocab_tile;
+    o.workspace_budget = c.workspace_budget;
+    o.max_threads = c.threads;
+    o.dweight_dtype = c.dweight_dtype;
+    o.dhidden_dtype = c.dhidden_dtype;
+    o.allocator = &a;
+    return o;
+  }
+  const BenchConfig& c_;
+  const Problem& p_;
+  Allocator& a_;
+  HeadOutputs out_;
+  std::vector<float> entropy_, dlogp_;
+  LmHeadStepStats rows_, forward_rows_;
+  std::optional<LmHeadLogProbPlan> plan_;
 };
 
 class BaselineRunner final : public Runner {
@@ -273,6 +364,7 @@ bool same_loss(const LossConfig& a, const LossConfig& b) {
 std::unique_ptr<Runner> make_runner(const BenchConfig& config, const Problem& problem, Allocator& allocator) {
   switch (config.impl) {
     case Impl::fused: return std::make_unique<FusedRunner>(config, problem, allocator);
+    case Impl::generic_head: return std::make_unique<GenericHeadRunner>(config, problem, allocator);
     case Impl::baseline: return std::make_unique<BaselineRunner>(config, problem, allocator);
     case Impl::unfused_gemms: return std::make_unique<UnfusedGemmsRunner>(config, problem, allocator);
     case Impl::logits_fused:
