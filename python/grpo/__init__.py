@@ -2,8 +2,10 @@
 
 The C++ core (grpo._core) is usable without PyTorch: build a plan for a shape
 and a loss configuration, then execute it on DLPack arrays (numpy, torch, ...)
-viewed in place. `grpo.torch` holds the PyTorch module (torch is imported
-only there).
+viewed in place. `grpo.torch` holds the PyTorch ops (torch is imported
+only there); `grpo.integrations.trl` patches TRL's GRPOTrainer. Plans:
+LmHeadLossPlan (the fused GRPO loss) and LmHeadLogProbPlan (the generic
+log-prob head: forward, and backward from upstream gradients).
 
     import grpo
     cache = grpo.PlanCache()
@@ -21,9 +23,12 @@ from grpo._core import (
     DType,
     Error,
     IsLevel,
+    LmHeadLogProbPlan,
     LmHeadLossPlan,
     LmHeadOptions,
     LmHeadShape,
+    LmHeadStepStats,
+    LogProbConfig,
     LossConfig,
     LossType,
     Metrics,
@@ -41,9 +46,12 @@ __all__ = [
     "DType",
     "Error",
     "IsLevel",
+    "LmHeadLogProbPlan",
     "LmHeadLossPlan",
     "LmHeadOptions",
     "LmHeadShape",
+    "LmHeadStepStats",
+    "LogProbConfig",
     "LossConfig",
     "LossType",
     "Metrics",

@@ -8,7 +8,9 @@ state allocates neither plans nor workspace.
 
 The key is whatever determines a plan: for the LM-head loss, (B, T, H, V,
 dtypes, layout, bias, row strides, loss config, options). `kind` keeps the
-kinds of plan apart ("lm_head_loss" today; a log-prob head later).
+kinds of plan apart: "lm_head_loss", "lm_head_log_prob", and "scratch" (the
+float32 buffers grpo.torch.fused_log_probs hands the C++ backward for
+gradients nobody needs).
 """
 
 from __future__ import annotations
