@@ -224,10 +224,9 @@ void with_workspace(Workspace* workspace, std::size_t bytes, Call&& call) {
   }
 }
 
-grpo::LmHeadStepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace,
-                                       const Array& hidden, const Array& weight, const OptArray& bias,
-                                       const Array& ids, const OptArray& mask, const Array& logp,
-                                       const OptArray& entropy) {
+grpo::LmHeadStepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
+                                       const Array& weight, const OptArray& bias, const Array& ids,
+                                       const OptArray& mask, const Array& logp, const OptArray& entropy) {
   const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
   grpo::LmHeadStepStats stats;
   grpo::LogProbOutputs out;
@@ -238,11 +237,10 @@ grpo::LmHeadStepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Work
   return stats;
 }
 
-grpo::LmHeadStepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace,
-                                        const Array& hidden, const Array& weight, const OptArray& bias,
-                                        const Array& ids, const OptArray& mask, const Array& dlogp,
-                                        const OptArray& dentropy, const Array& dhidden, const Array& dweight,
-                                        const OptArray& dbias) {
+grpo::LmHeadStepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
+                                        const Array& weight, const OptArray& bias, const Array& ids,
+                                        const OptArray& mask, const Array& dlogp, const OptArray& dentropy,
+                                        const Array& dhidden, const Array& dweight, const OptArray& dbias) {
   const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
   grpo::LmHeadStepStats stats;
   grpo::LogProbUpstream up;
@@ -253,8 +251,7 @@ grpo::LmHeadStepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Wor
   grads.dweight = out_matrix(dweight, "dweight");
   grads.dbias = flat<float>(dbias, "dbias");
   grads.stats = &stats;
-  with_workspace(workspace, plan.workspace_size(),
-                 [&](std::span<std::byte> ws) { plan.backward(in, up, grads, ws); });
+  with_workspace(workspace, plan.workspace_size(), [&](std::span<std::byte> ws) { plan.backward(in, up, grads, ws); });
   return stats;
 }
 
