@@ -72,11 +72,25 @@ double best_unfused_gemms(const BenchConfig& c, const Problem& p, DType logits_d
   return best;
 }
 
+// The plan options a config asks for (fused loss and generic head alike).
+LmHeadOptions plan_options(const BenchConfig& c, Allocator& a) {
+  LmHeadOptions o;
+  o.token_block = c.token_block;
+  o.vocab_tile = c.vocab_tile;
+  o.workspace_budget = c.workspace_budget;
+  o.max_threads = c.threads;
+  o.forward_only = c.forward_only;
+  o.dweight_dtype = c.dweight_dtype;
+  o.dhidden_dtype = c.dhidden_dtype;
+  o.allocator = &a;
+  return o;
+}
+
 class FusedRunner final : public Runner {
  public:
   FusedRunner(const BenchConfig& c, const Problem& p, Allocator& a) : c_(c), p_(p), a_(a), out_(c, c.forward_only) {}
 
-  void create() override { plan_.emplace(p_.lm_head_shape(), p_.config, options(c_, a_)); }
+  void create() override { plan_.emplace(p_.lm_head_shape(), p_.config, plan_options(c_, a_)); }
   std::optional<double> step() override {
     // No workspace passed: the plan allocates it through the tracker each
     // call (from the caching allocator's free list in steady state).
@@ -93,18 +107,6 @@ class FusedRunner final : public Runner {
   }
 
  private:
-  static LmHeadOptions options(const BenchConfig& c, Allocator& a) {
-    LmHeadOptions o;
-    o.token_block = c.token_block;
-    o.vocab_tile = c.vocab_tile;
-    o.workspace_budget = c.workspace_budget;
-    o.max_threads = c.threads;
-    o.forward_only = c.forward_only;
-    o.dweight_dtype = c.dweight_dtype;
-    o.dhidden_dtype = c.dhidden_dtype;
-    o.allocator = &a;
-    return o;
-  }
   const BenchConfig& c_;
   const Problem& p_;
   Allocator& a_;
@@ -135,7 +137,7 @@ class GenericHeadRunner final : public Runner {
     LogProbConfig lc;
     lc.temperature = p_.config.temperature;
     lc.temperature_on_logp = p_.config.temperature_on_logp;
-    plan_.emplace(p_.lm_head_shape(), lc, options(c_, a_));
+    plan_.emplace(p_.lm_head_shape(), lc, plan_options(c_, a_));  // forward_only is refused above
   }
   std::optional<double> step() override {
     const LmHeadInputs head = p_.lm_head_inputs();
@@ -181,17 +183,6 @@ class GenericHeadRunner final : public Runner {
     metrics_.loss = loss;
     metrics_.clip_ratio_region = clipped / std::max(valid, 1.0);
     metrics_.num_valid = static_cast<std::int64_t>(valid);
-  }
-  static LmHeadOptions options(const BenchConfig& c, Allocator& a) {
-    LmHeadOptions o;
-    o.token_block = c.token_block;
-    o.vocab_tile = c.vocab_tile;
-    o.workspace_budget = c.workspace_budget;
-    o.max_threads = c.threads;
-    o.dweight_dtype = c.dweight_dtype;
-    o.dhidden_dtype = c.dhidden_dtype;
-    o.allocator = &a;
-    return o;
   }
   const BenchConfig& c_;
   const Problem& p_;
