@@ -43,16 +43,18 @@ constexpr int kSteps = 200;
 // shape. The first free of such an mmap-ed block raises glibc's dynamic mmap
 // threshold, later ones come from the heap, and the heap keeps its high-water
 // mark: up to kThreads x (1 MiB + 456 KiB) of concurrent buffers plus
-// fragmentation, measured 1.6-5.6 MiB, mostly at steps 2-4. Leaks repeat
-// every step instead, so:
-//   step 1 -> step 200: at most kWarmupAllowanceKiB (the one-off rise; a leak
-//     of one bf16 vocab row, 64 KiB, a step would add 12.4 MiB);
+// fragmentation and each thread's own glibc arena reaching that high-water
+// mark, measured 1.6-5.6 MiB, mostly at steps 2-4, and once 9.7 MiB (a CI run
+// with the 160-row forward calls of issue 12; step 10 -> 200 was 0 KiB there).
+// Leaks repeat every step instead, so:
+//   step 1 -> step 200: at most kWarmupAllowanceKiB (bounds the one-off rise;
+//     16 MiB = the largest measured rise with a margin of 1.6x);
 //   step kSteadyFrom -> step 200: at most kSteadyAllowanceKiB (room for one
 //     more late first-time-concurrent 1 MiB buffer; any leak of 11 KiB or
-//     more a step exceeds it over 190 steps).
+//     more a step exceeds it over 190 steps): this is the leak check.
 // Smaller leaks are LeakSanitizer's job (scripts/sanitize.sh), and every byte
 // the library itself allocates is counted by the TrackingAllocator check.
-constexpr long kWarmupAllowanceKiB = 8 * 1024;
+constexpr long kWarmupAllowanceKiB = 16 * 1024;
 constexpr int kSteadyFrom = 10;
 constexpr long kSteadyAllowanceKiB = 2 * 1024;
 // The allowances above scale with the threads holding oneDNN buffers at once:
