@@ -24,6 +24,7 @@
 #include <span>
 #include <string>
 
+#include "grpo/communicator.hpp"
 #include "grpo/logits_loss.hpp"
 #include "grpo/loss_config.hpp"
 #include "grpo/types.hpp"
@@ -51,6 +52,13 @@ struct LmHeadShape {
   std::int64_t hidden_ld = 0;
   std::int64_t weight_ld = 0;
   std::int64_t dweight_ld = 0;
+  // Vocabulary parallelism (ScaleOut::vocab_group, grpo/communicator.hpp):
+  // this rank's W (and bias, dweight, dbias) hold tokens [vocab_offset,
+  // vocab_offset + vocab) of a vocabulary of global_vocab tokens (rows of a
+  // vocab-major W, columns of a hidden-major one: a view with weight_ld =
+  // global_vocab); ids stay global. 0 / 0 = unsharded.
+  std::int64_t vocab_offset = 0;
+  std::int64_t global_vocab = 0;
 };
 
 struct LmHeadOptions {
@@ -67,6 +75,10 @@ struct LmHeadOptions {
   // false: dweight / dbias are overwritten; true: the step adds into them.
   bool accumulate_weight_grads = false;
   Allocator* allocator = nullptr;  // nullptr = default_allocator()
+  // Several processes (grpo/communicator.hpp); none = this process alone.
+  // Not offered with accumulate_weight_grads under data parallelism (the
+  // group sum would add every rank's earlier dweight again).
+  ScaleOut scale_out;
 };
 
 struct LmHeadInputs {

@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <sstream>
 #include <string>
 #include <utility>
 
 #include "api/buffer.hpp"
 #include "api/lm_head_validate.hpp"
+#include "api/scale_out_plan.hpp"
 #include "api/validate.hpp"
 #include "baseline/unfused_lm_head.hpp"
 #include "driver/lm_head_plan.hpp"
@@ -83,16 +85,20 @@ struct LmHeadLossPlan::Impl {
 };
 
 LmHeadLossPlan::LmHeadLossPlan(const LmHeadShape& shape, const LossConfig& config, const LmHeadOptions& options) {
-  detail::validate_lm_head_shape(shape);
-  detail::validate_config(config);
-  detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
-  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
-  if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
-  if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
+  // Collective when options.scale_out has groups (api/scale_out_plan.hpp).
+  const LossConfig checked = detail::config_for_checks(config, options.scale_out);
   auto impl = std::make_unique<Impl>();
-  impl->data = detail::build_lm_head_plan(detail::resolve_lds(shape), config, options);
-  impl->call = {impl->data->shape, config, options.forward_only,        options.dweight_dtype, options.dhidden_dtype,
-                shape.bias_dtype,  false,  impl->data->schedule.threads};
+  impl->data = detail::build_plan(shape, config, options, [&] {
+    detail::validate_lm_head_shape(shape);
+    detail::validate_config(checked);
+    detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
+    if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+    if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
+    if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
+    detail::check_scale_out_arguments(shape, config, options);
+  });
+  impl->call = {impl->data->shape, checked, options.forward_only,        options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype,  false,   impl->data->schedule.threads};
   impl_ = std::move(impl);
 }
 
@@ -113,28 +119,51 @@ std::string LmHeadLossPlan::describe() const {
      << " threads=" << s.threads << " gemm_passes=" << passes
      << (s.recompute_logits ? " (logits recomputed: a whole-sequence term spans token blocks)" : "")
      << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
+  if (d.scale_out) os << d.scale_out->describe();
   return os.str();
 }
 
 void LmHeadLossPlan::execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
                              std::span<std::byte> workspace) const {
-  const double max_abs_coef = detail::validate_lm_head_call(impl_->call, inputs, outputs);
-  const std::size_t need = workspace_size();
+  double max_abs_coef = 0.0;
   detail::Buffer owned;
   std::byte* ws = workspace.data();
-  if (workspace.empty()) {
-    owned = detail::Buffer(detail::resolve(impl_->data->options.allocator), need);
-    ws = owned.as();
-  } else {
-    if (workspace.size() < need) {
-      throw Error("workspace",
-                  "has " + std::to_string(workspace.size()) + " bytes, the plan needs " + std::to_string(need));
+  const detail::ScaleOutPlan* so = impl_->data->scale_out.get();
+  std::exception_ptr refused;  // with groups, exchanged before it is thrown
+  try {
+    max_abs_coef = detail::validate_lm_head_call(impl_->call, inputs, outputs);
+    const std::size_t need = workspace_size();
+    if (workspace.empty()) {
+      owned = detail::Buffer(detail::resolve(impl_->data->options.allocator), need);
+      ws = owned.as();
+    } else {
+      if (workspace.size() < need) {
+        throw Error("workspace",
+                    "has " + std::to_string(workspace.size()) + " bytes, the plan needs " + std::to_string(need));
+      }
+      if (reinterpret_cast<std::uintptr_t>(workspace.data()) % detail::kAlignment != 0) {
+        throw Error("workspace", "must be 64-byte aligned");
+      }
     }
-    if (reinterpret_cast<std::uintptr_t>(workspace.data()) % detail::kAlignment != 0) {
-      throw Error("workspace", "must be 64-byte aligned");
-    }
+  } catch (...) {
+    if (so == nullptr) throw;
+    refused = std::current_exception();
   }
-  detail::run_lm_head(*impl_->data, inputs, outputs, ws, max_abs_coef);
+  // Collective with groups: every rank's refusal is every rank's.
+  const detail::GlobalCounts counts = detail::agree_on_call(*impl_->data, inputs, refused);
+  if (so == nullptr || !so->data) {
+    detail::run_lm_head(*impl_->data, inputs, outputs, ws, max_abs_coef, counts);
+    return;
+  }
+  // A data group: a refusal met inside the schedule is exchanged at the end
+  // of the step, where the others wait for this rank (finish_data_parallel;
+  // what it throws itself was exchanged already).
+  try {
+    detail::run_lm_head(*impl_->data, inputs, outputs, ws, max_abs_coef, counts);
+  } catch (...) {
+    if (!so->step_finishing) detail::finish_data_parallel(*impl_->data, outputs, nullptr, ws, std::current_exception());
+    throw;
+  }
 }
 
 struct LmHeadBaseline::Impl {
@@ -155,6 +184,7 @@ LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& confi
     throw Error("options.logits_dtype", "bf16 logits need bf16 inputs", ErrorKind::unsupported);
   }
   if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  detail::refuse_scale_out(shape, nullptr, "the baseline");
   auto impl = std::make_unique<Impl>();
   impl->data = detail::build_lm_head_baseline(detail::resolve_lds(shape), config, options);
   impl->call = {impl->data->shape, config, options.forward_only, options.dweight_dtype, options.dhidden_dtype,

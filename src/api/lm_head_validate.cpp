@@ -11,6 +11,7 @@
 
 #include <tbb/parallel_for.h>
 
+#include "api/scale_out_plan.hpp"
 #include "api/validate.hpp"
 #include "driver/parallel.hpp"
 #include "kernels/stage_kernels.hpp"
@@ -121,14 +122,17 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
   // Values: bias may hold -inf (banned tokens) but not NaN / +inf, and a valid
   // row's chosen token must not be banned.
   const kernels::StageKernels& k = kernels::kernels();
+  const bool sharded = global_vocab_of(s) != s.vocab;
   if (s.has_bias) {
     if (!k.no_nan_or_pos_inf(in.bias.data, elem(in.bias.dtype), in.bias.size)) {
       throw Error("bias", "contains NaN or +inf");
     }
     // A bias banning every token makes every row's logits all -inf, which the
     // fused driver would only meet inside its first token block -- after it
-    // zeroed dbias. Refuse it here, with the other value checks.
-    bool any_allowed = false;
+    // zeroed dbias. Refuse it here, with the other value checks. A vocabulary
+    // shard may ban all its tokens: the vocab group checks them together
+    // (scale_out_plan.cpp).
+    bool any_allowed = sharded;
     for (std::int64_t v = 0; v < s.vocab && !any_allowed; ++v) {
       const float b = in.bias.dtype == DType::f32
                           ? static_cast<const float*>(in.bias.data)[v]
@@ -138,12 +142,14 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
     if (!any_allowed) throw Error("bias", "is -inf for every token: every row's logits would be -inf");
     for (std::int64_t r = 0; r < rows; ++r) {
       if (!in.batch.mask.empty() && in.batch.mask[r] == 0.0F) continue;  // no mask: every row valid
-      const std::int32_t id = in.batch.ids[r];
+      const std::int64_t id = in.batch.ids[r] - s.vocab_offset;          // ids are global; the bias is this shard's
+      if (id < 0 || id >= s.vocab) continue;
       const float b = in.bias.dtype == DType::f32
                           ? static_cast<const float*>(in.bias.data)[id]
                           : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[id]);
       if (b == -std::numeric_limits<float>::infinity()) {
-        throw Error("ids", "row " + std::to_string(r) + " chose token " + std::to_string(id) + " whose bias is -inf");
+        throw Error("ids", "row " + std::to_string(r) + " chose token " + std::to_string(in.batch.ids[r]) +
+                               " whose bias is -inf");
       }
     }
   }
@@ -179,7 +185,7 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
                               std::to_string(weight.max_abs) + ") can produce logits that overflow f32");
   }
   const double x_bound = z_bound * scale;
-  const double logp_bound = (2.0 * x_bound + std::log(static_cast<double>(s.vocab))) * post;
+  const double logp_bound = (2.0 * x_bound + std::log(static_cast<double>(global_vocab_of(s)))) * post;
   if (!(x_bound * 4.0 < f32_max) || !(logp_bound * 4.0 < f32_max)) {
     throw Error("config.temperature", "temperature " + std::to_string(tau) + " scales logits bounded by " +
                                           std::to_string(z_bound) +
@@ -192,7 +198,7 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
   const LmHeadShape& s = spec.shape;
   const std::int64_t rows = s.batch * s.seq_len;
   validate_lm_head_operands(spec, in);
-  const BatchMagnitudes magnitudes = validate_batch(spec.config, s.batch, s.seq_len, s.vocab, in.batch);
+  const BatchMagnitudes magnitudes = validate_batch(spec.config, s.batch, s.seq_len, global_vocab_of(s), in.batch);
   validate_token_outputs(out.tokens, rows);
   validate_lm_head_gradients(spec, out);
 

@@ -12,6 +12,7 @@
 
 #include "api/buffer.hpp"
 #include "api/lm_head_validate.hpp"
+#include "api/scale_out_plan.hpp"
 #include "api/validate.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/log_prob_head_driver.hpp"
@@ -122,6 +123,7 @@ struct LmHeadLogProbPlan::Impl {
 LmHeadLogProbPlan::LmHeadLogProbPlan(const LmHeadShape& shape, const LogProbConfig& config,
                                      const LmHeadOptions& options) {
   detail::validate_lm_head_shape(shape);
+  detail::refuse_scale_out(shape, &options.scale_out, "the generic log-prob head");
   if (!(config.temperature > 0.0F) || !std::isfinite(config.temperature)) {
     throw Error("config.temperature", "must be finite and > 0, got " + std::to_string(config.temperature));
   }

@@ -16,11 +16,15 @@
 namespace grpo::detail {
 
 void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
-                 std::byte* workspace, double max_abs_coef) {
+                 std::byte* workspace, double max_abs_coef, const GlobalCounts& counts) {
   LmHeadStep step(p, inputs, outputs, workspace);
   const bool backward = !p.options.forward_only;
   const std::int64_t nb = p.schedule.token_block;
   LossAccumulator acc(p.config, p.shape.batch, p.shape.seq_len, inputs.batch, max_abs_coef);
+  const ScaleOutPlan* so = p.scale_out.get();
+  if (so != nullptr && (so->data || so->global_num_items)) {
+    acc.use_global_counts(counts.batch, counts.num_valid, so->global_num_items);
+  }
   bool dweight_written = p.options.accumulate_weight_grads;  // accumulate: always add
   // dbias is zeroed (overwrite mode) just before the first backward, after the
   // first coefficients: a refusal there leaves it untouched.
@@ -76,7 +80,12 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
   }
   if (backward && !dbias_ready) std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
   if (backward && !dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
-  if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
+  // Data parallelism: global metrics, dW and dbias summed over the data group.
+  if (so != nullptr && so->data) {
+    finish_data_parallel(p, outputs, &acc, workspace, nullptr);
+  } else if (outputs.metrics != nullptr) {
+    *outputs.metrics = acc.metrics();
+  }
   if (outputs.stats != nullptr) *outputs.stats = step.stats;
 }
 

@@ -4,6 +4,7 @@
 // read-only afterwards.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "driver/scale_out.hpp"
 #include "grpo/lm_head_loss.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/stage_kernels.hpp"
@@ -62,6 +64,7 @@ struct WorkspaceLayout {
   std::size_t hidden_act = 0;   // [block_rows_alloc, hidden_ld] active hidden rows (input dtype)
   std::size_t dhidden_act = 0;  // [block_rows_alloc, H] f32
   std::size_t coef_all = 0;     // [N] coefficients, entropies, logp, kl: recompute schedule only
+  std::size_t scale_out = 0;    // the exchanges of a plan over several processes (ScaleOutPlan)
   std::size_t slots = 0;        // per slot: GEMM tile [forward_rows, tile] f32 + oneDNN scratchpad
   std::size_t slot_bytes = 0;
   std::size_t tile_bytes = 0;  // GEMM tile part of one slot
@@ -137,23 +140,42 @@ struct LmHeadPlanData {
   // dhidden chunk: [chunk kind].
   std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden;
   std::size_t max_scratchpad = 0;
+  // Several processes (grpo/communicator.hpp); null = this process alone.
+  std::shared_ptr<const ScaleOutPlan> scale_out;
   // Every GEMM above, by Gemm::index(); bindings for them, per concurrent call.
   std::vector<const kernels::Gemm*> gemms;
   mutable BindingPool bindings;
 };
 
+// The token block and GEMM rows a plan chose; a plan over a vocab group is
+// rebuilt with the group's smallest (scale_out.cpp), so its per-block
+// exchanges pair up.
+struct BlockChoice {
+  std::int64_t token_block = 0;
+  std::int64_t forward_rows = 0;
+};
+
+// The vocab tile a plan of this shape and options uses.
+inline std::int64_t plan_vocab_tile(const LmHeadShape& shape, const LmHeadOptions& options) {
+  return std::min(options.vocab_tile > 0 ? options.vocab_tile : kDefaultVocabTile, shape.vocab);
+}
+
 // Chooses the schedule, creates the GEMMs, lays out the workspace. shape's
-// *_ld must be resolved (no zeros).
+// *_ld must be resolved (no zeros). scale_out: the plan's groups (their
+// exchanges take workspace); forced: use this block choice, no search.
 // Throws grpo::Error for shapes/options it cannot serve.
 std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, const LossConfig& config,
-                                                   const LmHeadOptions& options);
+                                                   const LmHeadOptions& options,
+                                                   std::shared_ptr<const ScaleOutPlan> scale_out = nullptr,
+                                                   const BlockChoice* forced = nullptr);
 
 // Said by the one refusal that can come after a step wrote outputs (see run_lm_head).
 inline constexpr char kEarlierBlocksWritten[] = "outputs of earlier token blocks were already written";
 
 // Runs one step. Arguments already validated.
 // max_abs_coef: from validation (LossAccumulator's bound on |c_t|).
+// counts: the data group's batch and valid tokens (agree_on_call).
 void run_lm_head(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
-                 std::byte* workspace, double max_abs_coef);
+                 std::byte* workspace, double max_abs_coef, const GlobalCounts& counts = {});
 
 }  // namespace grpo::detail

@@ -73,6 +73,7 @@ std::size_t store_bytes(const LmHeadPlanData& p) { return p.store_type == kernel
 std::size_t bytes_per_row(const LmHeadPlanData& p) {
   const LmHeadShape& s = p.shape;
   std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 6 * sizeof(float) + 8;
+  if (p.scale_out) b += p.scale_out->bytes_per_row();
   if (!p.options.forward_only) {
     b += static_cast<std::size_t>(s.vocab) * store_bytes(p) + static_cast<std::size_t>(s.hidden_ld) * size_of(s.dtype) +
          static_cast<std::size_t>(s.hidden) * sizeof(float);
@@ -84,7 +85,8 @@ std::size_t bytes_per_row(const LmHeadPlanData& p) {
 std::size_t fixed_bytes(const LmHeadPlanData& p, std::int64_t forward_rows) {
   const auto stage = static_cast<std::size_t>(forward_rows * p.shape.hidden_ld) * size_of(p.shape.dtype);
   const std::size_t coef_all = p.sequence_spans_blocks ? 4 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
-  return align_up(stage) + align_up(coef_all) + 8 * kAlign;
+  const std::size_t scale_out = p.scale_out ? p.scale_out->fixed_bytes() : 0;
+  return align_up(stage) + align_up(coef_all) + align_up(scale_out) + 8 * kAlign;
 }
 
 WorkspaceLayout lay_out(const LmHeadPlanData& p) {
@@ -106,6 +108,7 @@ WorkspaceLayout lay_out(const LmHeadPlanData& p) {
   l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden_ld) * in_size : 0);
   l.dhidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
   l.coef_all = take(p.sequence_spans_blocks ? 4 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
+  l.scale_out = take(p.scale_out ? p.scale_out->fixed_bytes() + rows * p.scale_out->bytes_per_row() : 0);
   l.tile_bytes = align_up(static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float));
   l.slot_bytes = l.tile_bytes + align_up(p.max_scratchpad);
   l.slots = take(l.slot_bytes * static_cast<std::size_t>(p.schedule.threads));
@@ -179,13 +182,16 @@ void BindingPool::give_back(std::unique_ptr<Set> set) {
 }
 
 std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, const LossConfig& config,
-                                                   const LmHeadOptions& options) {
+                                                   const LmHeadOptions& options,
+                                                   std::shared_ptr<const ScaleOutPlan> scale_out,
+                                                   const BlockChoice* forced) {
   auto p = std::make_unique<LmHeadPlanData>();
   p->shape = shape;  // strides already resolved by the caller
   p->config = config;
   p->options = options;
+  p->scale_out = std::move(scale_out);
   p->rows = shape.batch * shape.seq_len;
-  p->schedule.vocab_tile = std::min(options.vocab_tile > 0 ? options.vocab_tile : kDefaultVocabTile, shape.vocab);
+  p->schedule.vocab_tile = plan_vocab_tile(shape, options);
   p->tiles = (shape.vocab + p->schedule.vocab_tile - 1) / p->schedule.vocab_tile;
   p->hidden_chunks = (shape.hidden + kHiddenChunk - 1) / kHiddenChunk;
   // bf16 GEMMs: the block keeps x - max in f16 (see row_stats_store) and takes
@@ -222,6 +228,10 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
                                                      : std::max(kRowQuantum, limit / kRowQuantum * kRowQuantum));
   std::int64_t nb = limit <= p->forward_rows ? limit : limit / p->forward_rows * p->forward_rows;
   nb = std::min(nb, round_up(p->rows, p->forward_rows));  // no block longer than the batch needs
+  if (forced != nullptr) {
+    p->forward_rows = forced->forward_rows;
+    nb = forced->token_block;
+  }
 
   const int threads = resolve_threads(options.max_threads);
   for (;;) {
@@ -251,7 +261,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     p->schedule.threads = std::max(1, std::min(threads, fit_slots));
     p->layout = lay_out(*p);
     p->schedule.workspace_bytes = p->layout.total;
-    if (p->layout.total <= budget || options.token_block > 0) break;
+    if (p->layout.total <= budget || options.token_block > 0 || forced != nullptr) break;
     if (nb <= p->forward_rows) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));
     nb -= p->forward_rows;
   }

@@ -53,6 +53,7 @@ struct LmHeadStep {
   float* dhidden_act;
   float* coef_all;
   std::byte* slots;
+  std::byte* scale_out_ws;  // the exchanges over the plan's groups (scale_out.hpp)
   LmHeadStepStats stats;
 
   LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* ws)
@@ -78,6 +79,7 @@ struct LmHeadStep {
     dhidden_act = reinterpret_cast<float*>(ws + l.dhidden_act);
     coef_all = reinterpret_cast<float*>(ws + l.coef_all);
     slots = ws + l.slots;
+    scale_out_ws = ws + l.scale_out;
   }
 
   float* slot_tile(int slot) const { return reinterpret_cast<float*>(slots + slot * p.layout.slot_bytes); }
@@ -204,7 +206,8 @@ struct LmHeadStep {
         const std::int64_t r = active[i];
         const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
         const std::int64_t row = b0 + r;
-        const std::int64_t tgt = valid(row) ? in.batch.ids[row] - c0 : -1;
+        // ids are global; outside this vocab shard, outside every tile (no one-hot).
+        const std::int64_t tgt = valid(row) ? in.batch.ids[row] - p.shape.vocab_offset - c0 : -1;
         const float a = logp_coef[r] * temp.grad_scale;
         // Row i <= s: the compacted output never overwrites a stored row not yet read.
         if (entropy_coef == nullptr) {
@@ -235,6 +238,10 @@ struct LmHeadStep {
       const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
       bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot));
     });
+    // Vocabulary parallelism: each shard's part of dh = dlogits W, summed over the group.
+    if (p.scale_out && p.scale_out->vocab) {
+      p.scale_out->sum_in_rank_order(p.scale_out->vocab, dhidden_act, na * hidden, scale_out_ws, p.schedule.threads);
+    }
 
     std::int64_t i = 0;
     for (std::int64_t r = 0; r < nb; ++r) {
@@ -290,15 +297,26 @@ struct LmHeadStep {
                    : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
           const std::int64_t row = row_of(r);
           if (valid(row)) {
-            const std::int64_t id = in.batch.ids[row];
+            const std::int64_t id = in.batch.ids[row] - p.shape.vocab_offset;  // ids are global
             if (id >= c0 && id < c0 + cols) target[r] = z[id - c0] * temp.scale;
           }
         }
       }
     });
+    // Vocabulary parallelism: every shard's tile statistics, in token order.
+    const kernels::RowStats* row_tiles = tile_stats;
+    std::int64_t tiles = p.tiles;
+    if (p.scale_out && p.scale_out->vocab) {
+      row_tiles = p.scale_out->gather_row_stats(scale_out_ws, p.block_rows_alloc, nb, p.tiles, tile_stats, target,
+                                                [&](std::int64_t r) -> std::int64_t {
+                                                  const std::int64_t row = row_of(r);
+                                                  return valid(row) ? in.batch.ids[row] : -1;
+                                                });
+      tiles = p.scale_out->global_tiles;
+    }
     for (std::int64_t r = 0; r < nb; ++r) {
       kernels::RowStats st;
-      for (std::int64_t j = 0; j < p.tiles; ++j) st = kernels::merge(st, tile_stats[r * p.tiles + j]);
+      for (std::int64_t j = 0; j < tiles; ++j) st = kernels::merge(st, row_tiles[r * tiles + j]);
       const std::int64_t row = row_of(r);
       const RowResult res = finish_row(st, target[r], valid(row), temp);
       check_row(res.lse, res.logp, valid(row), row, "hidden");

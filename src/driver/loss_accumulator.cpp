@@ -29,18 +29,31 @@ LossAccumulator::LossAccumulator(const LossConfig& config, std::int64_t batch, s
   per_sequence_clip_ = config.importance_sampling_level == IsLevel::sequence &&
                        inputs.advantages.size() == static_cast<std::size_t>(batch);
   for (const float m : inputs.mask) num_valid_ += m != 0.0F ? 1 : 0;
-  switch (config.loss_type) {
+  set_norm(batch, num_valid_);
+}
+
+void LossAccumulator::set_norm(std::int64_t batch, std::int64_t num_valid) {
+  metric_batch_ = batch;
+  metric_valid_ = num_valid;
+  switch (config_.loss_type) {
     case LossType::grpo:
     case LossType::sapo:
     case LossType::luspo: norm_ = 1.0 / static_cast<double>(batch); break;
-    case LossType::bnpo: norm_ = 1.0 / std::max(static_cast<double>(num_valid_), 1.0); break;
+    case LossType::bnpo: norm_ = 1.0 / std::max(static_cast<double>(num_valid), 1.0); break;
     case LossType::dr_grpo:
-      norm_ = 1.0 / (static_cast<double>(batch) * static_cast<double>(config.max_completion_length));
+      norm_ = 1.0 / (static_cast<double>(batch) * static_cast<double>(config_.max_completion_length));
       break;
     case LossType::dapo:
     case LossType::cispo:
-    case LossType::vespo: norm_ = 1.0 / config.num_items_in_batch; break;
+    case LossType::vespo: norm_ = 1.0 / config_.num_items_in_batch; break;
   }
+}
+
+void LossAccumulator::use_global_counts(std::int64_t global_batch, std::int64_t global_valid, bool num_items) {
+  // The same expression of the same integer as a single process over the
+  // whole batch computes: w_t, and so c_t, are the same bits.
+  if (num_items) config_.num_items_in_batch = static_cast<double>(std::max<std::int64_t>(global_valid, 1));
+  set_norm(global_batch, global_valid);
 }
 
 double LossAccumulator::advantage(std::int64_t row) const {
@@ -174,17 +187,17 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
   }
 }
 
-Metrics LossAccumulator::metrics() const {
-  const double denom = std::max(static_cast<double>(num_valid_), 1.0);
-  const double clip_denom = per_sequence_clip_ ? static_cast<double>(batch_) : denom;
+Metrics LossAccumulator::metrics(const Sums& s) const {
+  const double denom = std::max(static_cast<double>(metric_valid_), 1.0);
+  const double clip_denom = per_sequence_clip_ ? static_cast<double>(metric_batch_) : denom;
   Metrics m;
-  m.loss = loss_;
-  m.clip_ratio_low = clip_low_ / clip_denom;
-  m.clip_ratio_high = clip_high_ / clip_denom;
-  m.clip_ratio_region = clip_region_ / clip_denom;
-  m.kl_mean = kl_sum_ / denom;
-  m.entropy_mean = entropy_sum_ / denom;
-  m.num_valid = num_valid_;
+  m.loss = s.loss;
+  m.clip_ratio_low = s.clip_low / clip_denom;
+  m.clip_ratio_high = s.clip_high / clip_denom;
+  m.clip_ratio_region = s.clip_region / clip_denom;
+  m.kl_mean = s.kl / denom;
+  m.entropy_mean = s.entropy / denom;
+  m.num_valid = metric_valid_;
   return m;
 }
 

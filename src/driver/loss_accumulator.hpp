@@ -34,9 +34,29 @@ class LossAccumulator {
   // [r0, r1) must consist of whole sequences. Call in row order.
   void add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef, float* kl);
 
-  Metrics metrics() const;
+  Metrics metrics() const { return metrics(sums()); }
+
+  // Data parallelism (scale_out.cpp): this batch is one rank's share of a
+  // batch of global_batch sequences and global_valid valid tokens. The
+  // normalizers and the metrics' denominators become the global ones (and
+  // num_items_in_batch := global_valid when num_items is set). Call before add_rows.
+  void use_global_counts(std::int64_t global_batch, std::int64_t global_valid, bool num_items);
+  // The metrics' numerators over this accumulator's rows; a data-parallel
+  // step adds them over the ranks (in rank order) and calls metrics(sums).
+  struct Sums {
+    double loss = 0.0;
+    double clip_low = 0.0;
+    double clip_high = 0.0;
+    double clip_region = 0.0;
+    double kl = 0.0;
+    double entropy = 0.0;
+  };
+  Sums sums() const { return {loss_, clip_low_, clip_high_, clip_region_, kl_sum_, entropy_sum_}; }
+  Metrics metrics(const Sums& sums) const;
 
  private:
+  void set_norm(std::int64_t batch, std::int64_t num_valid);
+
   double advantage(std::int64_t row) const;
   double is_weight(std::int64_t row) const;
   double weight(std::int64_t row);  // w_t = dLoss/dl_t
@@ -56,6 +76,8 @@ class LossAccumulator {
   double norm_ = 0.0;  // the loss-type normalizer (except grpo/sapo's per-sequence one)
   double max_abs_coef_ = 0.0;
   std::int64_t num_valid_ = 0;
+  std::int64_t metric_batch_ = 0;  // the metrics' denominators: this batch's, or the global ones
+  std::int64_t metric_valid_ = 0;
   bool per_sequence_clip_ = false;  // sequence-level IS with [B] advantages: clip ratios over sequences
 
   double loss_ = 0.0;
