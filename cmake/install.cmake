@@ -38,7 +38,7 @@ install(TARGETS grpo
 # is a usable header.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/grpo
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT grpo_development
-  FILES_MATCHING PATTERN "*.hpp")
+  FILES_MATCHING PATTERN "*.hpp" PATTERN "mpi_communicator.hpp" EXCLUDE)
 install(FILES ${PROJECT_BINARY_DIR}/include/grpo/version.hpp
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/grpo COMPONENT grpo_development)
 
@@ -46,6 +46,24 @@ install(EXPORT grpoTargets
   NAMESPACE grpo::
   FILE grpoTargets.cmake
   DESTINATION ${GRPO_INSTALL_CMAKEDIR} COMPONENT grpo_development)
+
+# grpo::mpi, when built: its own export set (grpoMpiTargets.cmake), which the
+# package config loads only where find_package(MPI) succeeds, so users
+# without MPI still get grpo::grpo.
+if(TARGET grpo_mpi)
+  target_compile_features(grpo_mpi PUBLIC cxx_std_20)
+  install(TARGETS grpo_mpi
+    EXPORT grpoMpiTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT grpo_development
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT grpo_runtime NAMELINK_COMPONENT grpo_development
+    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT grpo_runtime)
+  install(FILES ${PROJECT_SOURCE_DIR}/include/grpo/mpi_communicator.hpp
+    DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/grpo COMPONENT grpo_development)
+  install(EXPORT grpoMpiTargets
+    NAMESPACE grpo::
+    FILE grpoMpiTargets.cmake
+    DESTINATION ${GRPO_INSTALL_CMAKEDIR} COMPONENT grpo_development)
+endif()
 
 configure_package_config_file(
   ${CMAKE_CURRENT_LIST_DIR}/grpoConfig.cmake.in

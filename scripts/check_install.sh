@@ -61,6 +61,25 @@ for kind in "${kinds[@]}"; do
   "$example_build/fused_step" | tee "$example_build/out.txt"
   check_loss "$example_build/out.txt"
 
+  # grpo::mpi, when this build has MPI: the consumer's find_package(grpo)
+  # defines it, and the vocabulary-parallel example runs on 2 ranks, its loss
+  # bitwise the single process's (it exits non-zero otherwise).
+  if find "$prefix" -name grpoMpiTargets.cmake | grep -q .; then
+    if [[ ! -x "$example_build/mpi_step" ]]; then
+      echo "check_install: grpo::mpi is installed but examples/mpi_step was not built" >&2
+      exit 1
+    fi
+    mpirun_flags=()
+    if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
+      mpirun_flags=(--oversubscribe --bind-to none --mca btl self,vader,tcp --mca btl_vader_single_copy_mechanism none)
+    fi
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+      mpirun -np 2 "${mpirun_flags[@]}" "$example_build/mpi_step" | tee "$example_build/out_mpi.txt"
+    echo "check_install: grpo::mpi consumer OK (2 ranks)"
+  else
+    echo "check_install: no grpo::mpi in this install (built without MPI)"
+  fi
+
   # pkg-config consumer: the plain compiler line a Makefile user would write.
   pc_dir=$(dirname "$(find "$prefix" -name grpo.pc | head -n1)")
   static_flag=()

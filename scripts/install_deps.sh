@@ -14,6 +14,7 @@ packages=(
   libgtest-dev       # GoogleTest 1.12: tests
   libyaml-cpp-dev    # yaml-cpp 0.7: microbench / gradcheck configs
   libcli11-dev       # CLI11 2.1: command-line flags of the tools
+  openmpi-bin libopenmpi-dev  # Open MPI 4.1: grpo::mpi, the mpi test label, grpo-mpi-bench
   clang-format clang-tidy
   python3-venv python3-dev python3-pip  # the Python package (python/, scripts/test_python.sh)
 )
