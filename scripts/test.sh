@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command: installs what is missing, builds Release, and runs
-# every test tier (fast and slow) with ctest, then the Python package's tests
-# (scripts/test_python.sh). GRPO_TEST_LABEL=fast runs one tier.
+# every test tier (fast, slow and, when MPI is built, mpi) with ctest, then the
+# Python package's tests (scripts/test_python.sh). GRPO_TEST_LABEL=fast runs
+# one tier, plus the mpi label (the scale-out tests under mpirun with 1-4
+# ranks) whenever grpo::mpi was built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,4 +11,11 @@ bash scripts/install_deps.sh
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j2
 ctest --test-dir build --output-on-failure ${GRPO_TEST_LABEL:+-L "$GRPO_TEST_LABEL"}
+if [[ -n "${GRPO_TEST_LABEL:-}" && "$GRPO_TEST_LABEL" != mpi ]]; then
+  if ctest --test-dir build -N -L mpi | grep -q "Total Tests: [1-9]"; then
+    ctest --test-dir build --output-on-failure -L mpi
+  else
+    echo "test.sh: grpo::mpi not built (no MPI found): no mpi tests" >&2
+  fi
+fi
 bash scripts/test_python.sh
