@@ -41,19 +41,27 @@ std::string message_of(const Error& e) {
 // dst) copies values [at, at + n) to dst as f32, unpack(at, n, src) stores
 // the sums back. Per segment of n floats and chunk = ceil(n / P): an alltoall
 // gives this rank every rank's copy of chunk `rank`, the rank adds them in
-// rank order, and an allgather hands every rank every chunk's sum.
+// rank order, and an allgather hands every rank every chunk's sum. direct:
+// the values themselves when they are contiguous f32 (else null); segments
+// whose length P divides then go from and to them with no copy (the sum
+// overwrites this rank's chunk once the alltoall has sent it).
 template <class Pack, class Unpack>
-void reduce_segments(const Group& group, std::int64_t count, float* send, float* recv, int threads, Pack&& pack,
-                     Unpack&& unpack) {
+void reduce_segments(const Group& group, std::int64_t count, float* direct, float* send, float* recv, int threads,
+                     Pack&& pack, Unpack&& unpack) {
   const int ranks = group.size;
-  for (std::int64_t at = 0; at < count; at += kSegmentFloats) {
-    const std::int64_t n = std::min(kSegmentFloats, count - at);
+  const std::int64_t segment = kSegmentFloats / ranks * ranks;
+  for (std::int64_t at = 0; at < count; at += segment) {
+    const std::int64_t n = std::min(segment, count - at);
     const std::int64_t chunk = (n + ranks - 1) / ranks;
-    pack(at, n, send);
-    std::fill(send + n, send + chunk * ranks, 0.0F);  // the last chunk's tail: zeros add nothing
+    const bool in_place = direct != nullptr && n % ranks == 0;
+    float* buffer = in_place ? direct + at : send;
+    if (!in_place) {
+      pack(at, n, send);
+      std::fill(send + n, send + chunk * ranks, 0.0F);  // the last chunk's tail: zeros add nothing
+    }
     const auto bytes = static_cast<std::size_t>(chunk) * sizeof(float);
-    group.comm->alltoall(send, recv, bytes);
-    float* mine = send + group.rank * chunk;
+    group.comm->alltoall(buffer, recv, bytes);
+    float* mine = buffer + group.rank * chunk;
     for_each_item((chunk + kSumTask - 1) / kSumTask, threads, [&](std::int64_t task, int) {
       const std::int64_t end = std::min(chunk, (task + 1) * kSumTask);
       for (std::int64_t i = task * kSumTask; i < end; ++i) {
@@ -62,8 +70,8 @@ void reduce_segments(const Group& group, std::int64_t count, float* send, float*
         mine[i] = sum;
       }
     });
-    group.comm->allgather(mine, send, bytes);
-    unpack(at, n, send);
+    group.comm->allgather(mine, buffer, bytes);
+    if (!in_place) unpack(at, n, send);
   }
 }
 
@@ -189,7 +197,7 @@ void ScaleOutPlan::sum_in_rank_order(const Group& group, float* values, std::int
   auto* recv = reinterpret_cast<float*>(ws + align_up(static_cast<std::size_t>(reduce_floats) * sizeof(float)));
   const auto bytes = [](std::int64_t n) { return static_cast<std::size_t>(n) * sizeof(float); };
   reduce_segments(
-      group, count, send, recv, threads,
+      group, count, values, send, recv, threads,
       [&](std::int64_t at, std::int64_t n, float* dst) { std::memcpy(dst, values + at, bytes(n)); },
       [&](std::int64_t at, std::int64_t n, const float* src) { std::memcpy(values + at, src, bytes(n)); });
 }
@@ -211,8 +219,9 @@ void ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrixView& m,
       e += run;
     }
   };
+  float* direct = m.dtype == DType::f32 && m.ld == m.cols ? static_cast<float*>(m.data) : nullptr;
   reduce_segments(
-      group, m.rows * m.cols, send, recv, threads,
+      group, m.rows * m.cols, direct, send, recv, threads,
       [&](std::int64_t at, std::int64_t n, float* dst) {
         for_runs(at, n, [&](std::byte* src, std::int64_t off, std::int64_t run) {
           if (m.dtype == DType::f32) {
