@@ -192,11 +192,16 @@ BenchResult run_mpi_bench(const MpiBenchConfig& mc, MPI_Comm world, bool show_pr
                                                                     : default_allocator());
     o.allocator = &tracker;
     progress.update("first call (collective plan creation + step)");
+    // As grpo-microbench: the first call's RSS delta counts (with a caching
+    // allocator it is the only call that maps fresh memory), its tracked peak not.
+    const bool first_rss_ok = RssProbe::reset_high_water_mark();
+    const std::int64_t first_rss_before = RssProbe::rss_bytes();
     MPI_Barrier(world);
     const auto t0 = Clock::now();
     const LmHeadLossPlan plan(shape, config, o);
     plan.execute(in, out);
     stats.first_call_s = max_of(gather_all(std::chrono::duration<double>(Clock::now() - t0).count(), world));
+    const std::int64_t first_hwm = RssProbe::high_water_mark_bytes();
     describe = plan.describe();
     workspace = plan.workspace_size();
     for (int i = 0; i < c.warmup; ++i) {
@@ -204,7 +209,7 @@ BenchResult run_mpi_bench(const MpiBenchConfig& mc, MPI_Comm world, bool show_pr
       plan.execute(in, out);
     }
     std::size_t peak = 0;
-    std::int64_t rss_peak = -1;
+    std::int64_t rss_peak = first_rss_ok && first_rss_before >= 0 && first_hwm >= 0 ? first_hwm - first_rss_before : -1;
     for (int i = 0; i < c.steps; ++i) {
       progress.update("step", i + 1, c.steps);
       counted.reset();

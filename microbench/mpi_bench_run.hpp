@@ -6,7 +6,8 @@
 //   step_s_p50 / _mean / _p90 / _min  per step the slowest rank's time (a barrier before each step)
 //   first_call_s                     plan creation (collective) + first step, slowest rank
 //   peak_bytes, peak_bytes_rank<q>   the step's tracked peak (library allocations), max / per rank
-//   peak_rss_delta_bytes[_rank<q>]   VmHWM over the step minus VmRSS before it
+//   peak_rss_delta_bytes[_rank<q>]   VmHWM over a call minus VmRSS before it, max over the first
+//                                    call and the steps (as grpo-microbench)
 //   comm_bytes_sent_per_step[_rank<q>], comm_bytes_recv_per_step, comm_collectives_per_step
 //                                    bytes this rank's collectives sent to / received from the
 //                                    others per step ((P - 1) x the block of an allgather or an

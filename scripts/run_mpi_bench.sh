@@ -11,9 +11,7 @@
 #   bash scripts/run_mpi_bench.sh --set steps=1          # extra flags go to grpo-mpi-bench
 #   CONFIGS="configs/mpi/vocab_T1024_bf16.yaml" bash scripts/run_mpi_bench.sh
 # Env: BUILD_DIR (default build), RANKS (default 2), OUT_DIR (default
-# microbench/results), MPIRUN_FLAGS (replaces the Open MPI flags below; e.g.
-# drop btl_vader_single_copy_mechanism none where the kernel allows CMA: the
-# dW reduction of the data config then moves ~1.5x faster on loopback here).
+# microbench/results), MPIRUN_FLAGS (replaces the Open MPI flags below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,10 +27,15 @@ if [[ ! -x "$build/microbench/grpo-mpi-bench" ]]; then
 fi
 flags=()
 if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
-  # More ranks than cores allowed, ranks unbound; shared memory and TCP on
-  # loopback, shared memory copied through its buffers (no kernel single-copy,
-  # which containers often forbid), as the mpi tests run.
-  flags=(--oversubscribe --bind-to none --mca btl self,vader,tcp --mca btl_vader_single_copy_mechanism none)
+  # Ranks unbound (more ranks than cores allowed); shared memory and TCP on
+  # loopback. Unlike the mpi tests, shared memory keeps its kernel single-copy
+  # (CMA) for large messages: copied through Open MPI's 32 KiB buffers instead
+  # (btl_vader_single_copy_mechanism none), the data config's 2.5 GB dW
+  # reduction took 0.9-3 s on a quiet moment and 204 s on a loaded one here
+  # (each buffer hand-off waits for the other rank to be scheduled); with CMA
+  # 2.3-4.9 s under the same load.
+  flags=(--bind-to none --mca btl self,vader,tcp)
+  if ((ranks > $(nproc))); then flags+=(--oversubscribe); fi
   if [[ $(id -u) -eq 0 ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 fi
 if [[ -n "${MPIRUN_FLAGS+x}" ]]; then read -r -a flags <<< "$MPIRUN_FLAGS"; fi
