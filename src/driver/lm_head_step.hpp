@@ -52,6 +52,8 @@ struct LmHeadStep {
   std::byte* hidden_act;
   float* dhidden_act;
   float* coef_all;
+  float* ent_coef;        // [block] dLoss/dEnt (entropy bonus only)
+  float* quantile_space;  // [N] (top-entropy mask only)
   std::byte* slots;
   LmHeadStepStats stats;
 
@@ -77,6 +79,8 @@ struct LmHeadStep {
     hidden_act = ws + l.hidden_act;
     dhidden_act = reinterpret_cast<float*>(ws + l.dhidden_act);
     coef_all = reinterpret_cast<float*>(ws + l.coef_all);
+    ent_coef = plan.entropy_bonus ? reinterpret_cast<float*>(ws + l.ent_coef) : nullptr;
+    quantile_space = reinterpret_cast<float*>(ws + l.quantile);
     slots = ws + l.slots;
   }
 
@@ -207,7 +211,13 @@ struct LmHeadStep {
         const std::int64_t tgt = valid(row) ? in.batch.ids[row] - c0 : -1;
         const float a = logp_coef[r] * temp.grad_scale;
         // Row i <= s: the compacted output never overwrites a stored row not yet read.
-        if (entropy_coef == nullptr) {
+        if (temp.capped()) {
+          const bool ent = entropy_coef != nullptr;
+          k.dlogits_softcap_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max,
+                                lse[s], a, ent ? entropy_coef[r] * temp.entropy_grad_scale : 0.0F,
+                                ent ? lse[s] - entropy[s] : 0.0F, temp.cap_k, temp.softcap_scale, tgt,
+                                block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
+        } else if (entropy_coef == nullptr) {
           k.dlogits_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max, lse[s],
                         a, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
         } else {
@@ -284,7 +294,9 @@ struct LmHeadStep {
         const std::int64_t r0 = c * fr;
         bindings.at(gemm, slot).run(chunk_source(c), weight_at_vocab(c0), tile, bias, slot_scratch(slot));
         for (std::int64_t r = r0; r < std::min(nb, r0 + fr); ++r) {
-          const float* z = tile + (r - r0) * cols;
+          float* z = tile + (r - r0) * cols;
+          // z -> z' = c tanh(s z / c) in place, while the row is in cache.
+          if (temp.capped()) k.softcap(z, kernels::Elem::f32, cols, temp.softcap_scale, temp.softcap, z);
           tile_stats[r * p.tiles + j] =
               keep ? k.row_stats_store(z, cols, temp.scale, block_at(r, c0, store_size), p.store_type)
                    : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
