@@ -315,6 +315,8 @@ Result evaluate(const Problem& pb) {
   const std::vector<double> c = logp_coefficients(pb, f);
   const double tau = pb.config.temperature;
   const double dx_dz = pb.config.temperature_on_logp ? 1.0 : 1.0 / tau;
+  res.dloss_dlogp = c;
+  res.dloss_dentropy = f.entropy_weight;
   res.dlogits.assign(un * static_cast<std::size_t>(pb.vocab), 0.0);
   for (std::int64_t t = 0; t < n; ++t) {
     const double b = f.entropy_weight[t];

@@ -34,6 +34,10 @@ struct Result {
   std::vector<double> entropy;  // [N], every row
   std::vector<double> kl;       // [N], 0 on masked rows or when beta == 0
   std::vector<double> dlogits;  // [N * V]
+  // The coefficients behind dlogits (for error bounds in tests): dLoss/dlogp_t
+  // and dLoss/dEnt_t (the entropy bonus), 0 on masked rows.
+  std::vector<double> dloss_dlogp;
+  std::vector<double> dloss_dentropy;
   double clip_ratio_low = 0.0;
   double clip_ratio_high = 0.0;
   double clip_ratio_region = 0.0;
