@@ -83,7 +83,7 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
   if (backward && !dbias_ready) std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
   if (backward && !dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
   if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
-  if (outputs.stats != nullptr) *outputs.stats = step.stats;
+  if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
 }
 
 }  // namespace grpo::detail
