@@ -57,6 +57,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -82,14 +83,14 @@ class Setup:
     intermediate: int = 1536
     digits: int = 16  # the task's alphabet d0..d(digits-1)
     completion: int = 128  # max_completion_length, every completion is this long
-    copy_prob: float = 0.2  # warm start: P(token = target) before the uniform digit draw
-    sft_steps: int = 200
+    copy_prob: float = 0.3  # warm start: P(token = target) before the uniform digit draw
+    sft_steps: int = 100
     sft_batch: int = 8
     sft_lr: float = 1e-3
     seed: int = 0
     # GRPO
     steps: int = 100
-    prompts_per_step: int = 2
+    prompts_per_step: int = 1
     num_generations: int = 8
     learning_rate: float = 1e-4
     beta: float = 0.04
@@ -148,6 +149,9 @@ def warm_start(setup: Setup, path: str) -> dict:
     gen = torch.Generator().manual_seed(setup.seed + 1)
     eq = SPECIALS.index("=")
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.sft_lr, weight_decay=0.0)
+    # Cosine decay to 0: the last steps settle near the noisy-copy distribution instead of hovering in Adam noise.
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: 0.5 * (1.0 + math.cos(math.pi * min(i, setup.sft_steps) / setup.sft_steps)))
     losses = []
     start = time.perf_counter()
     for step in range(setup.sft_steps):
@@ -164,6 +168,7 @@ def warm_start(setup: Setup, path: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        schedule.step()
         losses.append(loss.item())
         if (step + 1) % 25 == 0:
             print(f"warm start step {step + 1}/{setup.sft_steps}: loss {statistics.fmean(losses[-25:]):.3f}", flush=True)
