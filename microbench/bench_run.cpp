@@ -3,6 +3,10 @@
 #include <cstdio>
 #include <memory>
 
+#include <tbb/task_arena.h>
+#include <string>
+#include <utility>
+
 #include "machine_peak.hpp"
 #include "measure.hpp"
 #include "runners.hpp"
@@ -40,6 +44,26 @@ void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
     out["peak_amx_bf16_gflops"] = peak.amx_bf16_gflops;
     out["machine_peak_threads"] = peak.threads;
     if (peak.for_dtype(c.dtype) > 0.0) out["peak_frac"] = executed / peak.for_dtype(c.dtype);
+  }
+  // Where the last step's time went (thread-seconds per phase, see
+  // LmHeadStepStats), and each phase's share of the step's thread-seconds
+  // (p50 step x threads); other_frac: everything else (loss, gathers, waits).
+  if (s.step_stats && (s.step_stats->forward_gemm_s > 0.0 || s.step_stats->forward_stage_s > 0.0)) {
+    const LmHeadStepStats& t = *s.step_stats;
+    const double threads = c.threads > 0 ? c.threads : tbb::this_task_arena::max_concurrency();
+    const double total = s.p50() * threads;
+    const std::pair<const char*, double> phases[] = {{"forward_gemm", t.forward_gemm_s},
+                                                     {"forward_stage", t.forward_stage_s},
+                                                     {"dlogits", t.dlogits_s},
+                                                     {"dweight_gemm", t.dweight_gemm_s},
+                                                     {"dhidden_gemm", t.dhidden_gemm_s}};
+    double accounted = 0.0;
+    for (const auto& [name, sec] : phases) {
+      out[std::string("phase_") + name + "_s"] = sec;
+      out[std::string("phase_") + name + "_frac"] = total > 0.0 ? sec / total : 0.0;
+      accounted += sec;
+    }
+    out["phase_other_frac"] = total > 0.0 ? 1.0 - accounted / total : 0.0;
   }
   // The unfused step's oneDNN GEMMs timed alone (a reference, not a bound).
   out["unfused_gemms_s"] = s.unfused_gemms_s.value_or(0.0);

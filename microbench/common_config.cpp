@@ -114,9 +114,13 @@ LossSpec parse_loss(MapReader& parent) {
   c.vespo_lambda_pos = get_float("vespo_lambda_pos", c.vespo_lambda_pos);
   c.vespo_k_neg = get_float("vespo_k_neg", c.vespo_k_neg);
   c.vespo_lambda_neg = get_float("vespo_lambda_neg", c.vespo_lambda_neg);
+  c.entropy_coef = get_float("entropy_coef", c.entropy_coef);
+  c.top_entropy_quantile = get_float("top_entropy_quantile", c.top_entropy_quantile);
+  c.logit_scale = get_float("logit_scale", c.logit_scale);
   // Absent or null: off.
   for (const auto& [key, field] : {std::pair{"off_policy_mask_threshold", &c.off_policy_mask_threshold},
-                                   std::pair{"clip_ratio_c", &c.clip_ratio_c}}) {
+                                   std::pair{"clip_ratio_c", &c.clip_ratio_c}, std::pair{"kl_clamp", &c.kl_clamp},
+                                   std::pair{"logit_softcap", &c.logit_softcap}}) {
     if (r.has(key) && !r.raw(key).IsNull()) *field = get_float(key, 0.0F);
     r.raw(key);
   }

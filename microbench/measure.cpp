@@ -149,6 +149,7 @@ RunStats measure_run(const BenchConfig& config, const Problem& problem, Progress
     stats.metrics = runner->metrics();
     if (const std::optional<LmHeadStepStats> rows = runner->step_stats()) {
       stats.executed_flops = executed_flops(config, *rows);
+      stats.step_stats = rows;
     }
     if (unfused_gemms) {
       progress.update("the unfused step's GEMMs alone");

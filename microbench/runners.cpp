@@ -347,7 +347,9 @@ bool same_loss(const LossConfig& a, const LossConfig& b) {
          a.sapo_tau_neg == b.sapo_tau_neg && a.kl_clamp == b.kl_clamp && a.kl_estimator == b.kl_estimator &&
          a.vespo_k_pos == b.vespo_k_pos && a.vespo_lambda_pos == b.vespo_lambda_pos && a.vespo_k_neg == b.vespo_k_neg &&
          a.vespo_lambda_neg == b.vespo_lambda_neg && a.off_policy_mask_threshold == b.off_policy_mask_threshold &&
-         a.clip_ratio_c == b.clip_ratio_c;
+         a.clip_ratio_c == b.clip_ratio_c && a.entropy_coef == b.entropy_coef &&
+         a.top_entropy_quantile == b.top_entropy_quantile && a.logit_softcap == b.logit_softcap &&
+         a.logit_scale == b.logit_scale;
 }
 
 }  // namespace

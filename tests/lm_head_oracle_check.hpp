@@ -36,7 +36,7 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
   HeadOracleBounds b;
   b.tol_logp.resize(n);
   b.dz_err.resize(n);
-  double sum_abs_c = 0.0, phi_loss_tol = 0.0;
+  double sum_abs_c = 0.0, phi_loss_tol = 0.0, entropy_loss_tol = 0.0;
   // vespo: phi_i carries the logp errors of the whole sequence (see
   // coefficient_amplification); 1 for every other loss.
   const std::vector<double> amp = coefficient_amplification(p.oracle.head, want.head.logp);
@@ -48,23 +48,20 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
       for (std::int64_t k = 0; k < h; ++k) m += std::abs(p.oracle.hidden[t * h + k] * p.oracle.weight[a * h + k]);
       zmag = std::max(zmag, m);
       const double z = p.batch.problem.logits[t * v + a];
-      if (std::isfinite(z)) xmax = std::max(xmax, std::abs(z) * scale);
+      if (std::isfinite(z)) xmax = std::max(xmax, softmax_input(s.config, z));
     }
     const double tol_z = 2.0 * kEpsF32 * std::sqrt(static_cast<double>(h)) * zmag;
-    b.tol_logp[t] = 8.0 * kEpsF32 * (xmax + std::sqrt(static_cast<double>(v))) + 2.0 * scale * tol_z;
-    // |a_t| from the oracle row: sum_v |dz_v| = 2 |a| (1 - p_y).
-    double row_sum = 0.0;
-    for (std::int64_t a = 0; a < v; ++a) row_sum += std::abs(want.head.dlogits[t * v + a]);
-    double one_minus_py = 1.0;
-    if (p.batch.mask[t] != 0.0F) {
-      const double log_py = s.config.temperature_on_logp ? want.head.logp[t] * tau : want.head.logp[t];
-      one_minus_py = std::max(-std::expm1(log_py), 1e-6);
-    }
-    const double abs_a = row_sum / (2.0 * one_minus_py);
+    // x = z' scale moves by at most s scale |z error| (dz'/dz <= s).
+    b.tol_logp[t] = 8.0 * kEpsF32 * (xmax + std::sqrt(static_cast<double>(v))) +
+                    2.0 * scale * static_cast<double>(s.config.logit_scale) * tol_z;
+    // The oracle's coefficients: a = |dLoss/dlogp| / tau, b = |dLoss/dEnt| dx/dz'.
+    const double abs_a = std::abs(want.head.dloss_dlogp[t]) / tau;
+    const double abs_b = std::abs(want.head.dloss_dentropy[t]) * scale;
     sum_abs_c += abs_a * tau;
-    // dz = a (onehot - p): |error| <= |a| (3 tol_logp + 4 eps), plus in the bf16
-    // path the f16 storage of x - max: |dp| <= p |u| 2^-11 <= 2^-11 / e < 2^-11.
-    b.dz_err[t] = abs_a * (3.0 * b.tol_logp[t] + 4.0 * kEpsF32 + (bf16 ? 1.0 / 2048.0 : 0.0));
+    entropy_loss_tol += std::abs(want.head.dloss_dentropy[t]) * b.tol_logp[t] * (2.0 + std::log(static_cast<double>(v)));
+    // dz = chain (a (onehot - p) - b p (x - mean)) (dz_error_bound); in the bf16
+    // path the block keeps x - max in f16: |dp| <= p |u| 2^-11 <= 2^-11 / e < 2^-11.
+    b.dz_err[t] = dz_error_bound(s.config, abs_a, abs_b, b.tol_logp[t], 2.0 * xmax, static_cast<double>(v), bf16);
     abs_a_row[t] = abs_a;
   }
   // phi's relative error (vespo): amp times the largest tol_logp (any row of its sequence).
@@ -84,6 +81,7 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_region, want.head.clip_ratio_region);
   EXPECT_NEAR(got.metrics.loss, want.head.loss,
               2.0 * sum_abs_c * *std::max_element(b.tol_logp.begin(), b.tol_logp.end()) + phi_loss_tol +
+                  entropy_loss_tol +
                   16.0 * kEpsF32 * std::abs(want.head.loss) + 1e-12);
 
   // Gradient GEMMs: a sum of products whose dz factor has the systematic bound

@@ -129,8 +129,10 @@ inline LogProbRun run_log_prob(const LogProbCase& c, const LogProbHostProblem& p
     o.dweight.assign(static_cast<std::size_t>(v * h) * size_of(c.head.dweight_dtype), std::byte{0x3f});
     o.dbias.assign(c.head.bias ? v : 0, 7.0F);
   }
-  const LmHeadLogProbPlan plan(log_prob_shape(c), {s.config.temperature, s.config.temperature_on_logp},
-                               log_prob_options(c, max_threads));
+  const LmHeadLogProbPlan plan(
+      log_prob_shape(c),
+      {s.config.temperature, s.config.temperature_on_logp, s.config.logit_softcap, s.config.logit_scale},
+      log_prob_options(c, max_threads));
   o.schedule = plan.describe();
   o.plan_schedule = plan.schedule();
   const LogProbInputs in = log_prob_inputs(c, p);
@@ -180,10 +182,11 @@ inline void expect_log_prob_matches_oracle(const LogProbCase& c, const LogProbHo
       }
       zmag = std::max(zmag, m);
       const double z = logits[t * v + a];
-      if (std::isfinite(z)) xmax = std::max(xmax, std::abs(z) * scale);
+      if (std::isfinite(z)) xmax = std::max(xmax, softmax_input(s.config, z));
     }
     const double tol_z = 2.0 * kEpsF32 * std::sqrt(static_cast<double>(h)) * zmag;
-    tol_logp[t] = 8.0 * kEpsF32 * (xmax + std::sqrt(static_cast<double>(v))) + 2.0 * scale * tol_z;
+    tol_logp[t] = 8.0 * kEpsF32 * (xmax + std::sqrt(static_cast<double>(v))) +
+                  2.0 * scale * static_cast<double>(s.config.logit_scale) * tol_z;
     const bool valid = p.head.batch.mask.empty() || p.head.batch.mask[t] != 0.0F;
     const double a = valid ? std::abs(p.dlogp[t]) / tau : 0.0;
     const double b = valid && !p.dentropy.empty() ? std::abs(p.dentropy[t]) * scale : 0.0;
@@ -207,6 +210,10 @@ inline void expect_log_prob_matches_oracle(const LogProbCase& c, const LogProbHo
     const double dp_abs = 3.0 * tol_logp[t] + 4.0 * kEpsF32 + f16;
     const double mean_err = tol_logp[t] * (3.0 + std::log(static_cast<double>(v)));
     dz_err[t] = a * dp_abs + b * (dp_abs * max_centered + max_p * (scale * tol_z + mean_err) + f16);
+    // Through a logit softcap / scale the row is the general one of dz_error_bound.
+    if (s.config.logit_softcap || s.config.logit_scale != 1.0F) {
+      dz_err[t] = dz_error_bound(s.config, a, b, tol_logp[t], 2.0 * xmax, static_cast<double>(v), bf16);
+    }
   }
   for (std::int64_t t = 0; t < n; ++t) {
     SCOPED_TRACE("row " + std::to_string(t));

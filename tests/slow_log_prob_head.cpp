@@ -36,5 +36,26 @@ INSTANTIATE_TEST_SUITE_P(V151936, LogProbRealVocab,
                                             ::testing::Values(WeightLayout::vocab_major, WeightLayout::hidden_major),
                                             ::testing::Values(false, true)));
 
+// A logit softcap with a scale inside, and the entropy upstream, at V = 151936.
+TEST(LogProbRealVocabSoftcap, MatchesOracle) {
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    LogProbCase c;
+    c.head.spec.batch = 2;
+    c.head.spec.seq_len = 20;
+    c.head.spec.vocab = 151936;
+    c.head.hidden = 32;
+    c.head.dtype = dtype;
+    c.head.spec.config.temperature = 0.9F;
+    c.head.spec.config.logit_softcap = 5.0F;
+    c.head.spec.config.logit_scale = 1.3F;
+    c.head.bias = true;
+    c.head.token_block = 32;
+    c.head.spec.seed = 7200;
+    c.zero_fraction = 0.25;
+    const LogProbHostProblem p = make_log_prob_problem(c);
+    expect_log_prob_matches_oracle(c, p, run_log_prob(c, p));
+  }
+}
+
 }  // namespace
 }  // namespace grpo::test

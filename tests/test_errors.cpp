@@ -57,6 +57,7 @@ constexpr unsigned kLogits = bit(Entry::logits_plan) | bit(Entry::logits_baselin
 constexpr unsigned kHead = bit(Entry::lm_head_plan) | bit(Entry::lm_head_baseline);
 constexpr unsigned kFused = bit(Entry::lm_head_plan);
 constexpr unsigned kAll = kLogits | kHead;
+constexpr unsigned kBaselines = bit(Entry::logits_baseline) | bit(Entry::lm_head_baseline);
 
 const char* entry_name(Entry e) {
   switch (e) {
@@ -662,6 +663,34 @@ std::vector<Refusal> refusals() {
          c.config.loss_type = LossType::sapo;
          c.config.clip_ratio_c = 3.0F;
        }},
+      {"EntropyCoefNaN", {"config.entropy_coef"}, kAll, [](Call& c, B&) { c.config.entropy_coef = kNaN; }},
+      {"EntropyCoefInf", {"config.entropy_coef"}, kAll, [](Call& c, B&) { c.config.entropy_coef = -kInf; }},
+      {"TopEntropyQuantileAboveOne",
+       {"config.top_entropy_quantile"},
+       kAll,
+       [](Call& c, B&) { c.config.top_entropy_quantile = 1.5F; }},
+      {"TopEntropyQuantileNegative",
+       {"config.top_entropy_quantile"},
+       kAll,
+       [](Call& c, B&) { c.config.top_entropy_quantile = -0.1F; }},
+      {"TopEntropyQuantileNaN",
+       {"config.top_entropy_quantile"},
+       kAll,
+       [](Call& c, B&) { c.config.top_entropy_quantile = kNaN; }},
+      {"LogitSoftcapZero", {"config.logit_softcap"}, kAll, [](Call& c, B&) { c.config.logit_softcap = 0.0F; }},
+      {"LogitSoftcapNegative", {"config.logit_softcap"}, kAll, [](Call& c, B&) { c.config.logit_softcap = -30.0F; }},
+      {"LogitSoftcapInf", {"config.logit_softcap"}, kAll, [](Call& c, B&) { c.config.logit_softcap = kInf; }},
+      {"LogitScaleZero", {"config.logit_scale"}, kAll, [](Call& c, B&) { c.config.logit_scale = 0.0F; }},
+      {"LogitScaleNegative", {"config.logit_scale"}, kAll, [](Call& c, B&) { c.config.logit_scale = -1.0F; }},
+      {"LogitScaleNaN", {"config.logit_scale"}, kAll, [](Call& c, B&) { c.config.logit_scale = kNaN; }},
+      // The unfused baselines do not implement these (ErrorKind::unsupported).
+      {"BaselineEntropyBonus", {"config.entropy_coef"}, kBaselines, [](Call& c, B&) { c.config.entropy_coef = 0.01F; }},
+      {"BaselineTopEntropyMask",
+       {"config.top_entropy_quantile"},
+       kBaselines,
+       [](Call& c, B&) { c.config.top_entropy_quantile = 0.2F; }},
+      {"BaselineSoftcap", {"config.logit_softcap"}, kBaselines, [](Call& c, B&) { c.config.logit_softcap = 30.0F; }},
+      {"BaselineLogitScale", {"config.logit_scale"}, kBaselines, [](Call& c, B&) { c.config.logit_scale = 2.0F; }},
       {"KlEstimatorUnknown",
        {"config.kl_estimator"},
        kAll,

@@ -81,6 +81,15 @@ std::vector<LogProbCase> cases() {
     c.zero_fraction = i % 8 == 7 ? 1.0 : (i % 2 == 0 ? 0.3 : 0.6);  // 1.0: nothing to do at all
     out.push_back(c);
   }
+  // Logit softcap (with and without a scale inside) and a scale alone, through the same edges.
+  for (int i = 0; i < 8; ++i) {
+    LogProbCase c = out[static_cast<std::size_t>(i * 3)];
+    c.head.spec.seed += 100;
+    if (i % 2 == 0) c.head.spec.config.logit_softcap = i % 4 == 0 ? 4.0F : 1.5F;
+    c.head.spec.config.logit_scale = i % 3 == 0 ? 1.0F : (i % 3 == 1 ? 1.3F : 0.7F);
+    c.entropy_upstream = true;
+    out.push_back(c);
+  }
   return out;
 }
 

@@ -108,7 +108,7 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
   // covering exp's ulps, the subtraction and log.
   double max_x = 1.0;
   for (double z : h.problem.logits) {
-    if (std::isfinite(z)) max_x = std::max(max_x, std::abs(z) * scale);
+    if (std::isfinite(z)) max_x = std::max(max_x, softmax_input(s.config, z));
   }
   const double tol_logp = 8.0 * kEpsF32 * (max_x + std::sqrt(static_cast<double>(s.vocab)));
   // entropy = log S - D/S, D/S = E_p[x - M] has S's relative error times |E_p[x - M]| <= max_x + log V.
@@ -128,21 +128,19 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
   // sum_v |dz_v| = 2 |a| (1 - p_y).
   // vespo: phi_i carries the logp errors of the whole sequence (amp, see
   // coefficient_amplification), and the loss moves by |c_t logp_t| amp tol.
+  // With the entropy bonus, softcap or scale the row is the general one of
+  // dz_error_bound; |a| and |b| are the oracle's coefficients.
   const std::vector<double> amp = coefficient_amplification(h.problem, want.logp);
-  double sum_abs_a = 0.0, phi_loss_tol = 0.0;
+  double sum_abs_a = 0.0, phi_loss_tol = 0.0, entropy_loss_tol = 0.0;
   const double out_rel = c.dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
   for (std::int64_t r = 0; r < n; ++r) {
-    double row_sum = 0.0;
-    for (std::int64_t v = 0; v < s.vocab; ++v) row_sum += std::abs(want.dlogits[r * s.vocab + v]);
-    double one_minus_py = 1.0;
-    if (h.mask[r] != 0.0F) {
-      const double log_py = s.config.temperature_on_logp ? want.logp[r] * tau : want.logp[r];
-      one_minus_py = std::max(-std::expm1(log_py), 1e-6);
-    }
-    const double a = row_sum / (2.0 * one_minus_py);
+    const double a = std::abs(want.dloss_dlogp[r]) / tau;
+    const double b = std::abs(want.dloss_dentropy[r]) * scale;
     sum_abs_a += a;
+    entropy_loss_tol += std::abs(want.dloss_dentropy[r]) * tol_entropy;
     if (amp[r] > 1.0) phi_loss_tol += tau * a * std::abs(want.logp[r]) * amp[r] * tol_logp;
-    const double tol_abs = a * (3.0 * tol_logp * amp[r] + 4.0 * kEpsF32);
+    const double tol_abs =
+        dz_error_bound(s.config, a, b, tol_logp * amp[r], 2.0 * max_x, static_cast<double>(s.vocab), false);
     for (std::int64_t v = 0; v < s.vocab; ++v) {
       const double w = want.dlogits[r * s.vocab + v];
       const double g = got.dlogits[r * s.vocab + v];
@@ -151,7 +149,8 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
   }
   // loss = sum_t w_t l_t moves by sum_t |c_t| tol_logp, c_t = tau a_t; plus f32 rounding.
   EXPECT_NEAR(got.metrics.loss, want.loss,
-              2.0 * tau * sum_abs_a * tol_logp + phi_loss_tol + 16.0 * kEpsF32 * std::abs(want.loss) + 1e-12);
+              2.0 * tau * sum_abs_a * tol_logp + phi_loss_tol + entropy_loss_tol + 16.0 * kEpsF32 * std::abs(want.loss) +
+                  1e-12);
   // Branch decisions agree exactly (inputs are drawn away from the kinks).
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_low, want.clip_ratio_low);
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_high, want.clip_ratio_high);
@@ -258,6 +257,36 @@ std::vector<LogitsCase> semantic_cases() {
     s.config.delta = 1.6F;
   });
   add(LossType::bnpo, IsLevel::sequence, dual);
+  // Entropy bonus, top-entropy mask, logit softcap and scale (appended: the cases above keep their seeds).
+  const auto bonus = [](BatchSpec& s) { s.config.entropy_coef = 0.05F; };
+  const auto topk = [](BatchSpec& s) { s.config.top_entropy_quantile = 0.4F; };
+  const auto cap = [](BatchSpec& s) {
+    s.config.logit_softcap = 4.0F;  // the generated |z| / tau reaches ~10: a real cap
+    s.config.logit_scale = 1.2F;
+  };
+  const auto scaled = [](BatchSpec& s) { s.config.logit_scale = 0.6F; };
+  add(LossType::grpo, IsLevel::token, bonus);
+  add(LossType::dapo, IsLevel::token, [&](BatchSpec& s) {
+    bonus(s);
+    topk(s);
+  });
+  add(LossType::grpo, IsLevel::sequence, topk);
+  add(LossType::cispo, IsLevel::token, [&](BatchSpec& s) {
+    cap(s);
+    bonus(s);
+  });
+  add(LossType::bnpo, IsLevel::token, cap);
+  add(LossType::sapo, IsLevel::token, scaled);
+  add(LossType::vespo, IsLevel::token, [&](BatchSpec& s) {
+    scaled(s);
+    topk(s);
+    s.config.entropy_coef = -0.1F;
+  });
+  add(LossType::luspo, IsLevel::sequence, [&](BatchSpec& s) {
+    cap(s);
+    topk(s);
+    s.config.beta = 0.04F;
+  });
   return cases;
 }
 
@@ -274,6 +303,19 @@ std::vector<LogitsCase> real_vocab_cases() {
     c.in_place = i >= 2;
     cases.push_back(c);
     ++i;
+  }
+  // The entropy bonus through a softcap, and the top-entropy mask with a logit scale, at V = 151936.
+  for (int k = 0; k < 2; ++k) {
+    LogitsCase c;
+    c.spec = {1, 9, 151936, config_for(k == 0 ? LossType::grpo : LossType::dapo)};
+    c.spec.config.entropy_coef = k == 0 ? 0.05F : -0.02F;
+    if (k == 0) c.spec.config.logit_softcap = 6.0F;
+    c.spec.config.logit_scale = k == 0 ? 1.1F : 0.8F;
+    if (k == 1) c.spec.config.top_entropy_quantile = 0.5F;
+    c.spec.seed = 91 + k;
+    c.dtype = k == 0 ? DType::f32 : DType::bf16;
+    c.in_place = k == 1;
+    cases.push_back(c);
   }
   return cases;
 }

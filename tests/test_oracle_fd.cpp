@@ -197,11 +197,79 @@ TEST(OracleFdTrainerOptions, DlogitsMatchCentralDifferences) {
   EXPECT_GT(dual_clipped, 0) << "no token reached the dual-clip cap";
 }
 
+// Entropy bonus, top-entropy mask, logit softcap and scale, over loss types
+// and IS levels: the oracle's dlogits (bonus term, chain factor, mask) against
+// central differences of its loss. The mask is piecewise constant (near_kink
+// keeps draws away from its steps), so it must show no derivative of its own.
+TEST(OracleFdTrainerOptions, EntropyBonusMaskAndSoftcapMatchCentralDifferences) {
+  struct Base {
+    LossType type;
+    IsLevel level;
+    double entropy_coef, rho, softcap, scale;
+  };
+  const Base bases[] = {
+      {LossType::grpo, IsLevel::token, 0.05, 1.0, 0.0, 1.0},    {LossType::dapo, IsLevel::token, -0.3, 0.45, 0.0, 1.0},
+      {LossType::grpo, IsLevel::sequence, 0.2, 0.6, 0.0, 1.0},  {LossType::cispo, IsLevel::token, 0.1, 0.3, 2.5, 1.0},
+      {LossType::bnpo, IsLevel::token, 0.0, 1.0, 2.0, 1.7},     {LossType::luspo, IsLevel::sequence, 0.0, 0.5, 0.0, 0.6},
+      {LossType::vespo, IsLevel::token, 0.15, 0.8, 1.5, 1.3},   {LossType::sapo, IsLevel::token, 0.0, 1.0, 0.0, 1.3},
+  };
+  double worst = 0.0;
+  std::int64_t cases = 0, masked_out = 0;
+  for (std::size_t b = 0; b < std::size(bases); ++b) {
+    const Base& base = bases[b];
+    std::vector<CaseOptions> sweep = fd::sweep(base.type, base.level);
+    for (std::size_t c = 0; c < sweep.size(); c += 5) {  // every 5th point: 8 bases x ~150 cases
+      CaseOptions o = sweep[c];
+      if (base.type == LossType::vespo && o.is_weight == IsWeightKind::per_sequence) continue;  // refused
+      o.entropy_coef = base.entropy_coef;
+      o.top_entropy_quantile = base.rho;
+      o.logit_softcap = base.softcap;
+      o.logit_scale = base.scale;
+      const unsigned seed = 700000U + 1000U * static_cast<unsigned>(b) + static_cast<unsigned>(c);
+      std::mt19937 rng(seed);
+      Problem p = fd::random_problem(o, rng);
+      for (int redraw = 0; fd::near_kink(p, kKinkMargin); ++redraw) {
+        ASSERT_LT(redraw, 200) << o.describe() << " seed=" << seed;
+        p = fd::random_problem(o, rng);
+      }
+      const std::string where = o.describe() + shape_of(p) + " seed=" + std::to_string(seed);
+      const Result res = evaluate(p);
+      ASSERT_TRUE(std::isfinite(res.loss)) << where;
+      for (std::size_t k = 0; k < res.dlogits.size(); ++k) {
+        if (p.mask[k / p.vocab] == 0.0) continue;
+        const double fd = fd::surrogate_derivative(p, k, kStep);
+        worst = std::max(worst, std::abs(fd - res.dlogits[k]));
+        ASSERT_NEAR(res.dlogits[k], fd, kFdTolerance) << where << " entry " << k;
+      }
+      ++cases;
+      // Coverage: the mask removed some valid row's policy term.
+      if (base.rho < 1.0) {
+        std::vector<long double> valid;
+        for (std::size_t t = 0; t < res.entropy.size(); ++t) {
+          if (p.mask[t] != 0.0) valid.push_back(res.entropy[t]);
+        }
+        if (valid.size() > 1) {
+          const long double q = linear_quantile(valid, 1.0L - base.rho);
+          for (const long double e : valid) masked_out += e < q ? 1 : 0;
+        }
+      }
+    }
+  }
+  std::printf("entropy bonus / mask / softcap FD: %lld cases, worst |oracle - central difference| = %.3g\n",
+              static_cast<long long>(cases), worst);
+  RecordProperty("worst_abs_error", std::to_string(worst));
+  EXPECT_GT(masked_out, 0) << "the top-entropy mask never masked a token";
+}
+
 // The LM head on top: finite differences in hidden, weight and bias entries.
 // One entry moves a whole logits row (or column) by h * |W| or h * |h| <= h,
 // so the same step, margin and tolerance apply.
 TEST(OracleFdLmHead, GradientsMatchCentralDifferences) {
-  std::vector<CaseOptions> configs(3);
+  std::vector<CaseOptions> configs(4);
+  configs[3].loss_type = LossType::grpo;  // entropy bonus through a softcap with a scale
+  configs[3].entropy_coef = 0.2;
+  configs[3].logit_softcap = 1.5;
+  configs[3].logit_scale = 1.4;
   configs[0].beta = 0.04;
   configs[0].with_mask = true;
   configs[1].loss_type = LossType::dapo;
@@ -272,6 +340,7 @@ TEST(OracleFdLogProbHead, GradientsMatchCentralDifferences) {
     for (const double tau : {0.7, 1.0}) {
       for (int mask = 0; mask < 2; ++mask) {
         for (int with_entropy = 0; with_entropy < 2; ++with_entropy) {
+          const int transform = seed_index % 3;  // none, softcap 1.5 with scale 1.3, scale 0.8
           const unsigned seed = 9100U + static_cast<unsigned>(seed_index++);
           std::mt19937 rng(seed);
           std::uniform_real_distribution<double> unit(-1.0, 1.0);
@@ -283,6 +352,8 @@ TEST(OracleFdLogProbHead, GradientsMatchCentralDifferences) {
           lp.hidden_size = 4;
           lp.head.config.temperature = static_cast<float>(tau);
           lp.head.config.temperature_on_logp = conv == 1;
+          if (transform == 1) lp.head.config.logit_softcap = 1.5F;
+          if (transform != 0) lp.head.config.logit_scale = transform == 1 ? 1.3F : 0.8F;
           lp.hidden.resize(6 * 4);
           lp.weight.resize(5 * 4);
           lp.bias.resize(5);
@@ -304,7 +375,7 @@ TEST(OracleFdLogProbHead, GradientsMatchCentralDifferences) {
           }
           std::ostringstream where;
           where << "on_logp=" << conv << " tau=" << tau << " mask=" << mask << " entropy=" << with_entropy
-                << " seed=" << seed;
+                << " transform=" << transform << " seed=" << seed;
           const LogProbResult res = evaluate_log_prob_head(pb);
           const auto objective = [&] { return log_prob_objective(pb); };
           const auto check = [&](std::vector<double>& x, const std::vector<double>& grad, const char* name) {

@@ -429,6 +429,112 @@ TEST_P(StageKernelsTest, DlogitsEntropyRow) {
   }
 }
 
+// The logit softcap: cap tanh(scale z / cap) within a few ulp of cap (the
+// polynomial / (1 - e) / (1 + e) split on AVX-512, std::tanh on the scalar
+// path), f32 and bf16 input, in place for f32, nothing outside [0, n) written.
+TEST_P(StageKernelsTest, Softcap) {
+  for (Elem in_t : {Elem::f32, Elem::bf16}) {
+    for (const float cap : {0.5F, 4.0F, 30.0F}) {
+      SCOPED_TRACE(testing::Message() << "n=" << n_ << " in=" << int(in_t) << " cap=" << cap);
+      std::vector<float> z = make_row(Kind::normal, n_, 9100u + std::uint32_t(n_));
+      for (std::size_t i = 0; i < z.size(); i += 7) z[i] *= 40.0F;  // some saturated entries
+      round_to(in_t, z);
+      const float scale = 1.3F;
+      Guarded in(n_, size_of(in_t), Place::head);
+      Guarded out(n_, 4, Place::tail);
+      fill(in, in_t, z);
+      k_->softcap(in.as<void>(), in_t, n_, scale, cap, out.as<float>());
+      EXPECT_TRUE(out.outside_untouched());
+      for (std::int64_t i = 0; i < n_; ++i) {
+        const double want = double(cap) * std::tanh(double(scale) / double(cap) * double(z[i]));
+        // scale / cap rounds once (u), the product once (u): 2u |y| |tanh'| <= 2u |y| of the argument; tanh within 4u.
+        const double y = double(scale) / double(cap) * double(z[i]);
+        const double tol = double(cap) * (8.0 * kU + 3.0 * kU * std::fabs(y) / std::cosh(std::min(std::fabs(y), 40.0)) /
+                                                         std::cosh(std::min(std::fabs(y), 40.0)));
+        ASSERT_NEAR(out.as<float>()[i], want, tol) << "i=" << i << " z=" << z[i];
+      }
+      if (in_t == Elem::f32) {
+        std::vector<float> copy(out.as<float>(), out.as<float>() + n_);
+        k_->softcap(in.as<void>(), in_t, n_, scale, cap, in.as<float>());
+        ASSERT_EQ(std::memcmp(in.as<void>(), copy.data(), std::size_t(n_) * 4), 0);
+      }
+    }
+  }
+}
+
+// dlogits through a softcap: the entropy row times s (1 - t^2), t = x cap_k,
+// against double; dbias gets the final value; in place gives the same bits.
+TEST_P(StageKernelsTest, DlogitsSoftcapRow) {
+  for (Elem in_t : {Elem::f32, Elem::f16}) {
+    for (Elem out_t : {Elem::f32, Elem::bf16}) {
+      for (std::int64_t target : {std::int64_t{-1}, n_ / 2}) {
+        SCOPED_TRACE(testing::Message() << "n=" << n_ << " in=" << int(in_t) << " out=" << int(out_t)
+                                        << " target=" << target);
+        std::vector<float> z = make_row(Kind::normal, n_, 9300u + std::uint32_t(n_));
+        const float zmax = expected_max(z, 1.0F);
+        const float scale = in_t == Elem::f16 ? 1.0F : 1.0F / 0.7F;
+        const float shift = in_t == Elem::f16 ? zmax : 0.375F;
+        if (in_t == Elem::f16) {
+          for (float& v : z) v -= zmax;
+        }
+        round_to(in_t, z);
+        double xmax = -kInf, sum = 0.0, sum_x = 0.0;
+        for (float v : z) xmax = std::max(xmax, double(v) * scale + shift);
+        for (float v : z) {
+          const double e = std::exp(double(v) * scale + shift - xmax);
+          sum += e;
+          sum_x += e * (double(v) * scale + shift);
+        }
+        const float lse = float(xmax + std::log(sum));
+        const float mean = float(sum_x / sum);
+        const float a = -0.8125F, b = 0.6875F, cap_k = 1.0F / (scale * 12.0F), cap_s = 1.3F;
+        Guarded in(n_, size_of(in_t), Place::head);
+        Guarded out(n_, size_of(out_t), Place::tail);
+        Guarded bias(n_, 4, Place::head_plus_one);
+        fill(in, in_t, z);
+        std::vector<float> bias0 = make_row(Kind::normal, n_, 9301u);
+        fill(bias, Elem::f32, bias0);
+        k_->dlogits_softcap_row(in.as<void>(), in_t, n_, scale, shift, lse, a, b, mean, cap_k, cap_s, target,
+                                out.as<void>(), out_t, bias.as<float>());
+        EXPECT_TRUE(out.outside_untouched());
+        EXPECT_TRUE(bias.outside_untouched());
+        for (std::int64_t i = 0; i < n_; ++i) {
+          const double x = double(z[i]) * scale + shift;
+          const double d = x - double(lse);
+          const double p = std::exp(d);
+          const double xc = x - double(mean);
+          const double inner = a * ((i == target ? 1.0 : 0.0) - p) - b * p * xc;
+          const double t = x * double(cap_k);
+          const double chain = double(cap_s) * (1.0 - t * t);
+          const double g_ref = inner * chain;
+          // The entropy row's bound (DlogitsEntropyRow) times |chain|, plus the
+          // chain's own error: t rounds twice (2u relative), 1 - t^2 in one fma
+          // (4u t^2 + u), the two products (2u); flushed lanes as there.
+          const double rel_p = p * kU * (std::fabs(x) + std::fabs(d) + kExpU);
+          const double flush = (std::fabs(a) + std::fabs(b) * std::fabs(xc)) * std::numeric_limits<float>::min();
+          const double inner_tol = std::fabs(a) * rel_p + 2 * kU * std::fabs(a * ((i == target ? 1.0 : 0.0) - p)) +
+                                   std::fabs(b) * (rel_p * std::fabs(xc) +
+                                                   p * kU * (std::fabs(double(shift) - mean) + 3 * std::fabs(xc))) +
+                                   kU * std::fabs(inner) + flush;
+          const double tol32 = inner_tol * std::fabs(chain) +
+                               std::fabs(inner) * double(cap_s) * (4.0 * kU * t * t + 5.0 * kU) + kU * std::fabs(g_ref);
+          const double g = out_t == Elem::f32 ? out.as<float>()[i] : bf16_to_float(out.as<std::uint16_t>()[i]);
+          const double tol = tol32 + (out_t == Elem::bf16 ? kUBf16 * (std::fabs(g_ref) + tol32) : 0.0);
+          ASSERT_NEAR(g, g_ref, tol) << "i=" << i;
+          ASSERT_NEAR(bias.as<float>()[i], bias0[i] + g_ref, tol32 + kU * (std::fabs(bias0[i] + g_ref) + tol32))
+              << "i=" << i;
+        }
+        if (size_of(in_t) != size_of(out_t)) continue;
+        k_->dlogits_softcap_row(in.as<void>(), in_t, n_, scale, shift, lse, a, b, mean, cap_k, cap_s, target,
+                                out.as<void>(), out_t, nullptr);
+        k_->dlogits_softcap_row(in.as<void>(), in_t, n_, scale, shift, lse, a, b, mean, cap_k, cap_s, target,
+                                in.as<void>(), out_t, nullptr);
+        ASSERT_EQ(std::memcmp(in.as<void>(), out.as<void>(), std::size_t(n_) * size_of(out_t)), 0);
+      }
+    }
+  }
+}
+
 TEST_P(StageKernelsTest, Finiteness) {
   for (Elem t : {Elem::f32, Elem::bf16, Elem::f16}) {
     for (Place place : kPlaces) {

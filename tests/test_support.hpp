@@ -107,6 +107,37 @@ inline bool near_kink(const LossConfig& c, double log_ratio) {
   return false;
 }
 
+// The bound on |dlogits error| per entry of one row, for the general row
+//   dz = chain (a (onehot - p) - b' p (x - E_p[x])),  chain = dz'/dz <= s,
+// a_abs = |dLoss/dlogp| / tau, b_abs = |dLoss/dEnt| dx/dz', tol: the row's
+// logp (and x) error, spread: a bound on |x_v - E_p[x]| and on the stored
+// |x - max|, f16: the block buffer keeps x - max in f16 (2^-11 relative).
+//   a term: p carries tol relatively: a (3 tol + 4 eps) [+ a 2^-11: f16 u]
+//   b term: p (x - mean) moves by p |x - mean| (3 tol + 4 eps + f16) plus
+//           p |error of x - mean| <= tol (4 + 2 log V) + f16 spread
+//   chain:  dchain = 2 s |t| |dt| <= 2 s cap_k (tol + f16 spread) times |g| <= a + b spread
+inline double dz_error_bound(const LossConfig& c, double a_abs, double b_abs, double tol, double spread,
+                             double vocab, bool f16) {
+  const double u = f16 ? 1.0 / 2048.0 : 0.0;
+  const double s = c.logit_scale;
+  const double err_a = a_abs * (3.0 * tol + 4.0 * kEpsF32 + u);
+  const double err_b =
+      b_abs * (spread * (3.0 * tol + 4.0 * kEpsF32 + u) + tol * (4.0 + 2.0 * std::log(vocab)) + u * spread);
+  double err_chain = 0.0;
+  if (c.logit_softcap) {
+    const double scale = c.temperature_on_logp ? 1.0 : 1.0 / c.temperature;
+    const double cap_k = 1.0 / (scale * *c.logit_softcap);
+    err_chain = (a_abs + b_abs * spread) * 2.0 * s * cap_k * (tol + (u + 4.0 * kEpsF32) * spread);
+  }
+  return s * (err_a + err_b) + err_chain;
+}
+
+// |x| = |z'| * scale of one logit z under the config's transform and temperature.
+inline double softmax_input(const LossConfig& c, double z) {
+  const double scale = c.temperature_on_logp ? 1.0 : 1.0 / c.temperature;
+  return std::abs(static_cast<double>(oracle::transform_logit(z, c.logit_softcap, c.logit_scale).value)) * scale;
+}
+
 // The relative error of a token's coefficient per unit of logp error, beyond
 // the token's own: vespo's phi_i moves with every logp of its sequence,
 // d log phi / d log w = k - lam w summed over |o_i| tokens (1 otherwise).

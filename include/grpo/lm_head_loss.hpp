@@ -97,6 +97,19 @@ struct LmHeadInputs {
 struct LmHeadStepStats {
   std::int64_t logits_gemm_rows = 0;
   std::int64_t backward_gemm_rows = 0;
+  // Where the time went, in thread-seconds summed over the threads (a
+  // steady_clock pair around each piece of work inside the tasks):
+  //   forward_gemm_s   the logits GEMM calls (forward, and any recompute)
+  //   forward_stage_s  the row statistics over each logits tile (+ the softcap pass)
+  //   dlogits_s        the dlogits rows (+ dbias) before each dW GEMM
+  //   dweight_gemm_s   the dW GEMM calls; dhidden_gemm_s the dhidden GEMM calls
+  // The rest of the wall time (loss coefficients, gathers, copies, waits at
+  // the end of each parallel loop) is the step time minus these / threads.
+  double forward_gemm_s = 0.0;
+  double forward_stage_s = 0.0;
+  double dlogits_s = 0.0;
+  double dweight_gemm_s = 0.0;
+  double dhidden_gemm_s = 0.0;
 };
 
 struct LmHeadOutputs {

@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -46,6 +47,10 @@ namespace grpo {
 struct LogProbConfig {
   float temperature = 1.0F;
   bool temperature_on_logp = false;  // see the header comment
+  // As LossConfig: z' = c tanh(s z / c) (or s z without a cap) before the temperature;
+  // the backward applies dz'/dz.
+  std::optional<float> logit_softcap;
+  float logit_scale = 1.0F;
 };
 
 struct LogProbInputs {

@@ -87,6 +87,24 @@ struct LossConfig {
   // gradient 0 where -A c is strictly smaller (ties flow). Must exceed 1.
   // Absent = off (verl's default is 3).
   std::optional<float> clip_ratio_c;
+  // Entropy bonus: Loss -= entropy_coef * sum_t m_t e_t Ent_t / max(sum_t m_t e_t, 1), a plain
+  // mean over the tokens it acts on whatever the loss type (e_t: the entropy mask below, 1 when
+  // off). Differentiable: dEnt_t/dx_v = -p_v (x_v - E_p[x]), fused into the same dlogits tile
+  // (no extra GEMM pass). Finite; 0 = off.
+  float entropy_coef = 0.0F;
+  // TRL's top_entropy_quantile rho in [0, 1]: e_t = [Ent_t >= q] m_t with q the (1 - rho)
+  // quantile of the entropies of the valid tokens of the call (linear interpolation, as
+  // torch.quantile computes it in f32). e_t multiplies the policy term (not the KL) and is not
+  // differentiated. 1 = off (q is the minimum: every token kept). It needs every token's
+  // entropy before any coefficient: the fused LM head runs its two-pass schedule (logits
+  // recomputed for the backward) when the call's rows do not fit one token block.
+  float top_entropy_quantile = 1.0F;
+  // Logit transforms of the model's head (Gemma's final_logit_softcapping, Granite's / Cohere's
+  // logit scale), before the temperature: z' = c tanh(s z / c), or z' = s z without a cap;
+  // dz'/dz = s (1 - tanh^2(s z / c)). logit_softcap: c, finite and > 0; absent = no cap.
+  // logit_scale: s, finite and > 0.
+  std::optional<float> logit_softcap;
+  float logit_scale = 1.0F;
 };
 
 // The per-token tensors of one micro-batch of B sequences of T tokens (N = B * T rows).

@@ -43,9 +43,13 @@ _LOSS_TYPES = {
     "dapo": _core.LossType.dapo,
     "cispo": _core.LossType.cispo,
     "sapo": _core.LossType.sapo,
+    "luspo": _core.LossType.luspo,
+    "vespo": _core.LossType.vespo,
 }
-# Liger / TRL loss types the C++ core does not compute (yet).
-_UNSUPPORTED_LOSS_TYPES = ("luspo", "vespo")
+# Loss types lm_head_grpo_loss computes (TRL 1.16's semantics, README) but the
+# Liger drop-in refuses: not checked against Liger 0.8.5's own luspo / vespo.
+_UNSUPPORTED_LOSS_TYPES: tuple[str, ...] = ()
+_DROP_IN_UNSUPPORTED_LOSS_TYPES = ("luspo", "vespo")
 _IS_LEVELS = {"token": _core.IsLevel.token, "sequence": _core.IsLevel.sequence}
 _FLOAT_DTYPES = {torch.float32: _core.DType.f32, torch.bfloat16: _core.DType.bf16}
 
@@ -205,6 +209,14 @@ def lm_head_grpo_loss(
     num_items_in_batch: Optional[float] = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
     return_entropy: bool = False,
     num_threads: Optional[int] = None,
     workspace_budget: Optional[int] = None,
@@ -216,8 +228,12 @@ def lm_head_grpo_loss(
     hidden [B, T, H] or [B*T, H] and weight [V, H] (lm_head.weight), both
     float32 or both bfloat16, unit inner stride (any row stride); bias [V];
     ids / mask [B, T]; advantages [B] or [B, T]; old_logp / ref_logp [B, T];
-    is_weight [B, T], [B, 1] or [B]. dapo / cispo need num_items_in_batch
-    (the global valid-token count); dr_grpo needs max_completion_length.
+    is_weight [B, T], [B, 1] or [B]. dapo / cispo / vespo need num_items_in_batch
+    (the global valid-token count); dr_grpo needs max_completion_length; luspo
+    needs importance_sampling_level="sequence". entropy_coef: the entropy bonus
+    (Loss -= entropy_coef * mean entropy over the tokens it acts on);
+    top_entropy_quantile: TRL's entropy mask; logit_softcap / logit_scale: the
+    model's logit transform before the temperature (grpo.LossConfig fields).
     """
     names = {k: k for k in ("hidden", "weight", "bias", "ids", "mask", "advantages", "old_logp", "ref_logp",
                             "is_weight", "loss_type", "importance_sampling_level", "num_items_in_batch")}
@@ -268,17 +284,17 @@ def lm_head_grpo_loss(
 
     # dapo / cispo: the plan gets a unit normalizer and the result is scaled, so
     # one plan serves every step whatever num_items_in_batch is.
+    # The entropy bonus has its own normalizer: with it the plan gets the real one.
     scale = 1.0
     items = 0.0
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         if num_items_in_batch is None:
             raise _refuse(names["num_items_in_batch"], f"is required for loss_type '{loss_type}' "
                           "(the global valid-token count)")
         normalizer = float(num_items_in_batch)
         if not (normalizer > 0.0 and math.isfinite(normalizer)):
             raise _refuse(names["num_items_in_batch"], f"must be finite and > 0, got {normalizer}")
-        scale = 1.0 / normalizer
-        items = 1.0
+        scale, items = (1.0 / normalizer, 1.0) if float(entropy_coef) == 0.0 else (1.0, normalizer)
 
     config = _core.LossConfig()
     config.loss_type = _LOSS_TYPES[loss_type]
@@ -295,6 +311,12 @@ def lm_head_grpo_loss(
     config.num_items_in_batch = items
     config.sapo_tau_pos = float(sapo_temperature_pos)
     config.sapo_tau_neg = float(sapo_temperature_neg)
+    config.vespo_k_pos, config.vespo_lambda_pos = float(vespo_k_pos), float(vespo_lambda_pos)
+    config.vespo_k_neg, config.vespo_lambda_neg = float(vespo_k_neg), float(vespo_lambda_neg)
+    config.entropy_coef = float(entropy_coef)
+    config.top_entropy_quantile = float(top_entropy_quantile)
+    config.logit_softcap = None if logit_softcap is None else float(logit_softcap)
+    config.logit_scale = float(logit_scale)
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
@@ -306,8 +328,10 @@ def lm_head_grpo_loss(
     key = (b, s, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld,
            loss_type, importance_sampling_level, config.epsilon_low, config.epsilon_high, config.delta,
            config.beta, config.kl_bias_correction, config.kl_clamp, config.temperature, config.temperature_on_logp,
-           config.max_completion_length, items, config.sapo_tau_pos, config.sapo_tau_neg,
-           not needs_grad, threads, workspace_budget)
+           config.max_completion_length, items, config.sapo_tau_pos, config.sapo_tau_neg, config.vespo_k_pos,
+           config.vespo_lambda_pos, config.vespo_k_neg, config.vespo_lambda_neg, config.entropy_coef,
+           config.top_entropy_quantile, config.logit_softcap, config.logit_scale, not needs_grad, threads,
+           workspace_budget)
 
     def build():
         shape = _core.LmHeadShape()
@@ -471,7 +495,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         self._check_settings()
 
     def _check_settings(self) -> None:
-        if self.loss_type in _UNSUPPORTED_LOSS_TYPES:
+        if self.loss_type in _DROP_IN_UNSUPPORTED_LOSS_TYPES:
             raise _refuse("loss_type", f"'{self.loss_type}' is not implemented by grpo", NotImplementedError)
         if self.loss_type not in _LOSS_TYPES:
             raise ValueError(f"Unknown loss type: {self.loss_type}")
@@ -698,6 +722,8 @@ def fused_log_probs(
     *,
     mask: Optional[torch.Tensor] = None,
     temperature_on_logp: bool = False,
+    logit_softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
     num_threads: Optional[int] = None,
     workspace_budget: Optional[int] = None,
     plan_cache: Optional[grpo.PlanCache] = None,
@@ -733,7 +759,10 @@ def fused_log_probs(
     needed (a frozen lm_head, a hidden that does not require grad) is written
     into a float32 scratch buffer kept in the plan cache (a [V, H] float32
     buffer for a frozen weight, held as long as the cache holds it) and
-    discarded. temperature_on_logp: grpo's other temperature convention
+    discarded. logit_softcap / logit_scale: the model's logit transform
+    before the temperature, as TRL applies final_logit_softcapping and its
+    logit scale: z' = c tanh(s z / c), or s z without a cap (None).
+    temperature_on_logp: grpo's other temperature convention
     (logp = (z_y - LSE(z)) / tau, entropy of softmax(z)). Plans are cached per
     (N, H, V, dtypes, strides, temperature, options) in `plan_cache` (the
     process-wide one by default) and share its workspace; threads:
@@ -788,7 +817,8 @@ def fused_log_probs(
     bias_dtype = _FLOAT_DTYPES[bias.dtype] if bias is not None else _core.DType.f32
     hidden_ld, weight_ld = _row_stride(rows), _row_stride(weight)
     key = (n, h, v, str(hidden.dtype), None if bias is None else str(bias.dtype), hidden_ld, weight_ld,
-           float(temperature), bool(temperature_on_logp), threads, needs_grad, workspace_budget)
+           float(temperature), bool(temperature_on_logp), None if logit_softcap is None else float(logit_softcap),
+           float(logit_scale), threads, needs_grad, workspace_budget)
 
     def build():
         shape = _core.LmHeadShape()
@@ -802,6 +832,8 @@ def fused_log_probs(
         config = _core.LogProbConfig()
         config.temperature = float(temperature)
         config.temperature_on_logp = bool(temperature_on_logp)
+        config.logit_softcap = None if logit_softcap is None else float(logit_softcap)
+        config.logit_scale = float(logit_scale)
         options = _core.LmHeadOptions()
         options.max_threads = threads
         options.forward_only = not needs_grad

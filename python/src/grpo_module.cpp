@@ -316,7 +316,9 @@ NB_MODULE(_core, m) {
       .value("dr_grpo", grpo::LossType::dr_grpo)
       .value("dapo", grpo::LossType::dapo)
       .value("cispo", grpo::LossType::cispo)
-      .value("sapo", grpo::LossType::sapo);
+      .value("sapo", grpo::LossType::sapo)
+      .value("luspo", grpo::LossType::luspo)
+      .value("vespo", grpo::LossType::vespo);
   nb::enum_<grpo::IsLevel>(m, "IsLevel")
       .value("token", grpo::IsLevel::token)
       .value("sequence", grpo::IsLevel::sequence);
@@ -339,7 +341,15 @@ NB_MODULE(_core, m) {
       .def_rw("max_completion_length", &grpo::LossConfig::max_completion_length)
       .def_rw("num_items_in_batch", &grpo::LossConfig::num_items_in_batch)
       .def_rw("sapo_tau_pos", &grpo::LossConfig::sapo_tau_pos)
-      .def_rw("sapo_tau_neg", &grpo::LossConfig::sapo_tau_neg);
+      .def_rw("sapo_tau_neg", &grpo::LossConfig::sapo_tau_neg)
+      .def_rw("vespo_k_pos", &grpo::LossConfig::vespo_k_pos)
+      .def_rw("vespo_lambda_pos", &grpo::LossConfig::vespo_lambda_pos)
+      .def_rw("vespo_k_neg", &grpo::LossConfig::vespo_k_neg)
+      .def_rw("vespo_lambda_neg", &grpo::LossConfig::vespo_lambda_neg)
+      .def_rw("entropy_coef", &grpo::LossConfig::entropy_coef)
+      .def_rw("top_entropy_quantile", &grpo::LossConfig::top_entropy_quantile)
+      .def_rw("logit_softcap", &grpo::LossConfig::logit_softcap)
+      .def_rw("logit_scale", &grpo::LossConfig::logit_scale);
 
   nb::class_<grpo::LmHeadShape>(m, "LmHeadShape", "Shape, dtypes and strides of an LM-head plan (grpo::LmHeadShape).")
       .def(nb::init<>())
@@ -412,7 +422,9 @@ NB_MODULE(_core, m) {
   nb::class_<grpo::LogProbConfig>(m, "LogProbConfig", "The log-prob head's configuration (grpo::LogProbConfig).")
       .def(nb::init<>())
       .def_rw("temperature", &grpo::LogProbConfig::temperature)
-      .def_rw("temperature_on_logp", &grpo::LogProbConfig::temperature_on_logp);
+      .def_rw("temperature_on_logp", &grpo::LogProbConfig::temperature_on_logp)
+      .def_rw("logit_softcap", &grpo::LogProbConfig::logit_softcap)
+      .def_rw("logit_scale", &grpo::LogProbConfig::logit_scale);
 
   nb::class_<grpo::LmHeadLogProbPlan>(
       m, "LmHeadLogProbPlan",

@@ -139,3 +139,32 @@ def test_refusals():
     with pytest.raises(grpo.Error) as info:
         gt.fused_log_probs(case.hidden, case.weight, case.bias, case.ids, temperature=0.0)
     assert info.value.argument == "temperature"
+
+
+@pytest.mark.parametrize("softcap,scale", [(2.0, 1.3), (None, 0.7)], ids=["softcap", "scale"])
+def test_logit_softcap_and_scale_match_trl(softcap, scale):
+    """TRL's final_logit_softcapping / logit_scale arguments, f32: the same transform, the same gradients."""
+    case, up_logp, up_ent = inputs(torch.float32, 0.8)
+    h = case.hidden.reshape(-1, case.hidden.shape[-1])
+    res = []
+    for side in ("grpo", "trl"):
+        hh = h.clone().requires_grad_()
+        w = case.weight.clone().requires_grad_()
+        b = case.bias.clone().requires_grad_() if case.bias is not None else None
+        if side == "grpo":
+            logp, ent = gt.fused_log_probs(hh, w, b, case.ids.reshape(-1), 0.8, ("log_probs", "entropy"),
+                                           logit_softcap=softcap, logit_scale=scale)
+        else:
+            logp, ent, *_ = ChunkedLogProbFunction.apply(hh, w, b, case.ids.reshape(-1), 0.8, 16, softcap, scale,
+                                                         ("log_probs", "entropy"))
+        ((logp.reshape(-1) * up_logp).sum() + (ent.reshape(-1) * up_ent).sum()).backward()
+        res.append((logp.reshape(-1).detach(), ent.reshape(-1).detach(), hh.grad, w.grad))
+    plain, _ = gt.fused_log_probs(h, case.weight, case.bias, case.ids.reshape(-1), 0.8)
+    # The transform changes the values (so the comparison below could fail) ...
+    assert float((plain.reshape(-1) - res[1][0]).abs().max()) > 1e-3
+    # ... and both sides agree to f32 accuracy at V = 37 (|logp| and |entropy| <= ~5: 1e-5 is ~100 ulp).
+    for i, name in enumerate(("log_probs", "entropy")):
+        assert float((res[0][i] - res[1][i]).abs().max()) <= 1e-5, name
+    for i, name in ((2, "grad hidden"), (3, "grad weight")):
+        rel = float((res[0][i] - res[1][i]).abs().max()) / float(res[1][i].abs().max())
+        assert rel <= 1e-5, f"{name}: {rel:.3g}"

@@ -15,6 +15,7 @@
 #include "api/validate.hpp"
 #include "baseline/unfused_lm_head.hpp"
 #include "driver/lm_head_plan.hpp"
+#include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
 #include "grpo/baseline.hpp"
 
@@ -117,7 +118,11 @@ std::string LmHeadLossPlan::describe() const {
   os << "fused lm-head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
      << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk
      << " threads=" << s.threads << " gemm_passes=" << passes
-     << (s.recompute_logits ? " (logits recomputed: a whole-sequence term spans token blocks)" : "")
+     << (s.recompute_logits ? (detail::needs_all_rows(d.config)
+                                    ? " (logits recomputed: the top-entropy mask needs every row's entropy first)"
+                                    : " (logits recomputed: a whole-sequence term spans token blocks)")
+                              : "")
+     << (d.entropy_bonus ? " entropy_bonus=fused" : "") << (d.config.logit_softcap ? " softcap=fused" : "")
      << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
   if (d.scale_out) os << d.scale_out->describe();
   return os.str();
@@ -175,6 +180,7 @@ LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& confi
                                const LmHeadBaselineOptions& options) {
   detail::validate_lm_head_shape(shape);
   detail::validate_config(config);
+  detail::refuse_baseline_features(config);
   detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
   if (options.dhidden_dtype == DType::bf16 && shape.dtype != DType::bf16) {
     throw Error("options.dhidden_dtype", "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)",

@@ -184,7 +184,12 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
     throw Error("hidden", "hidden (max |h| = " + std::to_string(hidden.max_abs) + ") and weight (max |W| = " +
                               std::to_string(weight.max_abs) + ") can produce logits that overflow f32");
   }
-  const double x_bound = z_bound * scale;
+  // The softmax sees x = z' * scale: z' = c tanh(s z / c) is bounded by c; z' = s z without a cap.
+  const double s_logit = spec.config.logit_scale;
+  const double x_bound =
+      (spec.config.logit_softcap ? std::min(static_cast<double>(*spec.config.logit_softcap), s_logit * z_bound)
+                                 : s_logit * z_bound) *
+      scale;
   const double logp_bound = (2.0 * x_bound + std::log(static_cast<double>(global_vocab_of(s)))) * post;
   if (!(x_bound * 4.0 < f32_max) || !(logp_bound * 4.0 < f32_max)) {
     throw Error("config.temperature", "temperature " + std::to_string(tau) + " scales logits bounded by " +
@@ -232,7 +237,8 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
   const double n_valid = static_cast<double>(magnitudes.num_valid);
   return check_coefficient_bound(
       spec.config, s.batch, magnitudes, std::max(n_valid, 2.0),
-      std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)}));
+      std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)}),
+      2.0 * static_cast<double>(bounds.x_bound));
 }
 
 }  // namespace grpo::detail

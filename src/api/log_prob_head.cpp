@@ -21,11 +21,13 @@ namespace grpo {
 namespace {
 
 // The token-level loss configuration the shared plan builder and row math
-// read: only the temperature fields matter to the generic head.
+// read: only the temperature and logit-transform fields matter to the generic head.
 LossConfig loss_config_of(const LogProbConfig& c) {
   LossConfig config;
   config.temperature = c.temperature;
   config.temperature_on_logp = c.temperature_on_logp;
+  config.logit_softcap = c.logit_softcap;
+  config.logit_scale = c.logit_scale;
   return config;
 }
 
@@ -127,6 +129,7 @@ LmHeadLogProbPlan::LmHeadLogProbPlan(const LmHeadShape& shape, const LogProbConf
   if (!(config.temperature > 0.0F) || !std::isfinite(config.temperature)) {
     throw Error("config.temperature", "must be finite and > 0, got " + std::to_string(config.temperature));
   }
+  detail::validate_logit_transform(config.logit_softcap, config.logit_scale);
   detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
   if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
   if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
@@ -220,8 +223,10 @@ void LmHeadLogProbPlan::backward(const LogProbInputs& inputs, const LogProbUpstr
   // most 2|a_t| + |b_t| sum_v p_v |x_v - E_p[x]| <= 2|a_t| + 2|b_t| x_bound
   // (a_t = dlogp_t / tau, b_t = dentropy_t dx/dz); dbias and dW (over max|h|)
   // sum those over the valid rows, a dhidden row takes one of them times max|W|.
-  const double tau = m.call.config.temperature;
-  const double entropy_scale = m.call.config.temperature_on_logp ? 1.0 : 1.0 / tau;
+  // The logit scale s multiplies both (folded into the scale, or the softcap's chain factor <= s).
+  const double s_logit = m.call.config.logit_scale;
+  const double tau = m.call.config.temperature / s_logit;
+  const double entropy_scale = (m.call.config.temperature_on_logp ? 1.0 : 1.0 / m.call.config.temperature) * s_logit;
   double sum_logp = 0.0, sum_entropy = 0.0;
   for (std::int64_t r = 0; r < m.rows(); ++r) {
     if (!inputs.mask.empty() && inputs.mask[r] == 0.0F) continue;

@@ -2,6 +2,8 @@
 // (fused) or the unfused baseline.
 #include "grpo/logits_loss.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "api/buffer.hpp"
@@ -9,6 +11,8 @@
 #include "baseline/unfused_logits.hpp"
 #include "driver/logits_driver.hpp"
 #include "driver/parallel.hpp"
+#include "driver/row_math.hpp"
+#include "kernels/stage_kernels.hpp"
 #include "grpo/baseline.hpp"
 
 namespace grpo {
@@ -40,6 +44,31 @@ void validate_shape(const LogitsShape& shape) {
   }
 }
 
+// A bound on |x| = |z'| * scale over the finite logits: from the cap, or a
+// scan (only the entropy bonus needs it). Non-finite entries are skipped here
+// (the forward pass refuses NaN / +inf; -inf gives p = 0).
+double x_bound(const LossConfig& config, const MatrixView& logits) {
+  const double scale = (config.temperature_on_logp ? 1.0 : 1.0 / config.temperature);
+  if (config.logit_softcap) return static_cast<double>(*config.logit_softcap) * scale;
+  const kernels::StageKernels& k = kernels::kernels();
+  const kernels::Elem type = detail::elem_of(logits.dtype);
+  const std::size_t size = size_of(logits.dtype);
+  double max_abs = 0.0;
+  for (std::int64_t r = 0; r < logits.rows; ++r) {
+    const auto* row = static_cast<const std::byte*>(logits.data) + static_cast<std::size_t>(r * logits.ld) * size;
+    float m = k.max_abs(row, type, logits.cols);
+    if (!std::isfinite(m)) {
+      m = 0.0F;
+      for (std::int64_t v = 0; v < logits.cols; ++v) {
+        const float z = std::fabs(detail::load_scaled(row, type, v, 1.0F));
+        if (std::isfinite(z)) m = std::max(m, z);
+      }
+    }
+    max_abs = std::max(max_abs, static_cast<double>(m));
+  }
+  return max_abs * static_cast<double>(config.logit_scale) * scale;
+}
+
 // Returns the largest |c_t| whose dlogits stay finite (see check_coefficient_bound).
 double validate_call(const LogitsShape& shape, const LossConfig& config, const MatrixView& logits,
                      const BatchInputs& batch, const LogitsOutputs& outputs) {
@@ -64,8 +93,9 @@ double validate_call(const LogitsShape& shape, const LossConfig& config, const M
   detail::check_no_overlap(span_range(outputs.tokens.entropy), "entropy", out_range, "dlogits");
   detail::check_no_overlap(span_range(outputs.tokens.kl), "kl", out_range, "dlogits");
   detail::check_output_vs_batch(out_range, "dlogits", batch, false);
-  // Each dlogits element is one term: |c_t| / tau.
-  return detail::check_coefficient_bound(config, shape.batch, magnitudes, 1.0, 1.0);
+  // Each dlogits element is one term: |c_t| / tau (plus the entropy bonus's, bounded by the spread of x).
+  return detail::check_coefficient_bound(config, shape.batch, magnitudes, 1.0, 1.0,
+                                         config.entropy_coef != 0.0F ? 2.0 * x_bound(config, logits) : 0.0);
 }
 
 }  // namespace
@@ -93,6 +123,7 @@ void LogitsLossPlan::execute(const MatrixView& logits, const BatchInputs& batch,
 LogitsBaseline::LogitsBaseline(const LogitsShape& shape, const LossConfig& config, const ExecOptions& options) {
   validate_shape(shape);
   detail::validate_config(config);
+  detail::refuse_baseline_features(config);
   if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
   impl_ = std::make_unique<Impl>(Impl{shape, config, options});
 }

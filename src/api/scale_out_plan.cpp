@@ -33,6 +33,10 @@ struct PlanFacts {
   double num_items_in_batch = 0.0;
   double temperature = 0.0;
   double beta = 0.0;
+  double entropy_coef = 0.0;
+  double top_entropy_quantile = 0.0;
+  double logit_softcap = 0.0;  // 0 = none
+  double logit_scale = 0.0;
   std::int32_t dtype = 0;
   std::int32_t layout = 0;
   std::int32_t has_bias = 0;
@@ -69,6 +73,10 @@ PlanFacts facts_of(const LmHeadShape& s, const LossConfig& c, const LmHeadOption
   f.num_items_in_batch = c.num_items_in_batch;
   f.temperature = c.temperature;
   f.beta = c.beta;
+  f.entropy_coef = c.entropy_coef;
+  f.top_entropy_quantile = c.top_entropy_quantile;
+  f.logit_softcap = c.logit_softcap.value_or(0.0F);
+  f.logit_scale = c.logit_scale;
   f.dtype = static_cast<std::int32_t>(s.dtype);
   f.layout = static_cast<std::int32_t>(s.layout);
   f.has_bias = s.has_bias ? 1 : 0;
@@ -85,7 +93,9 @@ PlanFacts facts_of(const LmHeadShape& s, const LossConfig& c, const LmHeadOption
 bool same_loss(const PlanFacts& a, const PlanFacts& b) {
   return a.loss_type == b.loss_type && a.level == b.level && a.temperature == b.temperature &&
          a.temperature_on_logp == b.temperature_on_logp && a.beta == b.beta &&
-         a.num_items_in_batch == b.num_items_in_batch && a.max_completion_length == b.max_completion_length;
+         a.num_items_in_batch == b.num_items_in_batch && a.max_completion_length == b.max_completion_length &&
+         a.entropy_coef == b.entropy_coef && a.top_entropy_quantile == b.top_entropy_quantile &&
+         a.logit_softcap == b.logit_softcap && a.logit_scale == b.logit_scale;
 }
 
 std::string shard_text(std::int64_t begin, std::int64_t size) {
@@ -136,8 +146,9 @@ Status check_vocab_group(const Group& g, const std::vector<Record<PlanFacts>>& a
   for (int q = 1; q < g.size; ++q) {
     if (!same_loss(all[q].facts, all[0].facts)) {
       return refusal(g, q, "config",
-                     "differs from rank 0's (loss_type, importance_sampling_level, temperature, "
-                     "temperature_on_logp, beta, num_items_in_batch or max_completion_length)");
+                     "differs from rank 0's (loss_type, importance_sampling_level, temperature, temperature_on_logp, "
+                     "beta, num_items_in_batch, max_completion_length, entropy_coef, top_entropy_quantile, "
+                     "logit_softcap or logit_scale)");
     }
   }
   // The shards tile [0, global_vocab) in rank order.
@@ -186,8 +197,9 @@ Status check_data_group(const Group& g, const std::vector<Record<PlanFacts>>& al
   for (int q = 1; q < g.size; ++q) {
     if (!same_loss(all[q].facts, all[0].facts)) {
       return refusal(g, q, "config",
-                     "differs from rank 0's (loss_type, importance_sampling_level, temperature, "
-                     "temperature_on_logp, beta, num_items_in_batch or max_completion_length)");
+                     "differs from rank 0's (loss_type, importance_sampling_level, temperature, temperature_on_logp, "
+                     "beta, num_items_in_batch, max_completion_length, entropy_coef, top_entropy_quantile, "
+                     "logit_softcap or logit_scale)");
     }
   }
   return {};
@@ -274,6 +286,15 @@ void check_scale_out_arguments(const LmHeadShape& s, const LossConfig& config, c
     throw Error("options.accumulate_weight_grads",
                 "is not offered with a data group: the group sum would add every rank's earlier dweight again "
                 "(accumulate with a plan without groups, then sum once)",
+                ErrorKind::unsupported);
+  }
+  if (so.data_group != nullptr && config.top_entropy_quantile < 1.0F) {
+    // TRL takes the quantile over one process's micro-batch; the data group's
+    // step equals the single process over every rank's batch, whose quantile
+    // would need every rank's entropies. Not offered yet.
+    throw Error("config.top_entropy_quantile",
+                "is not offered with a data group yet (its quantile would be per rank, not over the batch the "
+                "group's step stands for)",
                 ErrorKind::unsupported);
   }
   if (so.global_num_items) {

@@ -50,9 +50,26 @@ void validate_positive(std::int64_t value, const char* name) {
   if (value <= 0) throw Error(name, "must be positive, got " + std::to_string(value));
 }
 
+void validate_logit_transform(std::optional<float> softcap, float scale) {
+  if (softcap && !(*softcap > 0.0F && std::isfinite(*softcap))) {
+    throw Error("config.logit_softcap", "must be finite and > 0, got " + std::to_string(*softcap));
+  }
+  if (!(scale > 0.0F) || !std::isfinite(scale)) {
+    throw Error("config.logit_scale", "must be finite and > 0, got " + std::to_string(scale));
+  }
+}
+
 void validate_config(const LossConfig& c) {
   if (!(c.temperature > 0.0F) || !std::isfinite(c.temperature)) {
     throw Error("config.temperature", "must be finite and > 0, got " + std::to_string(c.temperature));
+  }
+  validate_logit_transform(c.logit_softcap, c.logit_scale);
+  if (!std::isfinite(c.entropy_coef)) {
+    throw Error("config.entropy_coef", "must be finite, got " + std::to_string(c.entropy_coef));
+  }
+  if (!(c.top_entropy_quantile >= 0.0F && c.top_entropy_quantile <= 1.0F)) {
+    throw Error("config.top_entropy_quantile",
+                "must be in [0, 1] (1 keeps every token), got " + std::to_string(c.top_entropy_quantile));
   }
   if (!(c.epsilon_low >= 0.0F) || !std::isfinite(c.epsilon_low)) {
     throw Error("config.epsilon_low", "must be finite and >= 0, got " + std::to_string(c.epsilon_low));
@@ -141,6 +158,18 @@ void validate_config(const LossConfig& c) {
   }
 }
 
+void refuse_baseline_features(const LossConfig& c) {
+  const char* field = nullptr;
+  if (c.entropy_coef != 0.0F) field = "config.entropy_coef";
+  if (c.top_entropy_quantile != 1.0F) field = "config.top_entropy_quantile";
+  if (c.logit_softcap) field = "config.logit_softcap";
+  if (c.logit_scale != 1.0F) field = "config.logit_scale";
+  if (field != nullptr) {
+    throw Error(field, "is not implemented by the unfused baselines (the fused plans and the oracle have it)",
+                ErrorKind::unsupported);
+  }
+}
+
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* name) {
   std::int64_t out = 0;
   if (__builtin_mul_overflow(a, b, &out)) {
@@ -203,7 +232,7 @@ BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std
 }
 
 double check_coefficient_bound(const LossConfig& c, std::int64_t batch, const BatchMagnitudes& m, double fan_in,
-                               double operand_max) {
+                               double operand_max, double x_spread) {
   double w_max = 1.0;  // dLoss/dl_t: the aggregation's normalizer (per-sequence ones are <= 1)
   switch (c.loss_type) {
     case LossType::grpo:
@@ -236,13 +265,19 @@ double check_coefficient_bound(const LossConfig& c, std::int64_t batch, const Ba
     }
     is_weight_max = 1.0;
   }
-  const double inv_tau = 1.0 / static_cast<double>(c.temperature);
+  // The logit scale multiplies every dlogits entry (folded into 1/tau, or the softcap's chain factor <= s).
+  const double inv_tau = static_cast<double>(c.logit_scale) / static_cast<double>(c.temperature);
   // A factor 4 of headroom for the f32 sums' rounding and the bf16 dlogits.
-  const double limit = static_cast<double>(std::numeric_limits<float>::max()) / 4.0 /
-                       (inv_tau * std::max(1.0, fan_in) * std::max(1.0, operand_max));
+  const double raw_limit = static_cast<double>(std::numeric_limits<float>::max()) / 4.0 /
+                           (inv_tau * std::max(1.0, fan_in) * std::max(1.0, operand_max));
+  // The entropy bonus adds b p (x - E_p[x]) per entry, |b| <= |entropy_coef|, as a coefficient on
+  // the same 1/tau scale (its own scale is 1 rather than 1/tau under temperature_on_logp).
+  const double entropy_equiv = std::fabs(static_cast<double>(c.entropy_coef)) * x_spread *
+                               (c.temperature_on_logp ? std::max(1.0, static_cast<double>(c.temperature)) : 1.0);
+  const double limit = raw_limit - entropy_equiv;
   const double policy = w_max * m.max_abs_advantage * ratio * is_weight_max;
   if (policy < limit) return limit;
-  const double bound = policy * inv_tau * std::max(1.0, fan_in) * std::max(1.0, operand_max);
+  const double bound = (policy + entropy_equiv) * inv_tau * std::max(1.0, fan_in) * std::max(1.0, operand_max);
   // Name the input that contributes most (on a log scale) to the overflow.
   const char* name = "advantages";
   double largest = m.max_abs_advantage;
@@ -251,10 +286,11 @@ double check_coefficient_bound(const LossConfig& c, std::int64_t batch, const Ba
     largest = m.max_is_weight;
   }
   if (inv_tau > largest) name = "config.temperature";
+  if (entropy_equiv > policy) name = "config.entropy_coef";
   std::ostringstream os;
-  os << "max |advantage| " << m.max_abs_advantage << ", max is_weight " << m.max_is_weight << ", 1/temperature "
-     << inv_tau << " and up to " << ratio << " for the ratio make gradients that can overflow f32 (bound " << bound
-     << ")";
+  os << "max |advantage| " << m.max_abs_advantage << ", max is_weight " << m.max_is_weight
+     << ", logit_scale / temperature " << inv_tau << ", up to " << ratio << " for the ratio and an entropy term of "
+     << entropy_equiv << " make gradients that can overflow f32 (bound " << bound << ")";
   throw Error(name, os.str());
 }
 

@@ -17,7 +17,12 @@ struct ByteRange {
   const std::byte* last = nullptr;
 };
 
+// logit_softcap (absent or finite > 0) and logit_scale (finite > 0), named as config fields.
+void validate_logit_transform(std::optional<float> softcap, float scale);
 void validate_config(const LossConfig& config);
+// The unfused baselines compute the loss as it stood before the entropy bonus, the
+// top-entropy mask and the logit transforms: refused there (ErrorKind::unsupported).
+void refuse_baseline_features(const LossConfig& config);
 void validate_positive(std::int64_t value, const char* name);
 
 // a * b for shape arithmetic, or Error(name, ...) when it overflows int64.
@@ -42,9 +47,10 @@ BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std
 // sums at most `fan_in` such terms of magnitude `operand_max`. The KL part of
 // c_t depends on the policy's own logp and is checked where logp is known.
 // Returns the largest |c_t| whose gradients stay finite (for the KL check
-// done where logp is known).
+// done where logp is known). x_spread bounds |x_v - E_p[x]| (twice the bound
+// on |x|): the entropy bonus's term counts against the same limit.
 double check_coefficient_bound(const LossConfig& config, std::int64_t batch, const BatchMagnitudes& m, double fan_in,
-                               double operand_max);
+                               double operand_max, double x_spread = 0.0);
 
 void validate_token_outputs(const TokenOutputs& outputs, std::int64_t rows);
 

@@ -63,9 +63,11 @@ struct WorkspaceLayout {
   std::size_t rows = 0;         // per block row: target x, lse, logp, entropy, coef, kl (floats), active index (int64)
   std::size_t hidden_act = 0;   // [block_rows_alloc, hidden_ld] active hidden rows (input dtype)
   std::size_t dhidden_act = 0;  // [block_rows_alloc, H] f32
-  std::size_t coef_all = 0;     // [N] coefficients, entropies, logp, kl: recompute schedule only
-  std::size_t scale_out = 0;    // the exchanges of a plan over several processes (ScaleOutPlan)
-  std::size_t slots = 0;        // per slot: GEMM tile [forward_rows, tile] f32 + oneDNN scratchpad
+  std::size_t coef_all = 0;   // [N] coefficients, entropies, logp, kl (+ entropy coefficients): two-pass schedule only
+  std::size_t ent_coef = 0;   // [block_rows_alloc] dLoss/dEnt per block row: entropy bonus only
+  std::size_t quantile = 0;   // [N] floats: the top-entropy quantile's scratch, only when it is used
+  std::size_t scale_out = 0;  // the exchanges of a plan over several processes (ScaleOutPlan)
+  std::size_t slots = 0;      // per slot: GEMM tile [forward_rows, tile] f32 + oneDNN scratchpad
   std::size_t slot_bytes = 0;
   std::size_t tile_bytes = 0;  // GEMM tile part of one slot
   std::size_t total = 0;
@@ -124,9 +126,11 @@ struct LmHeadPlanData {
   std::int64_t block_rows_alloc = 0;  // token_block rounded up to forward_rows
   std::int64_t tiles = 0;             // ceil(V / vocab_tile)
   std::int64_t hidden_chunks = 0;     // ceil(H / kHiddenChunk)
-  // Sequence-level IS with sequences longer than a block: the loss needs a
-  // forward pass over all blocks before any coefficient (see recompute_logits).
+  // Sequence-level IS with sequences longer than a block (or a top-entropy
+  // mask over more rows than a block): the loss needs a forward pass over all
+  // blocks before any coefficient (see recompute_logits).
   bool sequence_spans_blocks = false;
+  bool entropy_bonus = false;                     // config.entropy_coef != 0: per-row dLoss/dEnt arrays
   kernels::Elem store_type = kernels::Elem::f32;  // block buffer before backward
   DType dlogits_dtype = DType::f32;               // block buffer during backward (= GEMM dtype)
   WorkspaceLayout layout;

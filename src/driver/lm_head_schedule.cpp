@@ -67,12 +67,20 @@ GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std:
   return g;
 }
 
+// [N] arrays of the two-pass schedule: coefficients, entropies, logp, kl, and
+// the entropy coefficients with an entropy bonus.
+std::size_t coef_all_arrays(const LmHeadPlanData& p) { return p.entropy_bonus ? 5 : 4; }
+std::size_t quantile_bytes(const LmHeadPlanData& p) {
+  return needs_all_rows(p.config) ? static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
+}
+
 std::size_t store_bytes(const LmHeadPlanData& p) { return p.store_type == kernels::Elem::f32 ? 4 : 2; }
 
 // Bytes that grow with the token block, per block row (thread count excluded).
 std::size_t bytes_per_row(const LmHeadPlanData& p) {
   const LmHeadShape& s = p.shape;
-  std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 6 * sizeof(float) + 8;
+  std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 6 * sizeof(float) + 8 +
+                  (p.entropy_bonus ? sizeof(float) : 0);
   if (p.scale_out) b += p.scale_out->bytes_per_row();
   if (!p.options.forward_only) {
     b += static_cast<std::size_t>(s.vocab) * store_bytes(p) + static_cast<std::size_t>(s.hidden_ld) * size_of(s.dtype) +
@@ -84,9 +92,10 @@ std::size_t bytes_per_row(const LmHeadPlanData& p) {
 // Bytes that depend on neither the block nor the threads.
 std::size_t fixed_bytes(const LmHeadPlanData& p, std::int64_t forward_rows) {
   const auto stage = static_cast<std::size_t>(forward_rows * p.shape.hidden_ld) * size_of(p.shape.dtype);
-  const std::size_t coef_all = p.sequence_spans_blocks ? 4 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
+  const std::size_t coef_all =
+      p.sequence_spans_blocks ? coef_all_arrays(p) * static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
   const std::size_t scale_out = p.scale_out ? p.scale_out->fixed_bytes() : 0;
-  return align_up(stage) + align_up(coef_all) + align_up(scale_out) + 8 * kAlign;
+  return align_up(stage) + align_up(coef_all) + align_up(quantile_bytes(p)) + align_up(scale_out) + 8 * kAlign;
 }
 
 WorkspaceLayout lay_out(const LmHeadPlanData& p) {
@@ -107,7 +116,10 @@ WorkspaceLayout lay_out(const LmHeadPlanData& p) {
   l.rows = take(rows * (6 * sizeof(float) + sizeof(std::int64_t)));
   l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden_ld) * in_size : 0);
   l.dhidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
-  l.coef_all = take(p.sequence_spans_blocks ? 4 * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
+  l.coef_all =
+      take(p.sequence_spans_blocks ? coef_all_arrays(p) * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
+  l.ent_coef = take(p.entropy_bonus ? rows * sizeof(float) : 0);
+  l.quantile = take(quantile_bytes(p));
   l.scale_out = take(p.scale_out ? p.scale_out->fixed_bytes() + rows * p.scale_out->bytes_per_row() : 0);
   l.tile_bytes = align_up(static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float));
   l.slot_bytes = l.tile_bytes + align_up(p.max_scratchpad);
@@ -199,11 +211,14 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->store_type = shape.dtype == DType::bf16 ? kernels::Elem::f16 : kernels::Elem::f32;
   p->dlogits_dtype = shape.dtype;
   p->engine = std::make_unique<kernels::GemmEngine>();
+  p->entropy_bonus = config.entropy_coef != 0.0F;
 
   // The schedule is a function of the shape, the options and the budget: the
   // thread count only decides how many slots run at once (see kSlotBudgetDivisor).
   // Coefficients that need whole sequences: s_i, vespo's phi_i, the off-policy mask.
   const bool sequence = needs_whole_sequences(config);
+  // A top-entropy mask needs every row's entropy: two passes unless one block holds them all.
+  const bool all_rows = needs_all_rows(config);
   const std::size_t budget = options.workspace_budget;
   const std::size_t block_budget = budget - budget / kSlotBudgetDivisor;
   const std::int64_t cap = options.forward_only ? kMaxForwardOnlyBlock : std::numeric_limits<std::int64_t>::max();
@@ -211,7 +226,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   if (limit == 0) {
     // The recompute schedule's [N] arrays are fixed bytes; whether it applies
     // depends on the block, so size the block once without them, then check.
-    p->sequence_spans_blocks = sequence;  // conservative: the block decides below
+    p->sequence_spans_blocks = sequence || all_rows;  // conservative: the block decides below
     const std::size_t fixed = fixed_bytes(*p, kForwardRows);
     p->sequence_spans_blocks = false;
     const std::size_t per_row = bytes_per_row(*p);
@@ -247,6 +262,10 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
         p->sequence_spans_blocks = true;
         p->schedule.recompute_logits = !options.forward_only;
       }
+    }
+    if (all_rows && p->rows > block) {
+      p->sequence_spans_blocks = true;
+      p->schedule.recompute_logits = !options.forward_only;
     }
     p->schedule.token_block = block;
     p->block_rows_alloc = round_up(block, p->forward_rows);

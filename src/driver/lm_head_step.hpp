@@ -17,6 +17,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 
 #include "driver/lm_head_plan.hpp"
@@ -24,6 +26,22 @@
 #include "driver/row_math.hpp"
 
 namespace grpo::detail {
+
+// Thread-nanoseconds of one phase, added from concurrent tasks (relaxed: read after the loops join).
+class PhaseClock {
+ public:
+  template <class F>
+  void time(F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count(),
+                  std::memory_order_relaxed);
+  }
+  double seconds() const { return static_cast<double>(ns_.load(std::memory_order_relaxed)) * 1e-9; }
+
+ private:
+  std::atomic<std::int64_t> ns_{0};
+};
 
 struct LmHeadStep {
   const LmHeadPlanData& p;
@@ -52,9 +70,23 @@ struct LmHeadStep {
   std::byte* hidden_act;
   float* dhidden_act;
   float* coef_all;
+  float* ent_coef;        // [block] dLoss/dEnt (entropy bonus only)
+  float* quantile_space;  // [N] (top-entropy mask only)
   std::byte* slots;
   std::byte* scale_out_ws;  // the exchanges over the plan's groups (scale_out.hpp)
   LmHeadStepStats stats;
+  PhaseClock forward_gemm_clock, forward_stage_clock, dlogits_clock, dweight_clock, dhidden_clock;
+
+  // stats with the phase times filled in.
+  LmHeadStepStats step_stats() const {
+    LmHeadStepStats s = stats;
+    s.forward_gemm_s = forward_gemm_clock.seconds();
+    s.forward_stage_s = forward_stage_clock.seconds();
+    s.dlogits_s = dlogits_clock.seconds();
+    s.dweight_gemm_s = dweight_clock.seconds();
+    s.dhidden_gemm_s = dhidden_clock.seconds();
+    return s;
+  }
 
   LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* ws)
       : p(plan), in(inputs), out(outputs), bindings(plan.bindings.acquire()), temp(plan.config) {
@@ -78,6 +110,8 @@ struct LmHeadStep {
     hidden_act = ws + l.hidden_act;
     dhidden_act = reinterpret_cast<float*>(ws + l.dhidden_act);
     coef_all = reinterpret_cast<float*>(ws + l.coef_all);
+    ent_coef = plan.entropy_bonus ? reinterpret_cast<float*>(ws + l.ent_coef) : nullptr;
+    quantile_space = reinterpret_cast<float*>(ws + l.quantile);
     slots = ws + l.slots;
     scale_out_ws = ws + l.scale_out;
   }
@@ -202,6 +236,7 @@ struct LmHeadStep {
     for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
+      dlogits_clock.time([&] {
       for (std::int64_t i = 0; i < na; ++i) {
         const std::int64_t r = active[i];
         const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
@@ -210,7 +245,13 @@ struct LmHeadStep {
         const std::int64_t tgt = valid(row) ? in.batch.ids[row] - p.shape.vocab_offset - c0 : -1;
         const float a = logp_coef[r] * temp.grad_scale;
         // Row i <= s: the compacted output never overwrites a stored row not yet read.
-        if (entropy_coef == nullptr) {
+        if (temp.capped()) {
+          const bool ent = entropy_coef != nullptr;
+          k.dlogits_softcap_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max,
+                                lse[s], a, ent ? entropy_coef[r] * temp.entropy_grad_scale : 0.0F,
+                                ent ? lse[s] - entropy[s] : 0.0F, temp.cap_k, temp.softcap_scale, tgt,
+                                block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
+        } else if (entropy_coef == nullptr) {
           k.dlogits_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max, lse[s],
                         a, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
         } else {
@@ -221,14 +262,17 @@ struct LmHeadStep {
         }
       }
       for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
+      });
       const kernels::Gemm& gemm = *dweight_gemms.pick(j == p.tiles - 1)[accumulate];
       auto* dw = static_cast<std::byte*>(out.dweight.data) +
                  static_cast<std::size_t>(vocab_major ? c0 * p.shape.dweight_ld : c0) * dw_size;
-      if (vocab_major) {
-        bindings.at(gemm, slot).run(block_at(0, c0, dl_size), hidden_act, dw, nullptr, slot_scratch(slot));
-      } else {
-        bindings.at(gemm, slot).run(hidden_act, block_at(0, c0, dl_size), dw, nullptr, slot_scratch(slot));
-      }
+      dweight_clock.time([&] {
+        if (vocab_major) {
+          bindings.at(gemm, slot).run(block_at(0, c0, dl_size), hidden_act, dw, nullptr, slot_scratch(slot));
+        } else {
+          bindings.at(gemm, slot).run(hidden_act, block_at(0, c0, dl_size), dw, nullptr, slot_scratch(slot));
+        }
+      });
     });
     *dweight_written = true;
 
@@ -236,7 +280,8 @@ struct LmHeadStep {
     for_each_item(p.hidden_chunks, p.schedule.threads, [&](std::int64_t chunk, int slot) {
       const std::int64_t h0 = chunk * kHiddenChunk;
       const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
-      bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot));
+      dhidden_clock.time(
+          [&] { bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot)); });
     });
     // Vocabulary parallelism: each shard's part of dh = dlogits W, summed over the group.
     if (p.scale_out && p.scale_out->vocab) {
@@ -289,9 +334,13 @@ struct LmHeadStep {
       const void* bias = in.bias.empty() ? nullptr : static_cast<const std::byte*>(in.bias.data) + c0 * bias_size;
       for (std::int64_t c = 0; c < chunks; ++c) {
         const std::int64_t r0 = c * fr;
-        bindings.at(gemm, slot).run(chunk_source(c), weight_at_vocab(c0), tile, bias, slot_scratch(slot));
+        forward_gemm_clock.time(
+            [&] { bindings.at(gemm, slot).run(chunk_source(c), weight_at_vocab(c0), tile, bias, slot_scratch(slot)); });
+        forward_stage_clock.time([&] {
         for (std::int64_t r = r0; r < std::min(nb, r0 + fr); ++r) {
-          const float* z = tile + (r - r0) * cols;
+          float* z = tile + (r - r0) * cols;
+          // z -> z' = c tanh(s z / c) in place, while the row is in cache.
+          if (temp.capped()) k.softcap(z, kernels::Elem::f32, cols, temp.softcap_scale, temp.softcap, z);
           tile_stats[r * p.tiles + j] =
               keep ? k.row_stats_store(z, cols, temp.scale, block_at(r, c0, store_size), p.store_type)
                    : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
@@ -301,6 +350,7 @@ struct LmHeadStep {
             if (id >= c0 && id < c0 + cols) target[r] = z[id - c0] * temp.scale;
           }
         }
+        });
       }
     });
     // Vocabulary parallelism: every shard's tile statistics, in token order.

@@ -25,7 +25,7 @@ void run_log_prob_forward(const LmHeadPlanData& p, const LmHeadInputs& inputs, c
     step.forward(b0, rows, false);
     step.write_token_outputs(b0, rows, step.logp, step.entropy, step.kl);  // kl output absent
   }
-  if (outputs.stats != nullptr) *outputs.stats = step.stats;
+  if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
 }
 
 void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, std::span<const float> dlogp,
@@ -52,7 +52,7 @@ void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, 
                   &dweight_written);
   }
   if (!dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
-  if (outputs.stats != nullptr) *outputs.stats = step.stats;
+  if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
 }
 
 }  // namespace grpo::detail

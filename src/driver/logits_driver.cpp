@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "api/buffer.hpp"
 #include "driver/loss_accumulator.hpp"
@@ -14,11 +15,12 @@ namespace grpo::detail {
 
 void logits_loss_stage(const LogitsShape& shape, const LossConfig& config, const BatchInputs& batch, const float* lse,
                        const float* logp, const float* entropy, float* coef, float* kl, const LogitsOutputs& outputs,
-                       double max_abs_coef) {
+                       double max_abs_coef, float* ent_coef, float* quantile_space) {
   const std::int64_t rows = shape.batch * shape.seq_len;
   for (std::int64_t r = 0; r < rows; ++r) check_row(lse[r], logp[r], batch.mask[r] != 0.0F, r, "logits");
   LossAccumulator acc(config, shape.batch, shape.seq_len, batch, max_abs_coef);
-  acc.add_rows(0, rows, logp, entropy, coef, kl);
+  if (needs_all_rows(config)) acc.set_entropy_threshold(entropy, quantile_space);
+  acc.add_rows(0, rows, logp, entropy, coef, kl, ent_coef);
   if (!outputs.tokens.kl.empty()) {
     std::memcpy(outputs.tokens.kl.data(), kl, static_cast<std::size_t>(rows) * sizeof(float));
   }
@@ -40,40 +42,74 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
   const std::size_t in_size = size_of(logits.dtype);
   const auto* base = static_cast<const std::byte*>(logits.data);
   auto row_ptr = [&](std::int64_t r) { return base + static_cast<std::size_t>(r * logits.ld) * in_size; };
+  const bool bonus = config.entropy_coef != 0.0F;
+  const bool quantile = needs_all_rows(config);
 
-  // Per-row scratch: lse, logp, entropy, coefficient, kl.
-  Buffer scratch(allocator, static_cast<std::size_t>(rows) * 5 * sizeof(float));
+  // Per-row scratch: lse, logp, entropy, coefficient, kl (+ dLoss/dEnt, + the
+  // quantile's scratch); with a softcap, one row of z' per thread.
+  const std::size_t per_row = 5 + (bonus ? 1 : 0) + (quantile ? 1 : 0);
+  const std::size_t capped_rows = temp.capped() ? static_cast<std::size_t>(threads) : 0;
+  Buffer scratch(allocator, (static_cast<std::size_t>(rows) * per_row + capped_rows * static_cast<std::size_t>(vocab)) *
+                                sizeof(float));
   float* lse = scratch.as<float>();
   float* logp = lse + rows;
   float* entropy = logp + rows;
   float* coef = entropy + rows;
   float* kl = coef + rows;
+  float* next = kl + rows;
+  float* ent_coef = bonus ? std::exchange(next, next + rows) : nullptr;
+  float* quantile_space = quantile ? std::exchange(next, next + rows) : nullptr;
+  float* capped = next;  // [threads, V]
+  // The row the softmax reads (as f32 z' when capped) and its element type.
+  auto softmax_row = [&](std::int64_t r, int slot) -> std::pair<const void*, kernels::Elem> {
+    if (!temp.capped()) return {row_ptr(r), in_type};
+    float* z = capped + static_cast<std::size_t>(slot) * static_cast<std::size_t>(vocab);
+    k.softcap(row_ptr(r), in_type, vocab, temp.softcap_scale, temp.softcap, z);
+    return {z, kernels::Elem::f32};
+  };
 
-  for_rows(threads, rows, [&](std::int64_t r) {
-    const kernels::RowStats st = k.row_stats(row_ptr(r), in_type, vocab, temp.scale);
-    const bool valid = batch.mask[r] != 0.0F;
-    const float target = valid ? load_scaled(row_ptr(r), in_type, batch.ids[r], temp.scale) : 0.0F;
-    const RowResult res = finish_row(st, target, valid, temp);
-    lse[r] = res.lse;
-    logp[r] = res.logp;
-    entropy[r] = res.entropy;
+  run_with_threads(threads, [&] {
+    for_each_item(rows, threads, [&](std::int64_t r, int slot) {
+      const auto [z, type] = softmax_row(r, slot);
+      const kernels::RowStats st = k.row_stats(z, type, vocab, temp.scale);
+      const bool valid = batch.mask[r] != 0.0F;
+      const float target = valid ? load_scaled(z, type, batch.ids[r], temp.scale) : 0.0F;
+      const RowResult res = finish_row(st, target, valid, temp);
+      lse[r] = res.lse;
+      logp[r] = res.logp;
+      entropy[r] = res.entropy;
+    });
   });
   // Errors are raised here, after the read-only pass and before any output.
-  logits_loss_stage(shape, config, batch, lse, logp, entropy, coef, kl, outputs, max_abs_coef);
+  logits_loss_stage(shape, config, batch, lse, logp, entropy, coef, kl, outputs, max_abs_coef, ent_coef,
+                    quantile_space);
   if (outputs.dlogits.empty()) return;
 
   const kernels::Elem out_type = elem_of(outputs.dlogits.dtype);
   const std::size_t out_size = size_of(outputs.dlogits.dtype);
   auto* out_base = static_cast<std::byte*>(outputs.dlogits.data);
-  for_rows(threads, rows, [&](std::int64_t r) {
-    std::byte* out = out_base + static_cast<std::size_t>(r * outputs.dlogits.ld) * out_size;
-    const float a = coef[r] * temp.grad_scale;
-    if (a == 0.0F) {
-      // Masked, clipped or zero-advantage row: exact zeros, no exp.
-      std::memset(out, 0, static_cast<std::size_t>(vocab) * out_size);
-      return;
-    }
-    k.dlogits_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, batch.ids[r], out, out_type, nullptr);
+  run_with_threads(threads, [&] {
+    for_each_item(rows, threads, [&](std::int64_t r, int slot) {
+      std::byte* out = out_base + static_cast<std::size_t>(r * outputs.dlogits.ld) * out_size;
+      const float a = coef[r] * temp.grad_scale;
+      const float b = bonus ? ent_coef[r] * temp.entropy_grad_scale : 0.0F;
+      if (a == 0.0F && b == 0.0F) {
+        // Masked, clipped or zero-advantage row: exact zeros, no exp.
+        std::memset(out, 0, static_cast<std::size_t>(vocab) * out_size);
+        return;
+      }
+      const std::int64_t target = batch.ids[r];  // a = b = 0 on masked rows
+      if (temp.capped()) {
+        const auto [z, type] = softmax_row(r, slot);
+        k.dlogits_softcap_row(z, type, vocab, temp.scale, 0.0F, lse[r], a, b, lse[r] - entropy[r], temp.cap_k,
+                              temp.softcap_scale, target, out, out_type, nullptr);
+      } else if (b != 0.0F) {
+        k.dlogits_entropy_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, b, lse[r] - entropy[r], target,
+                              out, out_type, nullptr);
+      } else {
+        k.dlogits_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, target, out, out_type, nullptr);
+      }
+    });
   });
 }
 

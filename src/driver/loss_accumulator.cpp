@@ -23,18 +23,61 @@ bool needs_whole_sequences(const LossConfig& config) {
          config.off_policy_mask_threshold.has_value();
 }
 
+bool needs_all_rows(const LossConfig& config) { return config.top_entropy_quantile < 1.0F; }
+
+namespace {
+
+// torch.quantile(x, q, interpolation="linear") of the n values in v (n >= 1),
+// as torch computes it for an f32 tensor: q and the rank in f32, then
+// lerp(below, above, weight) by ATen's formula. Reorders v.
+float torch_quantile_f32(float* v, std::int64_t n, float q) {
+  const float rank = q * static_cast<float>(n - 1);
+  const auto below = static_cast<std::int64_t>(rank);
+  const auto above = static_cast<std::int64_t>(std::ceil(rank));
+  std::nth_element(v, v + below, v + n);
+  const float lo = v[below];
+  const float hi = above == below ? lo : *std::min_element(v + below + 1, v + n);
+  const float w = rank - static_cast<float>(below);
+  const float diff = hi - lo;
+  if (std::fabs(w) < 0.5F) {
+    const float step = w * diff;
+    return lo + step;
+  }
+  const float step = diff * (1.0F - w);
+  return hi - step;
+}
+
+}  // namespace
+
+void LossAccumulator::set_entropy_threshold(const float* entropy, float* scratch) {
+  const auto rows = static_cast<std::int64_t>(in_.mask.size());
+  std::int64_t n = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (in_.mask[r] != 0.0F) scratch[n++] = entropy[r];
+  }
+  if (n == 0) return;  // no valid token: nothing to mask
+  // TRL: threshold = 1 - top_entropy_quantile (a Python float), made an f32 tensor by torch.quantile.
+  const auto q = static_cast<float>(1.0 - static_cast<double>(config_.top_entropy_quantile));
+  entropy_threshold_ = torch_quantile_f32(scratch, n, q);
+  std::int64_t kept = 0;
+  for (std::int64_t r = 0; r < rows; ++r) kept += in_.mask[r] != 0.0F && entropy[r] >= entropy_threshold_ ? 1 : 0;
+  entropy_norm_ = 1.0 / std::max(static_cast<double>(kept), 1.0);
+}
+
 LossAccumulator::LossAccumulator(const LossConfig& config, std::int64_t batch, std::int64_t seq_len,
                                  const BatchInputs& inputs, double max_abs_coef)
     : config_(config), batch_(batch), seq_len_(seq_len), in_(inputs), max_abs_coef_(max_abs_coef) {
   per_sequence_clip_ = config.importance_sampling_level == IsLevel::sequence &&
                        inputs.advantages.size() == static_cast<std::size_t>(batch);
   for (const float m : inputs.mask) num_valid_ += m != 0.0F ? 1 : 0;
+  entropy_mask_ = needs_all_rows(config);
   set_norm(batch, num_valid_);
 }
 
 void LossAccumulator::set_norm(std::int64_t batch, std::int64_t num_valid) {
   metric_batch_ = batch;
   metric_valid_ = num_valid;
+  entropy_norm_ = 1.0 / std::max(static_cast<double>(num_valid), 1.0);  // e_t = 1 until a threshold is set
   switch (config_.loss_type) {
     case LossType::grpo:
     case LossType::sapo:
@@ -97,7 +140,7 @@ void LossAccumulator::count_clip(double ratio, double adv, double weight) {
 }
 
 void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef,
-                               float* kl) {
+                               float* kl, float* ent_coef) {
   const bool sequence = config_.importance_sampling_level == IsLevel::sequence;
   const bool whole = needs_whole_sequences(config_);
   const bool vespo = config_.loss_type == LossType::vespo;
@@ -133,6 +176,7 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
       float& c = coef[t - r0];
       c = 0.0F;
       if (kl != nullptr) kl[t - r0] = 0.0F;
+      if (ent_coef != nullptr) ent_coef[t - r0] = 0.0F;
       if (in_.mask[t] == 0.0F) continue;
       const double lp = logp[t - r0];
       bool flows = seq_flows;
@@ -143,6 +187,15 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
       if (vespo) factors.vespo_phi = kernels::vespo_phi(config_, log_w_sum, adv);
       if (config_.off_policy_mask_threshold && adv < 0.0 && !(mean_shift <= *config_.off_policy_mask_threshold)) {
         factors.keep = 0.0;
+      }
+      // The entropy mask e_t (TRL: after the off-policy mask, before is_weight; all factors).
+      const double e = entropy_mask_ && !(entropy[t - r0] >= entropy_threshold_) ? 0.0 : 1.0;
+      factors.keep *= e;
+      if (config_.entropy_coef != 0.0F) {
+        // Loss -= entropy_coef * sum m e Ent / max(sum m e, 1): a plain mean over the tokens it acts on.
+        const double b = -static_cast<double>(config_.entropy_coef) * e * entropy_norm_;
+        loss_ += b * entropy[t - r0];
+        if (ent_coef != nullptr) ent_coef[t - r0] = static_cast<float>(b);
       }
       const kernels::TokenTerms terms = kernels::token_terms(config_, q, lp, ref, adv, is_weight(t), factors);
       if (terms.kl_overflow || !(std::fabs(terms.kl) <= std::numeric_limits<float>::max())) {

@@ -18,6 +18,11 @@ namespace grpo::detail {
 // two-pass schedule (lm_head_schedule.cpp).
 bool needs_whole_sequences(const LossConfig& config);
 
+// Whether the coefficients need every row's entropy first (top_entropy_quantile
+// < 1: the threshold is a quantile over the whole call). The fused driver then
+// runs its two-pass schedule unless all rows fit one token block.
+bool needs_all_rows(const LossConfig& config);
+
 class LossAccumulator {
  public:
   // The batch must already be validated. max_abs_coef: the largest |c_t| whose
@@ -31,8 +36,15 @@ class LossAccumulator {
   // kl[r - r0] (the per-token KL term; kl may be null), nothing else: the
   // caller copies them out, so refusals here (a KL that overflows f32) come
   // before this block writes any output. When needs_whole_sequences(config),
-  // [r0, r1) must consist of whole sequences. Call in row order.
-  void add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef, float* kl);
+  // [r0, r1) must consist of whole sequences. When needs_all_rows(config),
+  // set_entropy_threshold() first. ent_coef (may be null when entropy_coef is
+  // 0) receives dLoss/dEnt_t. Call in row order.
+  void add_rows(std::int64_t r0, std::int64_t r1, const float* logp, const float* entropy, float* coef, float* kl,
+                float* ent_coef = nullptr);
+
+  // top_entropy_quantile: the threshold q from the entropies of all N rows
+  // (entropy[r] for row r; only valid rows count). scratch: N floats.
+  void set_entropy_threshold(const float* entropy, float* scratch);
 
   Metrics metrics() const { return metrics(sums()); }
 
@@ -85,6 +97,10 @@ class LossAccumulator {
   double clip_high_ = 0.0;
   double clip_region_ = 0.0;
   double kl_sum_ = 0.0;
+  // Entropy bonus and top-entropy mask (LossConfig::entropy_coef, top_entropy_quantile).
+  bool entropy_mask_ = false;      // top_entropy_quantile < 1
+  float entropy_threshold_ = 0.0F;  // q: tokens with Ent >= q keep their policy term
+  double entropy_norm_ = 0.0;      // 1 / max(sum_t m_t e_t, 1)
   double entropy_sum_ = 0.0;
 };
 

@@ -17,20 +17,33 @@ namespace grpo::detail {
 
 inline kernels::Elem elem_of(DType dtype) { return dtype == DType::f32 ? kernels::Elem::f32 : kernels::Elem::bf16; }
 
-// x = z * scale is what the softmax sees; logp = (x_y - LSE(x)) * post;
+// x = z' * scale is what the softmax sees; logp = (x_y - LSE(x)) * post;
 // dlogits = c * grad_scale * (onehot - p) (= c / tau in both conventions).
-// The entropy is that of softmax(x), so dEnt/dz = scale * dEnt/dx: 1/tau by
-// default, 1 under temperature_on_logp (the entropy of softmax(z)).
+// The entropy is that of softmax(x), so dEnt/dz' = scale * dEnt/dx: 1/tau by
+// default, 1 under temperature_on_logp (the entropy of softmax(z')).
+// z' is the logit after the model's transform (LossConfig::logit_softcap /
+// logit_scale). Without a cap, z' = s z is linear and s is folded into scale
+// and both gradient scales (s = 1 multiplies exactly: defaults unchanged).
+// With a cap, the drivers map z to z' = c tanh(s z / c) (softcap) and the
+// backward multiplies by dz'/dz = s (1 - t^2), t = z' / c = x * cap_k.
 struct Temperature {
   explicit Temperature(const LossConfig& c)
-      : scale(c.temperature_on_logp ? 1.0F : 1.0F / c.temperature),
+      : scale((c.temperature_on_logp ? 1.0F : 1.0F / c.temperature) * linear(c)),
         post(c.temperature_on_logp ? 1.0F / c.temperature : 1.0F),
-        grad_scale(1.0F / c.temperature),
-        entropy_grad_scale(scale) {}
+        grad_scale(1.0F / c.temperature * linear(c)),
+        entropy_grad_scale(scale),
+        softcap(c.logit_softcap.value_or(0.0F)),
+        softcap_scale(c.logit_softcap ? c.logit_scale : 1.0F),
+        cap_k(c.logit_softcap ? 1.0F / (scale * *c.logit_softcap) : 0.0F) {}
+  static float linear(const LossConfig& c) { return c.logit_softcap ? 1.0F : c.logit_scale; }
+  bool capped() const { return softcap != 0.0F; }
   float scale;
   float post;
   float grad_scale;
   float entropy_grad_scale;
+  float softcap;        // c, 0 = no cap
+  float softcap_scale;  // s inside the cap
+  float cap_k;          // 1 / (scale * c): t = x * cap_k
 };
 
 inline float load_scaled(const void* row, kernels::Elem type, std::int64_t index, float scale) {

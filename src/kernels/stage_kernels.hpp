@@ -67,6 +67,19 @@ struct StageKernels {
                               float a, float b, float mean, std::int64_t target, void* out, Elem out_type,
                               float* dbias);
 
+  // The logit softcap: out_v = cap * tanh(scale * z_v / cap), z f32 or bf16;
+  // out may alias z exactly when z is f32. (-inf maps to -cap, as tanh does.)
+  void (*softcap)(const void* z, Elem z_type, std::int64_t n, float scale, float cap, float* out);
+
+  // dlogits_entropy_row through a softcap: with x_v, p_v and mean as there,
+  //   g_v = (a * ([v == target] - p_v) - b * p_v * (x_v - mean)) * s * (1 - t_v^2),
+  //   t_v = x_v * cap_k   (= z'_v / c, so the last factor is dz'/dz)
+  // b = 0 gives the plain dlogits row times the chain factor. dbias receives
+  // the final g_v. Aliasing as dlogits_row.
+  void (*dlogits_softcap_row)(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
+                              float a, float b, float mean, float cap_k, float cap_s, std::int64_t target, void* out,
+                              Elem out_type, float* dbias);
+
   // True when every element is finite (no NaN, no +-inf).
   bool (*all_finite)(const void* data, Elem type, std::int64_t n);
   // True when no element is NaN or +inf (-inf allowed: banned tokens in a bias).

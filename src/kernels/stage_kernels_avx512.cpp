@@ -334,6 +334,91 @@ void dlogits_entropy_row_avx512(const void* in, Elem in_type, std::int64_t n, fl
   dlogits_any<true>(in, in_type, n, c, target, out, out_type, dbias);
 }
 
+// tanh for 16 lanes (Cephes' tanhf scheme): |y| < 0.625 an odd polynomial
+// y + y^3 P(y^2); above, sign(y) (1 - e) / (1 + e) with e = e^(-2|y|) <= 0.287,
+// so 1 - e does not cancel; e flushes to 0 (tanh = +-1) beyond |y| ~ 43.7.
+Batch tanh_lanes(Batch y) {
+  const __m512 magnitude_bits = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const Batch ay(_mm512_and_ps(y, magnitude_bits));
+  const Batch y2 = y * y;
+  Batch poly(-5.70498872745e-3F);
+  poly = xsimd::fma(poly, y2, Batch(2.06390887954e-2F));
+  poly = xsimd::fma(poly, y2, Batch(-5.37397155531e-2F));
+  poly = xsimd::fma(poly, y2, Batch(1.33314422036e-1F));
+  poly = xsimd::fma(poly, y2, Batch(-3.33332819422e-1F));
+  const Batch small = xsimd::fma(poly * y2, y, y);
+  __mmask16 keep;
+  const Batch e = exp_nonpos(Batch(-2.0F) * ay, keep);
+  const Batch large_abs = (Batch(1.0F) - e) / (Batch(1.0F) + e);
+  // Copy y's sign onto |tanh|.
+  const Batch large(_mm512_or_ps(large_abs, _mm512_andnot_ps(magnitude_bits, y)));
+  return Batch(_mm512_mask_mov_ps(large, _mm512_cmp_ps_mask(ay, _mm512_set1_ps(0.625F), _CMP_LT_OQ), small));
+}
+
+template <Elem T>
+void softcap_typed(const void* z, std::int64_t n, float scale, float cap, float* out) {
+  const Batch k(scale / cap);
+  const Batch c(cap);
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store<Elem::f32>(out, i, c * tanh_lanes(load<T>(z, i) * k));
+  if (i < n) store_tail<Elem::f32>(out, i, n - i, c * tanh_lanes(load_tail<T>(z, i, n - i, 0.0F) * k));
+}
+
+void softcap_avx512(const void* z, Elem z_type, std::int64_t n, float scale, float cap, float* out) {
+  if (z_type == Elem::f32) {
+    softcap_typed<Elem::f32>(z, n, scale, cap, out);
+  } else {
+    softcap_typed<Elem::bf16>(z, n, scale, cap, out);
+  }
+}
+
+template <Elem In, Elem Out>
+void dlogits_softcap_typed(const void* in, std::int64_t n, const DlogitsRow& c, Batch cap_k, Batch cap_s,
+                           std::int64_t target, void* out, float* dbias) {
+  // g (with the entropy term) times s (1 - t^2), t = x cap_k.
+  auto lanes = [&](Batch v, std::int64_t i) {
+    const Batch g = dlogits_lanes<true>(v, c, hot_mask(target, i));
+    const Batch t = xsimd::fma(v, c.scale, c.shift) * cap_k;
+    return g * (cap_s * Batch(_mm512_fnmadd_ps(t, t, _mm512_set1_ps(1.0F))));
+  };
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Batch g = lanes(load<In>(in, i), i);
+    store<Out>(out, i, g);
+    if (dbias != nullptr) (Batch::load_unaligned(dbias + i) + g).store_unaligned(dbias + i);
+  }
+  if (i < n) {
+    const Batch g = lanes(load_tail<In>(in, i, n - i, 0.0F), i);
+    store_tail<Out>(out, i, n - i, g);
+    if (dbias != nullptr) {
+      const __mmask16 k = tail_mask(n - i);
+      _mm512_mask_storeu_ps(dbias + i, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, dbias + i), g));
+    }
+  }
+}
+
+template <Elem In>
+void dlogits_softcap_in(const void* in, std::int64_t n, const DlogitsRow& c, Batch cap_k, Batch cap_s,
+                        std::int64_t target, void* out, Elem out_type, float* dbias) {
+  if (out_type == Elem::f32) {
+    dlogits_softcap_typed<In, Elem::f32>(in, n, c, cap_k, cap_s, target, out, dbias);
+  } else {
+    dlogits_softcap_typed<In, Elem::bf16>(in, n, c, cap_k, cap_s, target, out, dbias);
+  }
+}
+
+void dlogits_softcap_row_avx512(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift,
+                                float lse, float a, float b, float mean, float cap_k, float cap_s, std::int64_t target,
+                                void* out, Elem out_type, float* dbias) {
+  const DlogitsRow c{Batch(in_scale), Batch(in_shift), Batch(lse), Batch(a), Batch(b), Batch(in_shift - mean)};
+  switch (in_type) {
+    case Elem::f32: return dlogits_softcap_in<Elem::f32>(in, n, c, Batch(cap_k), Batch(cap_s), target, out, out_type, dbias);
+    case Elem::bf16:
+      return dlogits_softcap_in<Elem::bf16>(in, n, c, Batch(cap_k), Batch(cap_s), target, out, out_type, dbias);
+    case Elem::f16: return dlogits_softcap_in<Elem::f16>(in, n, c, Batch(cap_k), Batch(cap_s), target, out, out_type, dbias);
+  }
+}
+
 template <int kClasses>
 bool scan_clean_any(const void* data, Elem type, std::int64_t n) {
   switch (type) {
@@ -403,6 +488,8 @@ const StageKernels& avx512_table() {
                                   row_stats_store_avx512,
                                   dlogits_row_avx512,
                                   dlogits_entropy_row_avx512,
+                                  softcap_avx512,
+                                  dlogits_softcap_row_avx512,
                                   all_finite_avx512,
                                   no_nan_or_pos_inf_avx512,
                                   max_abs_avx512,

@@ -158,6 +158,28 @@ void dlogits_entropy_row_scalar(const void* in, Elem in_type, std::int64_t n, fl
   }
 }
 
+void softcap_scalar(const void* z, Elem z_type, std::int64_t n, float scale, float cap, float* out) {
+  const float k = scale / cap;
+  for (std::int64_t i = 0; i < n; ++i) out[i] = cap * std::tanh(load(z, z_type, i) * k);
+}
+
+void dlogits_softcap_row_scalar(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift,
+                                float lse, float a, float b, float mean, float cap_k, float cap_s, std::int64_t target,
+                                void* out, Elem out_type, float* dbias) {
+  const float shift_from_mean = in_shift - mean;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = load(in, in_type, i);
+    const float x = fused(v, in_scale, in_shift);
+    const float p = std::exp(x - lse);
+    float g = a * ((i == target ? 1.0F : 0.0F) - p);
+    if (p != 0.0F) g = fused(-(b * p), fused(v, in_scale, shift_from_mean), g);
+    const float t = x * cap_k;
+    g = g * (cap_s * fused(-t, t, 1.0F));
+    store(out, out_type, i, g);  // after the load: out may alias in
+    if (dbias != nullptr) dbias[i] += g;
+  }
+}
+
 std::uint32_t bits_of(float v) {
   std::uint32_t b;
   std::memcpy(&b, &v, sizeof(b));
@@ -232,6 +254,8 @@ const StageKernels& scalar_table() {
                                   row_stats_store_scalar,
                                   dlogits_row_scalar,
                                   dlogits_entropy_row_scalar,
+                                  softcap_scalar,
+                                  dlogits_softcap_row_scalar,
                                   all_finite_scalar,
                                   no_nan_or_pos_inf_scalar,
                                   max_abs_scalar,

@@ -58,11 +58,15 @@ void print_context(const char* what) {
                "fuzz_api: %s\n"
                "  entry %s B=%lld T=%lld V=%lld H=%lld dtype=%d\n"
                "  loss_type=%d is_level=%d eps=[%g, %g] delta=%g beta=%g kl*r=%d tau=%g on_logp=%d mcl=%lld "
-               "num_items=%g sapo=[%g, %g]\n",
+               "num_items=%g sapo=[%g, %g] kl_est=%d kl_clamp=%g clip_c=%g opsm=%g ent_coef=%g rho=%g softcap=%g "
+               "logit_scale=%g\n",
                what, c.entry, c.batch, c.seq_len, c.vocab, c.hidden, c.dtype, static_cast<int>(k.loss_type),
                static_cast<int>(k.importance_sampling_level), k.epsilon_low, k.epsilon_high, k.delta.value_or(-1.0F),
                k.beta, k.kl_bias_correction ? 1 : 0, k.temperature, k.temperature_on_logp ? 1 : 0,
-               static_cast<long long>(k.max_completion_length), k.num_items_in_batch, k.sapo_tau_pos, k.sapo_tau_neg);
+               static_cast<long long>(k.max_completion_length), k.num_items_in_batch, k.sapo_tau_pos, k.sapo_tau_neg,
+               static_cast<int>(k.kl_estimator), k.kl_clamp.value_or(-1.0F), k.clip_ratio_c.value_or(-1.0F),
+               k.off_policy_mask_threshold.value_or(-1.0F), k.entropy_coef, k.top_entropy_quantile,
+               k.logit_softcap.value_or(-1.0F), k.logit_scale);
 }
 
 [[noreturn]] void fail(const char* what) {
@@ -239,7 +243,7 @@ std::size_t pick_size(FuzzedDataProvider& fdp, std::size_t right, std::size_t ot
 
 grpo::LossConfig make_config(FuzzedDataProvider& fdp, std::int64_t rows, std::int64_t seq_len) {
   grpo::LossConfig c;
-  c.loss_type = pick_enum<grpo::LossType>(fdp, 6);
+  c.loss_type = pick_enum<grpo::LossType>(fdp, 8);
   c.importance_sampling_level = pick_enum<grpo::IsLevel>(fdp, 2);
   c.epsilon_low = pick_from(fdp, {0.2F, 0.0F, 0.1F, 0.28F, 0.9F, -0.1F, kNaN});
   c.epsilon_high = pick_from(fdp, {0.2F, 0.0F, 0.28F, 5.0F, -0.2F, kInf});
@@ -253,6 +257,19 @@ grpo::LossConfig make_config(FuzzedDataProvider& fdp, std::int64_t rows, std::in
   c.num_items_in_batch = pick_from(fdp, {static_cast<float>(rows), 1.0F, 0.5F, 1000.0F, 0.0F, -1.0F, kNaN});
   c.sapo_tau_pos = pick_from(fdp, {1.0F, 0.5F, 4.0F, 0.0F, kNaN});
   c.sapo_tau_neg = pick_from(fdp, {1.05F, 0.5F, 4.0F, -1.0F});
+  // The options of the current trainers, each off most of the time.
+  if (fdp.ConsumeIntegralInRange<int>(0, 3) == 0) c.kl_estimator = pick_enum<grpo::KlEstimator>(fdp, 7);
+  if (fdp.ConsumeIntegralInRange<int>(0, 5) == 0) c.kl_clamp = pick_from(fdp, {10.0F, 0.1F, 0.0F, kNaN});
+  if (fdp.ConsumeIntegralInRange<int>(0, 5) == 0) c.clip_ratio_c = pick_from(fdp, {3.0F, 1.5F, 1.0F, kInf});
+  if (fdp.ConsumeIntegralInRange<int>(0, 5) == 0) {
+    c.off_policy_mask_threshold = pick_from(fdp, {0.1F, 0.0F, 5.0F, -0.1F, kNaN});
+  }
+  if (fdp.ConsumeIntegralInRange<int>(0, 3) == 0) c.entropy_coef = pick_from(fdp, {0.01F, -0.5F, 3e37F, kNaN});
+  if (fdp.ConsumeIntegralInRange<int>(0, 3) == 0) {
+    c.top_entropy_quantile = pick_from(fdp, {0.2F, 0.0F, 0.999F, 1.5F, -0.1F, kNaN});
+  }
+  if (fdp.ConsumeIntegralInRange<int>(0, 4) == 0) c.logit_softcap = pick_from(fdp, {30.0F, 0.5F, 0.0F, -1.0F, kInf});
+  if (fdp.ConsumeIntegralInRange<int>(0, 4) == 0) c.logit_scale = pick_from(fdp, {2.0F, 0.01F, 1e30F, 0.0F, kNaN});
   return c;
 }
 

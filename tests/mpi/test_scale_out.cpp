@@ -46,7 +46,7 @@ namespace grpo::test {
 namespace {
 
 enum class Mode { vocab, vocab_unaligned, data, grid };
-enum class LossKind { grpo_kl, dapo, gspo };
+enum class LossKind { grpo_kl, dapo, gspo, features };
 
 struct ScaleCase {
   Mode mode;
@@ -68,6 +68,7 @@ const char* name_of(LossKind l) {
     case LossKind::grpo_kl: return "grpo_kl_bias";
     case LossKind::dapo: return "dapo_hidden_major";
     case LossKind::gspo: return "gspo_spanning_blocks";
+    case LossKind::features: return "entropy_bonus_softcap_topk";
   }
   return "?";
 }
@@ -108,6 +109,18 @@ HeadCase global_case(const ScaleCase& s, int index) {
       c.spec.config = config_for(LossType::grpo);
       c.spec.config.importance_sampling_level = IsLevel::sequence;
       c.token_block = 32;  // < T: sequences span blocks, the two-pass schedule
+      c.bias = true;
+      break;
+    case LossKind::features:
+      // The entropy bonus (its dEnt/dx term in the dlogits tile), a logit
+      // softcap and scale, and (vocab groups only: a data group refuses it) the
+      // top-entropy mask, whose quantile needs every row first: with N = 185
+      // rows in blocks of 64, the two-pass schedule.
+      c.spec.config = config_for(LossType::grpo);
+      c.spec.config.entropy_coef = 0.01F;
+      c.spec.config.logit_softcap = 8.0F;
+      c.spec.config.logit_scale = 0.9F;
+      if (s.mode == Mode::vocab || s.mode == Mode::vocab_unaligned) c.spec.config.top_entropy_quantile = 0.4F;
       c.bias = true;
       break;
   }
@@ -301,12 +314,15 @@ TEST_P(ScaleOutTest, EqualsTheSingleProcessPlan) {
                                   c.spec.config.beta * std::abs(double{single.kl[t]}));
     }
     const double g = gamma(static_cast<double>(n_all), kUnitF64);
-    EXPECT_NEAR(all.metrics.loss, single.metrics.loss, 2.0 * g * l_max) << "loss";
     double kl_max = 0.0, ent_max = 0.0;
     for (std::int64_t t = 0; t < n_all; ++t) {
       kl_max = std::max(kl_max, std::abs(double{single.kl[t]}));
       ent_max = std::max(ent_max, std::abs(double{single.entropy[t]}));
     }
+    // The entropy bonus adds entropy_coef x a mean of entropies: its terms sum to at most entropy_coef x max Ent.
+    EXPECT_NEAR(all.metrics.loss, single.metrics.loss,
+                2.0 * g * (l_max + std::abs(double{c.spec.config.entropy_coef}) * ent_max))
+        << "loss";
     EXPECT_NEAR(all.metrics.kl_mean, single.metrics.kl_mean, 2.0 * g * kl_max) << "kl_mean";
     EXPECT_NEAR(all.metrics.entropy_mean, single.metrics.entropy_mean, 2.0 * g * ent_max) << "entropy_mean";
     // Clip counts are exact integers in double: the same ratios.
@@ -361,7 +377,9 @@ std::vector<ScaleCase> all_cases() {
   std::vector<ScaleCase> out;
   for (const Mode m : {Mode::vocab, Mode::vocab_unaligned, Mode::data, Mode::grid}) {
     for (const DType d : {DType::f32, DType::bf16}) {
-      for (const LossKind l : {LossKind::grpo_kl, LossKind::dapo, LossKind::gspo}) out.push_back({m, d, l});
+      for (const LossKind l : {LossKind::grpo_kl, LossKind::dapo, LossKind::gspo, LossKind::features}) {
+        out.push_back({m, d, l});
+      }
     }
   }
   return out;

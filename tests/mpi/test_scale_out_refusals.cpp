@@ -179,6 +179,14 @@ TEST_F(ScaleOutRefusal, LocalRefusals) {
             }),
             "options.scale_out.global_num_items");
   EXPECT_EQ(refused_argument([&] {
+              LossConfig topk = c_.spec.config;
+              topk.top_entropy_quantile = 0.4F;  // a quantile per rank is not the batch's
+              LmHeadOptions o;
+              o.scale_out = data();
+              LmHeadLossPlan({.batch = 1, .seq_len = 9, .hidden = 32, .vocab = 300}, topk, o);
+            }),
+            "config.top_entropy_quantile");
+  EXPECT_EQ(refused_argument([&] {
               LmHeadOptions o;
               o.scale_out = data();
               LmHeadLogProbPlan({.batch = 1, .seq_len = 9, .hidden = 32, .vocab = 300}, LogProbConfig{}, o);

@@ -35,6 +35,10 @@ struct CaseOptions {
   KlEstimator kl_estimator = KlEstimator::k3;
   bool off_policy_mask = false;  // threshold kOffPolicyThreshold
   bool dual_clip = false;        // clip_ratio_c = kDualClip
+  double entropy_coef = 0.0;
+  double top_entropy_quantile = 1.0;
+  double logit_softcap = 0.0;  // 0 = absent
+  double logit_scale = 1.0;
 
   std::string describe() const {
     return std::string(to_string(loss_type)) + " level=" + to_string(level) +
@@ -43,7 +47,9 @@ struct CaseOptions {
            " adv_per_token=" + std::to_string(per_token_advantages) + " old=" + std::to_string(with_old) +
            " delta=" + std::to_string(with_delta) + " is_weight=" + std::to_string(static_cast<int>(is_weight)) +
            " mask=" + std::to_string(with_mask) + " kl=" + to_string(kl_estimator) +
-           " opsm=" + std::to_string(off_policy_mask) + " dual_clip=" + std::to_string(dual_clip);
+           " opsm=" + std::to_string(off_policy_mask) + " dual_clip=" + std::to_string(dual_clip) +
+           " entropy_coef=" + std::to_string(entropy_coef) + " rho=" + std::to_string(top_entropy_quantile) +
+           " softcap=" + std::to_string(logit_softcap) + " logit_scale=" + std::to_string(logit_scale);
   }
 };
 
@@ -103,6 +109,10 @@ inline LossConfig make_config(const CaseOptions& o) {
   c.kl_estimator = o.kl_estimator;
   if (o.off_policy_mask) c.off_policy_mask_threshold = static_cast<float>(kOffPolicyThreshold);
   if (o.dual_clip) c.clip_ratio_c = static_cast<float>(kDualClip);
+  c.entropy_coef = static_cast<float>(o.entropy_coef);
+  c.top_entropy_quantile = static_cast<float>(o.top_entropy_quantile);
+  if (o.logit_softcap > 0.0) c.logit_softcap = static_cast<float>(o.logit_softcap);
+  c.logit_scale = static_cast<float>(o.logit_scale);
   return c;
 }
 
@@ -214,6 +224,26 @@ inline bool near_kink(const Problem& p, double margin) {
     const bool abs_kl = c.kl_estimator == KlEstimator::abs || c.kl_estimator == KlEstimator::abs_plus;
     if (c.beta != 0.0F && abs_kl && std::abs(logp[t] - p.ref_logp[t]) < margin) return true;
   }
+  // The top-entropy mask's step: a valid row's entropy at the quantile threshold
+  // (the threshold moves with the entropies; the mask flips only when a row
+  // crosses it, or two rows' entropies swap order).
+  if (c.top_entropy_quantile < 1.0F) {
+    const std::vector<double> entropy = evaluate(p).entropy;
+    std::vector<long double> valid;
+    for (std::size_t t = 0; t < entropy.size(); ++t) {
+      if (p.mask[t] != 0.0) valid.push_back(entropy[t]);
+    }
+    if (!valid.empty()) {
+      const long double q = linear_quantile(valid, 1.0L - static_cast<long double>(c.top_entropy_quantile));
+      for (const long double e : valid) {
+        if (e != q && std::abs(static_cast<double>(e - q)) < margin) return true;
+      }
+      std::sort(valid.begin(), valid.end());
+      for (std::size_t i = 1; i < valid.size(); ++i) {
+        if (static_cast<double>(valid[i] - valid[i - 1]) < margin) return true;
+      }
+    }
+  }
   // The off-policy mask's step: mean(old - logp) of a sequence at the threshold.
   if (c.off_policy_mask_threshold && !p.old_logp.empty()) {
     for (std::int64_t i = 0; i < p.batch; ++i) {
@@ -256,6 +286,7 @@ double central_difference(F&& f, std::vector<double>& x, std::size_t k, double h
 //   bias-corrected KL * r is not detached. l_t is linear in (P, KL), so the
 //   two derivatives add up to the full one.
 // - vespo: phi_i is detached; pinning r pins phi_i, exactly as for cispo.
+// The entropy bonus does not depend on r: it is in the policy part only.
 // The off-policy mask is piecewise constant in logp: away from its threshold
 // (near_kink) a central difference does not see it.
 inline double surrogate_derivative(const Problem& base, std::size_t k, double h) {
@@ -281,6 +312,7 @@ inline double surrogate_derivative(const Problem& base, std::size_t k, double h)
   if (p.config.beta == 0.0F) return d_policy;
   Problem kl = p;
   for (double& a : kl.advantages) a = 0.0;
+  kl.config.entropy_coef = 0.0F;  // the entropy bonus is in d_policy already
   return d_policy + central_difference([&] { return loss_only(kl); }, kl.logits, k, h);
 }
 

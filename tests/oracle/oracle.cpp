@@ -63,6 +63,8 @@ struct RowSoftmax {
   double logp = 0.0;     // (x_y - LSE(x)) * post; 0 on masked rows
   double entropy = 0.0;  // LSE(x) - sum p x, for every row
   std::vector<double> p;
+  std::vector<double> centered;  // x_v - E_p[x] (0 where p_v = 0)
+  std::vector<double> chain;     // dz'_v/dz_v of the logit transform
 };
 
 RowSoftmax row_softmax(const double* z, std::int64_t vocab, const LossConfig& config, bool valid, std::int32_t id) {
@@ -71,8 +73,12 @@ RowSoftmax row_softmax(const double* z, std::int64_t vocab, const LossConfig& co
   std::vector<long double> x(static_cast<std::size_t>(vocab));
   // The max starts at -inf, never 0: rows of large negative logits stay exact.
   long double max_x = -std::numeric_limits<long double>::infinity();
+  RowSoftmax row;
+  row.chain.resize(static_cast<std::size_t>(vocab));
   for (std::int64_t v = 0; v < vocab; ++v) {
-    x[v] = on_logp ? static_cast<long double>(z[v]) : z[v] / tau;
+    const TransformedLogit zt = transform_logit(z[v], config.logit_softcap, config.logit_scale);
+    row.chain[v] = static_cast<double>(zt.chain);
+    x[v] = on_logp ? zt.value : zt.value / tau;
     max_x = std::max(max_x, x[v]);
   }
   // Sums over x - max: -inf entries give exp(-inf) = 0 and drop out. A row of
@@ -81,13 +87,16 @@ RowSoftmax row_softmax(const double* z, std::int64_t vocab, const LossConfig& co
   for (std::int64_t v = 0; v < vocab; ++v) sum += std::exp(x[v] - max_x);
   const long double log_sum = std::log(sum);  // LSE = max_x + log_sum
 
-  RowSoftmax row;
   row.p.resize(static_cast<std::size_t>(vocab));
+  row.centered.assign(static_cast<std::size_t>(vocab), 0.0);
   long double mean_shifted_x = 0.0L;  // sum_v p_v (x_v - max_x), p_v = 0 terms skipped
   for (std::int64_t v = 0; v < vocab; ++v) {
     const long double p = std::exp(x[v] - max_x) / sum;
     row.p[v] = static_cast<double>(p);
     if (p > 0.0L) mean_shifted_x += p * (x[v] - max_x);
+  }
+  for (std::int64_t v = 0; v < vocab; ++v) {
+    if (row.p[v] > 0.0) row.centered[v] = static_cast<double>((x[v] - max_x) - mean_shifted_x);
   }
   // Entropy = LSE - sum p x; both sides shifted by max_x so that |z| ~ 1e4
   // does not cancel the leading digits away.
@@ -107,6 +116,7 @@ struct Forward {
   std::vector<double> dq_dlogp;  // dq_t/dlogp_t (token) or dq_i/dlogp_t (sequence)
   std::vector<double> weight;    // w_t = dLoss/dl_t, 0 on masked rows
   std::vector<detail::TokenTerms> terms;
+  std::vector<double> entropy_weight;   // dLoss/dEnt_t (the entropy bonus), 0 on masked rows
   std::vector<std::int64_t> seq_valid;  // |o_i|
   std::int64_t num_valid = 0;
   double loss = 0.0;
@@ -199,6 +209,24 @@ Forward forward(const Problem& pb) {
     mean_old_minus_logp[i] = shift / static_cast<double>(std::max<std::int64_t>(f.seq_valid[i], 1));
   }
 
+  // The top-entropy mask e_t: Ent_t >= the (1 - rho) quantile of the valid
+  // rows' entropies (not differentiated); 1 when rho = 1.
+  std::vector<double> entropy_mask(un, 1.0);
+  if (pb.config.top_entropy_quantile < 1.0F) {
+    std::vector<long double> valid_entropies;
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (f.valid[t]) valid_entropies.push_back(f.rows[t].entropy);
+    }
+    if (!valid_entropies.empty()) {
+      const long double threshold =
+          linear_quantile(valid_entropies, 1.0L - static_cast<long double>(pb.config.top_entropy_quantile));
+      for (std::int64_t t = 0; t < n; ++t) entropy_mask[t] = f.rows[t].entropy >= threshold ? 1.0 : 0.0;
+    }
+  }
+  double entropy_count = 0.0;  // sum_t m_t e_t
+  for (std::int64_t t = 0; t < n; ++t) entropy_count += f.valid[t] ? entropy_mask[t] : 0.0;
+  f.entropy_weight.assign(un, 0.0);
+
   // Masked rows are skipped outright, so nothing read there (old_logp,
   // ref_logp, is_weight of a masked token) can leak into the loss, not even a NaN.
   for (std::int64_t t = 0; t < n; ++t) {
@@ -209,6 +237,7 @@ Forward forward(const Problem& pb) {
     if (pb.config.loss_type == LossType::vespo) in.vespo_phi = detail::vespo_phi(pb.config, vespo_sum[seq], adv);
     const auto& opsm = pb.config.off_policy_mask_threshold;
     in.keep = !opsm || adv >= 0.0 || mean_old_minus_logp[seq] <= static_cast<double>(*opsm) ? 1.0 : 0.0;
+    in.keep *= entropy_mask[t];
     in.q = f.q[t];
     in.logp = f.rows[t].logp;
     in.advantage = per_row(pb.advantages, pb, t, 0.0);
@@ -217,6 +246,9 @@ Forward forward(const Problem& pb) {
     f.terms[t] = detail::token_terms(pb.config, in);
     f.weight[t] = aggregation_weight(pb, f.seq_valid[t / pb.seq_len], f.num_valid);
     f.loss += f.weight[t] * f.terms[t].loss;
+    // Entropy bonus: Loss -= coef * sum m e Ent / max(sum m e, 1).
+    f.entropy_weight[t] = -static_cast<double>(pb.config.entropy_coef) * entropy_mask[t] / std::max(entropy_count, 1.0);
+    f.loss += f.entropy_weight[t] * f.rows[t].entropy;
   }
   return f;
 }
@@ -250,6 +282,15 @@ std::vector<double> logp_coefficients(const Problem& pb, const Forward& f) {
 
 }  // namespace
 
+long double linear_quantile(std::vector<long double> values, long double q) {
+  require(!values.empty(), "quantile of no values");
+  std::sort(values.begin(), values.end());
+  const long double rank = q * static_cast<long double>(values.size() - 1);
+  const auto below = static_cast<std::size_t>(std::floor(rank));
+  const auto above = static_cast<std::size_t>(std::ceil(rank));
+  return values[below] + (values[above] - values[below]) * (rank - static_cast<long double>(below));
+}
+
 double loss_only(const Problem& problem) { return forward(problem).loss; }
 
 Result evaluate(const Problem& pb) {
@@ -268,16 +309,24 @@ Result evaluate(const Problem& pb) {
     if (f.valid[t]) res.kl[t] = f.terms[t].kl;  // already 0 when beta == 0
   }
 
-  // dlogp_t/dz_v = ([v == y_t] - p_v) / tau in both temperature conventions.
+  // dlogp_t/dz'_v = ([v == y_t] - p_v) / tau in both temperature conventions;
+  // dEnt_t/dz'_v = -p_v (x_v - E_p[x]) dx/dz' (1/tau, or 1 under
+  // temperature_on_logp); then dz'/dz of the logit transform.
   const std::vector<double> c = logp_coefficients(pb, f);
   const double tau = pb.config.temperature;
+  const double dx_dz = pb.config.temperature_on_logp ? 1.0 : 1.0 / tau;
+  res.dloss_dlogp = c;
+  res.dloss_dentropy = f.entropy_weight;
   res.dlogits.assign(un * static_cast<std::size_t>(pb.vocab), 0.0);
   for (std::int64_t t = 0; t < n; ++t) {
-    if (!f.valid[t] || c[t] == 0.0) continue;  // exact zeros, as the fast paths may skip
+    const double b = f.entropy_weight[t];
+    if (!f.valid[t] || (c[t] == 0.0 && b == 0.0)) continue;  // exact zeros, as the fast paths may skip
     const double scale = c[t] / tau;
+    const RowSoftmax& row = f.rows[t];
     for (std::int64_t v = 0; v < pb.vocab; ++v) {
       const double onehot = v == pb.ids[t] ? 1.0 : 0.0;
-      res.dlogits[t * pb.vocab + v] = scale * (onehot - f.rows[t].p[v]);
+      const double d_entropy = -row.p[v] * row.centered[v] * dx_dz;
+      res.dlogits[t * pb.vocab + v] = (scale * (onehot - row.p[v]) + b * d_entropy) * row.chain[v];
     }
   }
 

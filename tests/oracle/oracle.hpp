@@ -4,7 +4,9 @@
 // central finite differences (test_oracle_fd.cpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "grpo/loss_config.hpp"
@@ -32,6 +34,10 @@ struct Result {
   std::vector<double> entropy;  // [N], every row
   std::vector<double> kl;       // [N], 0 on masked rows or when beta == 0
   std::vector<double> dlogits;  // [N * V]
+  // The coefficients behind dlogits (for error bounds in tests): dLoss/dlogp_t
+  // and dLoss/dEnt_t (the entropy bonus), 0 on masked rows.
+  std::vector<double> dloss_dlogp;
+  std::vector<double> dloss_dentropy;
   double clip_ratio_low = 0.0;
   double clip_ratio_high = 0.0;
   double clip_ratio_region = 0.0;
@@ -39,6 +45,23 @@ struct Result {
   double entropy_mean = 0.0;
   std::int64_t num_valid = 0;
 };
+
+// The model's logit transform (LossConfig::logit_softcap / logit_scale):
+// z' = c tanh(s z / c), or s z without a cap; chain = dz'/dz.
+struct TransformedLogit {
+  long double value;
+  long double chain;
+};
+inline TransformedLogit transform_logit(long double z, const std::optional<float>& softcap, float scale) {
+  const long double s = scale;
+  if (!softcap) return {s * z, s};
+  const long double c = *softcap;
+  const long double t = std::tanh(s * z / c);
+  return {c * t, s * (1.0L - t * t)};
+}
+
+// torch.quantile(values, q) with linear interpolation, in long double (values copied, sorted).
+long double linear_quantile(std::vector<long double> values, long double q);
 
 // Loss, per-token values, metrics and dlogits.
 Result evaluate(const Problem& problem);

@@ -47,11 +47,15 @@ LogProbResult evaluate_log_prob_head(const LogProbProblem& pb) {
   res.dlogits.assign(un * static_cast<std::size_t>(vocab), 0.0);
   std::vector<long double> x(static_cast<std::size_t>(vocab));
   std::vector<long double> p(static_cast<std::size_t>(vocab));
+  std::vector<long double> chain(static_cast<std::size_t>(vocab));  // dz'/dz of the logit transform
   for (std::int64_t t = 0; t < n; ++t) {
     const bool valid = row_valid(pb, t);
     long double max_x = -std::numeric_limits<long double>::infinity();
     for (std::int64_t v = 0; v < vocab; ++v) {
-      x[v] = static_cast<long double>(logits[t * vocab + v]) * scale;
+      const TransformedLogit zt =
+          transform_logit(logits[t * vocab + v], head.config.logit_softcap, head.config.logit_scale);
+      x[v] = zt.value * scale;
+      chain[v] = zt.chain;
       max_x = std::max(max_x, x[v]);
     }
     long double sum = 0.0L;
@@ -75,7 +79,7 @@ LogProbResult evaluate_log_prob_head(const LogProbProblem& pb) {
     for (std::int64_t v = 0; v < vocab; ++v) {
       const long double onehot = v == id ? 1.0L : 0.0L;
       const long double centered = p[v] > 0.0L ? (x[v] - max_x) - mean_shifted : 0.0L;
-      res.dlogits[t * vocab + v] = static_cast<double>(a * (onehot - p[v]) - b * p[v] * centered);
+      res.dlogits[t * vocab + v] = static_cast<double>((a * (onehot - p[v]) - b * p[v] * centered) * chain[v]);
     }
   }
   lm_head_chain(pb.lm, res.dlogits, res.dhidden, res.dweight, res.dbias);

@@ -33,9 +33,10 @@ labels clamped to 0, and so does grpo: no mask is passed to the head), the
 loss, the KL, the clipping, the metrics. The temperature is TRL's
 (`trainer.temperature`, x = z / T), as add_fused_lm_head applied it.
 
-Refused at patch time (NotImplementedError): models with
-`final_logit_softcapping` or a logit scale != 1 (Gemma 2/3, Granite, ...):
-grpo's head has neither yet. At call time: TRL outputs other than
+Models with `final_logit_softcapping` or a logit scale (Gemma 2/3, Granite,
+...): TRL reads both from the model config and passes them to the call; grpo's
+head applies them (z' = c tanh(s z / c) before the temperature, as TRL's
+kernel). Refused at call time: TRL outputs other than
 log_probs / entropy. Under autocast (or cast_lm_head_to_fp32) hidden,
 weight and bias are cast to TRL's compute dtype first, as TRL does per tile
 (a weight cast copies [V, H] once per call).
@@ -72,9 +73,6 @@ class _Dispatch:
         if settings is None:
             return cls.original.apply(hidden, weight, bias, targets, temperature, chunk_size,
                                       final_logit_softcapping, logit_scale, outputs)
-        if final_logit_softcapping is not None or logit_scale != 1.0:
-            raise NotImplementedError("grpo: the log-prob head has no logit softcap / logit scale yet "
-                                      f"(final_logit_softcapping={final_logit_softcapping}, logit_scale={logit_scale})")
         # TRL's compute dtype: autocast's when enabled, else hidden's.
         device = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
@@ -82,6 +80,7 @@ class _Dispatch:
         if bias is not None:
             bias = bias.to(compute_dtype)
         logp, entropy = gt.fused_log_probs(hidden, weight, bias, targets, temperature, outputs,
+                                           logit_softcap=final_logit_softcapping, logit_scale=float(logit_scale),
                                            plan_cache=settings["plan_cache"], num_threads=settings["num_threads"])
         return logp, entropy, None, None, None
 
@@ -117,13 +116,6 @@ def _patch_model(model: torch.nn.Module, settings: dict) -> None:
     if "forward" not in vars(model) or not _has_fused_head(model.forward):
         raise ValueError("grpo: the model has no TRL fused LM head (trl.trainer.utils.add_fused_lm_head): "
                          "patch a TRL 1.16 GRPOTrainer after its construction")
-    text_config = model.config.get_text_config()
-    for field in ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                  "logits_scaling"):
-        value = getattr(text_config, field, None)
-        if value is not None and not (field != "final_logit_softcapping" and value == 1.0):
-            raise NotImplementedError(f"grpo: the model's config sets {field}={value}; grpo's log-prob head has no "
-                                      "logit softcap / scale yet")
     previous = model.forward
     state = dict(settings)
 

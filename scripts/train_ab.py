@@ -1,0 +1,663 @@
+"""A GRPO training A/B with TRL 1.16 on CPU: TRL as it runs out of the box against TRL with grpo patched in.
+
+    python scripts/train_ab.py --out microbench/results/train_ab          # the full run: both arms, 100 steps
+    python scripts/train_ab.py --smoke --out /tmp/train_ab_smoke          # 2 steps of both arms at a tiny size
+
+The model is built in code (no downloads): a random Qwen2 with Qwen's
+vocabulary size (151936) and a small backbone (hidden 512, 2 layers, tied
+embeddings like Qwen2-0.5B), so the LM head is most of the parameters and a
+real share of the step. The tokenizer is a WordLevel one with 151936 entries
+(every id decodes to a word). The first 16 words after the specials are the
+task's "digits" d0..d15.
+
+The task. A prompt is "dK =", the reward of a completion is the fraction of
+its 128 tokens that are dK (verifiable, prompt-dependent). A random model
+spreads its mass over 151936 tokens and would never score, so both arms start
+from one supervised warm start, run once and cached on disk: 128-token
+sequences where each token is dK with probability 0.2 and a uniform digit
+otherwise, so the policy starts near reward 0.25 with the copy already
+wired; GRPO has to raise it. Generation is forced to the full 128 tokens
+(min_new_tokens; the warm start never shows <eos> anyway).
+
+The arms, each in its own subprocess (so its peak RSS is its own), same seed,
+same data order (TRL's sampler seeded by GRPOConfig.seed), same GRPOConfig:
+  trl        GRPOTrainer as it runs on CPU: TRL's chunked fused LM head
+             (add_fused_lm_head) for the policy and the reference model,
+             TRL's loss; GRPOConfig's defaults (bf16 autocast, gradient
+             checkpointing) except where the task sets something.
+  grpo       the same trainer after grpo.integrations.trl.patch_grpo_trainer:
+             the LM head's log-probs / entropy (policy and reference) come from
+             grpo.torch.fused_log_probs; TRL's loss code is untouched.
+
+Each step is split by timers around TRL's own methods:
+  generation     GRPOTrainer._generate (tokenize, model.generate, decode)
+  logprob_loss   every _get_per_token_logps_and_entropies call outside
+                 compute_loss (the reference model's log-probs), compute_loss
+                 (the policy's log-probs + the loss) and accelerator.backward
+  rest           the step (on_step_begin -> on_step_end) minus the two above:
+                 rewards and advantages, the optimizer step, bookkeeping
+For logprob_loss the peak RSS is measured per call: glibc's free memory is
+returned (malloc_trim), the RSS read, the kernel's peak (VmHWM) reset through
+/proc/self/clear_refs, and VmHWM read when the call returns; a step's
+logprob_loss_peak is the largest VmHWM over its calls and
+logprob_loss_rise the largest VmHWM - RSS at the call's start.
+
+Writes to --out: <arm>.jsonl (one JSON object per step: reward, loss, KL,
+entropy, clip ratio, the three times, the memory), summary.json, train_ab.png
+(reward and step time of both arms against the step) and prints a markdown
+table for the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model and tokenizer are built here
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARMS = ("trl", "grpo")
+ALL_ARMS = ARMS + ("grpo_loss",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything that shapes a run; the warm-start cache is keyed by its model and warm-start fields."""
+
+    vocab: int = 151936  # Qwen2's vocabulary size
+    hidden: int = 512
+    layers: int = 2
+    heads: int = 8
+    kv_heads: int = 2
+    intermediate: int = 1536
+    digits: int = 16  # the task's alphabet d0..d(digits-1)
+    completion: int = 128  # max_completion_length, every completion is this long
+    copy_prob: float = 0.3  # warm start: P(token = target) before the uniform digit draw
+    sft_steps: int = 100
+    sft_batch: int = 8
+    sft_lr: float = 1e-3
+    seed: int = 0
+    # GRPO
+    steps: int = 100
+    prompts_per_step: int = 1
+    num_generations: int = 8
+    learning_rate: float = 1e-4
+    beta: float = 0.04
+    epsilon: float = 0.2
+    epsilon_high: float = 0.28  # DAPO's clip-higher
+
+    def model_key(self) -> str:
+        fields = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "digits", "completion",
+                  "copy_prob", "sft_steps", "sft_batch", "sft_lr", "seed")
+        text = json.dumps({f: getattr(self, f) for f in fields}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# --smoke: a model small enough for seconds, warm-started far enough that the reward is neither 0 nor 1.
+SMOKE = dict(vocab=4096, hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, completion=16, sft_steps=40,
+             sft_batch=8, sft_lr=1e-2, steps=2, prompts_per_step=1, num_generations=8)
+
+SPECIALS = ["<pad>", "<eos>", "<unk>", "="]
+
+
+def words(setup: Setup) -> list[str]:
+    digits = [f"d{i}" for i in range(setup.digits)]
+    rest = setup.vocab - len(SPECIALS) - len(digits)
+    return SPECIALS + digits + [f"w{i}" for i in range(rest)]
+
+
+def make_tokenizer(setup: Setup):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(words(setup))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def digit_id(setup: Setup, k: int) -> int:
+    return len(SPECIALS) + k
+
+
+# --------------------------------------------------------------------------- the warm start
+
+
+def warm_start(setup: Setup, path: str) -> dict:
+    """Random Qwen2 + supervised warm start on the copy-with-noise sequences; saved (with the tokenizer) at path."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(setup.seed)
+    config = Qwen2Config(vocab_size=setup.vocab, hidden_size=setup.hidden, intermediate_size=setup.intermediate,
+                         num_hidden_layers=setup.layers, num_attention_heads=setup.heads,
+                         num_key_value_heads=setup.kv_heads, max_position_embeddings=2 * (setup.completion + 8),
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config)
+    gen = torch.Generator().manual_seed(setup.seed + 1)
+    eq = SPECIALS.index("=")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=setup.sft_lr, weight_decay=0.0)
+    # Cosine decay to 0: the last steps settle near the noisy-copy distribution instead of hovering in Adam noise.
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: 0.5 * (1.0 + math.cos(math.pi * min(i, setup.sft_steps) / setup.sft_steps)))
+    losses = []
+    start = time.perf_counter()
+    for step in range(setup.sft_steps):
+        target = torch.randint(setup.digits, (setup.sft_batch, 1), generator=gen)
+        noise = torch.randint(setup.digits, (setup.sft_batch, setup.completion), generator=gen)
+        copy = torch.rand(setup.sft_batch, setup.completion, generator=gen) < setup.copy_prob
+        body = torch.where(copy, target, noise)
+        ids = torch.cat([target, torch.full_like(target, -1), body], dim=1) + len(SPECIALS)
+        ids[:, 1] = eq
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = model.model(input_ids=ids).last_hidden_state[:, 1:-1]  # predicts body tokens
+            logits = model.lm_head(hidden)
+        loss = F.cross_entropy(logits.float().reshape(-1, setup.vocab), ids[:, 2:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if (step + 1) % 25 == 0:
+            print(f"warm start step {step + 1}/{setup.sft_steps}: loss {statistics.fmean(losses[-25:]):.3f}", flush=True)
+    # The loss floor: the entropy of the noisy copy distribution.
+    p_target = setup.copy_prob + (1 - setup.copy_prob) / setup.digits
+    p_other = (1 - setup.copy_prob) / setup.digits
+    floor = -(p_target * torch.log(torch.tensor(p_target)) + (setup.digits - 1) * p_other * torch.log(torch.tensor(p_other)))
+    model.save_pretrained(path)
+    make_tokenizer(setup).save_pretrained(path)
+    info = dict(sft_steps=setup.sft_steps, seconds=time.perf_counter() - start, first_loss=losses[0],
+                last_loss=statistics.fmean(losses[-10:]), loss_floor=float(floor))
+    with open(os.path.join(path, "warm_start.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    return info
+
+
+def ensure_model(setup: Setup, cache_dir: str) -> str:
+    path = os.path.join(cache_dir, f"qwen2_{setup.model_key()}")
+    if not os.path.exists(os.path.join(path, "warm_start.json")):
+        os.makedirs(path, exist_ok=True)
+        info = warm_start(setup, path)
+        print(f"warm start: {info['sft_steps']} steps in {info['seconds']:.0f} s, loss {info['first_loss']:.3f} -> "
+              f"{info['last_loss']:.3f} (floor {info['loss_floor']:.3f}); saved at {path}", flush=True)
+    return path
+
+
+# --------------------------------------------------------------------------- the reward
+
+
+def copy_reward_for(setup: Setup):
+    def copy_reward(prompts, completions, **kwargs):
+        """Fraction of the completion's tokens equal to the prompt's target digit (dK of "dK =")."""
+        out = []
+        for prompt, completion in zip(prompts, completions):
+            target = prompt.split()[0]
+            out.append(sum(1 for w in completion.split() if w == target) / setup.completion)
+        return out
+
+    return copy_reward
+
+
+def dataset(setup: Setup):
+    from datasets import Dataset
+
+    rows = setup.steps * setup.prompts_per_step
+    return Dataset.from_dict({"prompt": [f"d{i % setup.digits} =" for i in range(max(rows, setup.digits))]})
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+class Phases:
+    """Per-step wall time of named phases; for the memory phases the peak RSS of each call (VmHWM reset at entry)."""
+
+    def __init__(self, memory_phases=("logprob_loss",)):
+        self.memory_phases = set(memory_phases)
+        self.depth = 0
+        self.process_peak_kib = 0
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except OSError:
+            self._trim = None
+        self.reset()
+
+    def reset(self):
+        self.seconds = {}
+        self.peak_kib = {}
+        self.rise_kib = {}
+
+    def _reset_hwm(self):
+        self.process_peak_kib = max(self.process_peak_kib, _status_kib("VmHWM"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+    def final_peak_kib(self) -> int:
+        return max(self.process_peak_kib, _status_kib("VmHWM"))
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.depth:  # nested (compute_loss calls _get_per_token_logps_and_entropies): counted by the outer phase
+            yield
+            return
+        self.depth += 1
+        memory = name in self.memory_phases
+        if memory:
+            if self._trim is not None:
+                self._trim(0)
+            rss0 = _status_kib("VmRSS")
+            self._reset_hwm()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            if memory:
+                hwm = _status_kib("VmHWM")
+                self.peak_kib[name] = max(self.peak_kib.get(name, 0), hwm)
+                self.rise_kib[name] = max(self.rise_kib.get(name, 0), hwm - rss0)
+            self.depth -= 1
+
+
+def instrument(trainer, phases: Phases) -> None:
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with phases(name):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    trainer._generate = timed("generation", trainer._generate)
+    trainer._get_per_token_logps_and_entropies = timed("logprob_loss", trainer._get_per_token_logps_and_entropies)
+    trainer.compute_loss = timed("logprob_loss", trainer.compute_loss)
+    trainer.accelerator.backward = timed("logprob_loss", trainer.accelerator.backward)
+
+
+LOG_KEYS = {"reward": "reward", "reward_std": "reward_std", "loss": "loss", "kl": "kl", "entropy": "entropy",
+            "clip_ratio": "clip_ratio/region_mean", "grad_norm": "grad_norm",
+            "completion_length": "completions/mean_length", "trl_step_time": "step_time"}
+
+
+def make_callback(phases: Phases, out_path: str):
+    from transformers import TrainerCallback
+
+    class StepRecorder(TrainerCallback):
+        """Times each step, then writes it with TRL's logged metrics (logging_steps=1) as one JSON line."""
+
+        def __init__(self):
+            self.pending = None
+            self.file = open(out_path, "w")
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            phases.reset()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step = time.perf_counter() - self.start
+            gen = phases.seconds.get("generation", 0.0)
+            lpl = phases.seconds.get("logprob_loss", 0.0)
+            self.pending = dict(step=state.global_step, step_s=step, generation_s=gen, logprob_loss_s=lpl,
+                                rest_s=step - gen - lpl,
+                                logprob_loss_peak_mib=phases.peak_kib.get("logprob_loss", 0) / 1024,
+                                logprob_loss_rise_mib=phases.rise_kib.get("logprob_loss", 0) / 1024,
+                                rss_mib=_status_kib("VmRSS") / 1024)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if self.pending is None or logs is None or "reward" not in logs:
+                return
+            record = dict(self.pending)
+            for key, name in LOG_KEYS.items():
+                if name in logs:
+                    record[key] = float(logs[name])
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()),
+                  flush=True)
+            self.pending = None
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.file.close()
+
+    return StepRecorder()
+
+
+# --------------------------------------------------------------------------- grpo's fused loss in the trainer
+
+
+def use_fused_loss(trainer) -> None:
+    """The policy's log-probs and loss of compute_loss from grpo.torch.lm_head_grpo_loss (the grpo_loss arm).
+
+    Where it fits TRL 1.16's GRPOTrainer._compute_loss: loss types grpo's
+    kernel has, token-level or sequence-level ratios, no entropy mask / bonus,
+    no off-policy mask, no vLLM importance sampling, no MoE aux loss, no
+    multimodal inputs (refused here otherwise). The backbone runs as TRL runs
+    it (autocast, gradient checkpointing); the hidden states of the positions
+    that predict the completion go to the fused kernel with TRL's
+    temperature, old / reference log-probs, advantages and dapo normalizer,
+    and the kernel returns the loss with its gradients already computed (no
+    logits, no per-token autograd graph). TRL's metrics (KL, entropy, clip
+    ratios) are computed from the kernel's per-token outputs with TRL's code.
+    """
+    import torch
+
+    import grpo.torch as gt
+    from trl.trainer.utils import nanmax, nanmin
+
+    args = trainer.args
+    checks = {"loss_type": trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
+              "top_entropy_quantile": trainer.top_entropy_quantile == 1.0,
+              "entropy bonus": not trainer._entropy_bonus_enabled,
+              "off_policy_mask_threshold": trainer.off_policy_mask_threshold is None,
+              "use_vllm": not trainer.use_vllm, "aux loss": not trainer.aux_loss_enabled}
+    refused = [k for k, ok in checks.items() if not ok]
+    if refused:
+        raise NotImplementedError(f"grpo_loss arm: not for this trainer configuration ({', '.join(refused)})")
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        keep = completion_ids.size(1)
+        base = trainer.accelerator.unwrap_model(model)
+        with trainer.accelerator.autocast():
+            hidden = base.model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                                attention_mask=torch.cat([prompt_mask, completion_mask], dim=1)).last_hidden_state
+            # TRL's compute dtype (its head casts each tile to it): autocast's when enabled.
+            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
+        hidden = hidden[:, -keep - 1:-1]  # the positions that predict the completion tokens
+        weight, bias = base.lm_head.weight, base.lm_head.bias
+        mode = "train" if trainer.model.training else "eval"
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * trainer.current_gradient_accumulation_steps / args.steps_per_generation
+        old = inputs.get("old_per_token_logps")
+        res = gt.lm_head_grpo_loss(
+            hidden.to(dtype), weight.to(dtype), completion_ids, mask, inputs["advantages"],
+            bias=None if bias is None else bias.to(dtype), old_logp=old, ref_logp=inputs.get("ref_per_token_logps"),
+            loss_type=trainer.loss_type, importance_sampling_level=trainer.importance_sampling_level,
+            epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=args.delta, beta=trainer.beta,
+            kl_bias_correction=args.use_bias_correction_kl, temperature=trainer.temperature,
+            max_completion_length=trainer.max_completion_length, num_items_in_batch=float(normalizer),
+            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+            return_entropy=True)
+        loss = res.loss
+        if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "sapo") and mode == "train":
+            loss = loss / trainer.current_gradient_accumulation_steps
+
+        # TRL's metrics, from the kernel's per-token log-probs, KL and entropy.
+        m = mask.float()
+
+        def global_masked_mean(x):
+            totals = trainer.accelerator.reduce(torch.stack([(x * m).sum(), m.sum()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if trainer.beta != 0.0:
+            trainer._metrics[mode]["kl"].append(global_masked_mean(res.kl))
+        trainer._metrics[mode]["entropy"].append(global_masked_mean(res.entropy))
+        if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+            logp = res.per_token_logps
+            log_ratio = logp - (logp if old is None else old)
+            if trainer.importance_sampling_level == "sequence":
+                log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(m)
+            coef_1 = torch.exp(log_ratio)
+            adv = inputs["advantages"]
+            adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+            low = ((coef_1 < 1 - trainer.epsilon_low) & (adv < 0)).float()
+            high = ((coef_1 > 1 + trainer.epsilon_high) & (adv > 0)).float()
+            trainer._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
+            trainer._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
+            trainer._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+            seq_mean = lambda x: (x * m).sum(-1) / m.sum(-1)  # noqa: E731
+            trainer._metrics[mode]["clip_ratio/low_min"].append(nanmin(trainer.accelerator.gather(seq_mean(low))).item())
+            trainer._metrics[mode]["clip_ratio/high_max"].append(
+                nanmax(trainer.accelerator.gather(seq_mean(high))).item())
+        return loss
+
+    trainer.compute_loss = compute_loss
+
+
+# --------------------------------------------------------------------------- one arm (its own process)
+
+
+def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str) -> dict:
+    import tempfile
+
+    import torch
+    import transformers
+    import trl
+    from trl import GRPOConfig, GRPOTrainer
+
+    phases = Phases()
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix=f"train_ab_{arm}_"), use_cpu=True, seed=setup.seed, data_seed=setup.seed,
+        per_device_train_batch_size=setup.prompts_per_step * setup.num_generations,
+        num_generations=setup.num_generations, max_completion_length=setup.completion,
+        generation_kwargs={"min_new_tokens": setup.completion}, max_steps=setup.steps, loss_type="dapo",
+        beta=setup.beta, epsilon=setup.epsilon, epsilon_high=setup.epsilon_high,
+        learning_rate=setup.learning_rate, lr_scheduler_type="constant", logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=copy_reward_for(setup), args=args,
+                          train_dataset=dataset(setup), processing_class=make_tokenizer(setup))
+    if arm in ("grpo", "grpo_loss"):
+        from grpo.integrations.trl import patch_grpo_trainer
+
+        patch_grpo_trainer(trainer)
+        if arm == "grpo_loss":
+            use_fused_loss(trainer)
+    elif arm != "trl":
+        raise ValueError(f"unknown arm {arm!r} (one of {', '.join(ALL_ARMS)})")
+    instrument(trainer, phases)
+    trainer.add_callback(make_callback(phases, os.path.join(out_dir, f"{arm}.jsonl")))
+    start = time.perf_counter()
+    trainer.train()
+    info = dict(arm=arm, seconds=time.perf_counter() - start, peak_rss_mib=phases.final_peak_kib() / 1024,
+                threads=torch.get_num_threads(), torch=torch.__version__, trl=trl.__version__,
+                transformers=transformers.__version__)
+    with open(os.path.join(out_dir, f"{arm}.info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    return info
+
+
+# --------------------------------------------------------------------------- summary, table, plot
+
+
+def load_steps(out_dir: str, arm: str) -> list[dict]:
+    with open(os.path.join(out_dir, f"{arm}.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def summarize(out_dir: str, arms: list[str], setup: Setup) -> dict:
+    """Per arm: the phase times (median over steps 2..N: step 1 builds plans and warms caches), the memory, the
+    reward's start and end; across arms: the step-1 agreement, the end-of-run reward gap against its noise, and
+    grpo / trl ratios of the log-prob + loss part."""
+    summary = {"setup": dataclasses.asdict(setup), "arms": {}}
+    steps = {arm: load_steps(out_dir, arm) for arm in arms}
+    for arm in arms:
+        rows = steps[arm]
+        timed = rows[1:] if len(rows) > 1 else rows
+        with open(os.path.join(out_dir, f"{arm}.info.json")) as f:
+            info = json.load(f)
+        window = max(1, min(10, len(rows) // 4)) if len(rows) >= 4 else 1
+        summary["arms"][arm] = dict(
+            info,
+            steps=len(rows),
+            median_s={k: statistics.median(r[k + "_s"] for r in timed)
+                      for k in ("step", "generation", "logprob_loss", "rest")},
+            logprob_loss_peak_mib=max(r["logprob_loss_peak_mib"] for r in rows),
+            logprob_loss_rise_mib=max(r["logprob_loss_rise_mib"] for r in rows),
+            logprob_loss_rise_median_mib=statistics.median(r["logprob_loss_rise_mib"] for r in timed),
+            reward_window=window,
+            reward_first=_mean([r["reward"] for r in rows[:window]]),
+            reward_last=_mean([r["reward"] for r in rows[-window:]]),
+        )
+    if "trl" in arms:
+        a = summary["arms"]["trl"]
+        summary["ratios_over_trl"], summary["agreement"] = {}, {}
+        for arm in arms:
+            if arm == "trl":
+                continue
+            b = summary["arms"][arm]
+            summary["ratios_over_trl"][arm] = {
+                "logprob_loss_time": b["median_s"]["logprob_loss"] / a["median_s"]["logprob_loss"],
+                "logprob_loss_peak_rss": b["logprob_loss_peak_mib"] / a["logprob_loss_peak_mib"],
+                "logprob_loss_rise": b["logprob_loss_rise_mib"] / max(a["logprob_loss_rise_mib"], 1e-9),
+                "step_time": b["median_s"]["step"] / a["median_s"]["step"],
+                "process_peak_rss": b["peak_rss_mib"] / a["peak_rss_mib"],
+            }
+            first = {k: dict(trl=steps["trl"][0].get(k), other=steps[arm][0].get(k))
+                     for k in ("reward", "loss", "kl", "entropy", "grad_norm")}
+            # The end of the run: the last quarter (at most 20 steps) of each arm. Its noise: the standard error
+            # of the two means from the per-step spread (steps taken as independent draws: the arms' samples
+            # diverge within a few steps, and one step's reward is a mean over fresh completions).
+            n = max(1, min(20, min(len(steps["trl"]), len(steps[arm])) // 4))
+            tails = [[r["reward"] for r in steps[x][-n:]] for x in ("trl", arm)]
+            se = (sum(statistics.pvariance(t) / len(t) for t in tails)) ** 0.5 if n > 1 else float("nan")
+            summary["agreement"][arm] = dict(
+                step1=first, step1_reward_identical=first["reward"]["trl"] == first["reward"]["other"],
+                tail_steps=n, tail_reward=dict(trl=_mean(tails[0]), other=_mean(tails[1])),
+                tail_gap=_mean(tails[1]) - _mean(tails[0]), tail_gap_se=se)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def markdown(summary: dict) -> str:
+    lines = ["| arm | step (s) | generation (s) | log-prob + loss (s) | rest (s) | log-prob + loss peak RSS (MiB) "
+             "| its rise (MiB) | process peak RSS (MiB) | reward, first -> last steps | wall (min) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for arm, s in summary["arms"].items():
+        m = s["median_s"]
+        lines.append(f"| {arm} | {m['step']:.2f} | {m['generation']:.2f} | {m['logprob_loss']:.2f} | {m['rest']:.2f} "
+                     f"| {s['logprob_loss_peak_mib']:.0f} | {s['logprob_loss_rise_mib']:.0f} | {s['peak_rss_mib']:.0f} "
+                     f"| {s['reward_first']:.3f} -> {s['reward_last']:.3f} (means of {s['reward_window']}) "
+                     f"| {s['seconds'] / 60:.1f} |")
+    for arm, r in summary.get("ratios_over_trl", {}).items():
+        lines.append(f"| {arm} / trl | {r['step_time']:.2f}x | | {r['logprob_loss_time']:.2f}x | "
+                     f"| {r['logprob_loss_peak_rss']:.2f}x | {r['logprob_loss_rise']:.2f}x "
+                     f"| {r['process_peak_rss']:.2f}x | | |")
+    lines.append("")
+    for arm, g in summary.get("agreement", {}).items():
+        s1 = g["step1"]
+        lines.append(f"{arm} against trl. Step 1: reward {s1['reward']['trl']:.6f} / {s1['reward']['other']:.6f} "
+                     f"({'identical' if g['step1_reward_identical'] else 'DIFFERENT'}), entropy "
+                     f"{s1['entropy']['trl']:.6g} / {s1['entropy']['other']:.6g}, grad norm "
+                     f"{s1['grad_norm']['trl']:.6g} / {s1['grad_norm']['other']:.6g}. Last {g['tail_steps']} steps: "
+                     f"mean reward {g['tail_reward']['trl']:.3f} / {g['tail_reward']['other']:.3f}, gap "
+                     f"{g['tail_gap']:+.3f} (standard error {g['tail_gap_se']:.3f}).")
+    return "\n".join(lines)
+
+
+def plot(out_dir: str, arms: list[str]) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (the [bench] extra): no PNG", flush=True)
+        return None
+    colors = {"trl": "tab:blue", "grpo": "tab:red", "grpo_loss": "tab:green"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for arm in arms:
+        rows = load_steps(out_dir, arm)
+        x = [r["step"] for r in rows]
+        reward = [r["reward"] for r in rows]
+        k = 10
+        smooth = [_mean(reward[max(0, i - k + 1):i + 1]) for i in range(len(reward))]
+        c = colors.get(arm)
+        ax1.plot(x, reward, color=c, alpha=0.3, lw=1)
+        ax1.plot(x, smooth, color=c, lw=2, label=f"{arm} ({k}-step mean)")
+        ax2.plot(x, [r["step_s"] for r in rows], color=c, lw=2, label=f"{arm}: step")
+        ax2.plot(x, [r["logprob_loss_s"] for r in rows], color=c, lw=1.5, ls="--", label=f"{arm}: log-prob + loss")
+        ax2.plot(x, [r["generation_s"] for r in rows], color=c, lw=1, ls=":", label=f"{arm}: generation")
+    ax1.set(xlabel="step", ylabel="reward (fraction of target tokens)", title="Reward")
+    ax2.set(xlabel="step", ylabel="seconds", title="Step time", ylim=(0, None))
+    ax1.legend()
+    ax2.legend(fontsize=8)
+    fig.suptitle("GRPO on CPU with TRL 1.16: TRL's head (trl) vs grpo's head patched in (grpo)")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "train_ab.png")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="microbench/results/train_ab")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per arm (default 100; 2 with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 steps: checks the script end to end")
+    parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "grpo_train_ab"))
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a Setup field")
+    parser.add_argument("--run-arm", help=argparse.SUPPRESS)  # internal: run one arm in this process
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+
+    fields = dict(SMOKE) if opts.smoke else {}
+    if opts.steps is not None:
+        fields["steps"] = opts.steps
+    types = {f.name: f.type for f in dataclasses.fields(Setup)}
+    for item in opts.set:
+        key, value = item.split("=", 1)
+        fields[key] = {"int": int, "float": float}[types[key]](value)
+    setup = Setup(**fields)
+
+    if opts.run_arm:
+        run_arm(opts.run_arm, setup, opts.model_dir, opts.out)
+        return 0
+
+    os.makedirs(opts.out, exist_ok=True)
+    model_dir = ensure_model(setup, opts.cache_dir)
+    arms = opts.arms.split(",")
+    for arm in arms:
+        cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--model-dir", model_dir, "--out", opts.out]
+        cmd += ["--smoke"] if opts.smoke else []
+        cmd += [f"--set={k}={v}" for k, v in fields.items()]
+        print(f"== arm {arm} (full output: {arm}.log)", flush=True)
+        with open(os.path.join(opts.out, f"{arm}.log"), "w") as log:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail = []
+            for line in proc.stdout:
+                log.write(line)
+                tail = (tail + [line])[-40:]
+                if line.startswith(("step=", "warm start")):
+                    print(line, end="", flush=True)
+            if proc.wait() != 0:
+                print("".join(tail), end="", file=sys.stderr)
+                raise SystemExit(f"arm {arm} failed (exit {proc.returncode}); see {log.name}")
+    summary = summarize(opts.out, arms, setup)
+    png = plot(opts.out, arms)
+    print(markdown(summary))
+    print(f"wrote {opts.out}/{{{','.join(arms)}}}.jsonl, summary.json" + (f", {os.path.basename(png)}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
