@@ -54,8 +54,8 @@ struct RunStats {
   // excluded, padding to the GEMM row quantum included), from the last step.
   std::optional<double> executed_flops;
   std::optional<LmHeadStepStats> step_stats;  // LM head: rows and phase thread-seconds of the last step
-  std::optional<double> unfused_gemms_s;  // when measured (LM head, measure_unfused_gemms)
-  std::optional<double> forward_s;        // p50 of a forward-only run (measure_backward)
+  std::optional<double> unfused_gemms_s;      // when measured (LM head, measure_unfused_gemms)
+  std::optional<double> forward_s;            // p50 of a forward-only run (measure_backward)
 
   double mean() const;
   double percentile(double q) const;  // nearest-rank on the sorted step times

@@ -58,7 +58,8 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
     const double abs_a = std::abs(want.head.dloss_dlogp[t]) / tau;
     const double abs_b = std::abs(want.head.dloss_dentropy[t]) * scale;
     sum_abs_c += abs_a * tau;
-    entropy_loss_tol += std::abs(want.head.dloss_dentropy[t]) * b.tol_logp[t] * (2.0 + std::log(static_cast<double>(v)));
+    entropy_loss_tol +=
+        std::abs(want.head.dloss_dentropy[t]) * b.tol_logp[t] * (2.0 + std::log(static_cast<double>(v)));
     // dz = chain (a (onehot - p) - b p (x - mean)) (dz_error_bound); in the bf16
     // path the block keeps x - max in f16: |dp| <= p |u| 2^-11 <= 2^-11 / e < 2^-11.
     b.dz_err[t] = dz_error_bound(s.config, abs_a, abs_b, b.tol_logp[t], 2.0 * xmax, static_cast<double>(v), bf16);
@@ -81,8 +82,7 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_region, want.head.clip_ratio_region);
   EXPECT_NEAR(got.metrics.loss, want.head.loss,
               2.0 * sum_abs_c * *std::max_element(b.tol_logp.begin(), b.tol_logp.end()) + phi_loss_tol +
-                  entropy_loss_tol +
-                  16.0 * kEpsF32 * std::abs(want.head.loss) + 1e-12);
+                  entropy_loss_tol + 16.0 * kEpsF32 * std::abs(want.head.loss) + 1e-12);
 
   // Gradient GEMMs: a sum of products whose dz factor has the systematic bound
   // dz_err (added worst-case: sum |other factor|), the bf16 rounding of dz in the

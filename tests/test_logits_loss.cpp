@@ -149,8 +149,8 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
   }
   // loss = sum_t w_t l_t moves by sum_t |c_t| tol_logp, c_t = tau a_t; plus f32 rounding.
   EXPECT_NEAR(got.metrics.loss, want.loss,
-              2.0 * tau * sum_abs_a * tol_logp + phi_loss_tol + entropy_loss_tol + 16.0 * kEpsF32 * std::abs(want.loss) +
-                  1e-12);
+              2.0 * tau * sum_abs_a * tol_logp + phi_loss_tol + entropy_loss_tol +
+                  16.0 * kEpsF32 * std::abs(want.loss) + 1e-12);
   // Branch decisions agree exactly (inputs are drawn away from the kinks).
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_low, want.clip_ratio_low);
   EXPECT_DOUBLE_EQ(got.metrics.clip_ratio_high, want.clip_ratio_high);

@@ -208,10 +208,10 @@ TEST(OracleFdTrainerOptions, EntropyBonusMaskAndSoftcapMatchCentralDifferences) 
     double entropy_coef, rho, softcap, scale;
   };
   const Base bases[] = {
-      {LossType::grpo, IsLevel::token, 0.05, 1.0, 0.0, 1.0},    {LossType::dapo, IsLevel::token, -0.3, 0.45, 0.0, 1.0},
-      {LossType::grpo, IsLevel::sequence, 0.2, 0.6, 0.0, 1.0},  {LossType::cispo, IsLevel::token, 0.1, 0.3, 2.5, 1.0},
-      {LossType::bnpo, IsLevel::token, 0.0, 1.0, 2.0, 1.7},     {LossType::luspo, IsLevel::sequence, 0.0, 0.5, 0.0, 0.6},
-      {LossType::vespo, IsLevel::token, 0.15, 0.8, 1.5, 1.3},   {LossType::sapo, IsLevel::token, 0.0, 1.0, 0.0, 1.3},
+      {LossType::grpo, IsLevel::token, 0.05, 1.0, 0.0, 1.0},   {LossType::dapo, IsLevel::token, -0.3, 0.45, 0.0, 1.0},
+      {LossType::grpo, IsLevel::sequence, 0.2, 0.6, 0.0, 1.0}, {LossType::cispo, IsLevel::token, 0.1, 0.3, 2.5, 1.0},
+      {LossType::bnpo, IsLevel::token, 0.0, 1.0, 2.0, 1.7},    {LossType::luspo, IsLevel::sequence, 0.0, 0.5, 0.0, 0.6},
+      {LossType::vespo, IsLevel::token, 0.15, 0.8, 1.5, 1.3},  {LossType::sapo, IsLevel::token, 0.0, 1.0, 0.0, 1.3},
   };
   double worst = 0.0;
   std::int64_t cases = 0, masked_out = 0;

@@ -512,10 +512,10 @@ TEST_P(StageKernelsTest, DlogitsSoftcapRow) {
           // (4u t^2 + u), the two products (2u); flushed lanes as there.
           const double rel_p = p * kU * (std::fabs(x) + std::fabs(d) + kExpU);
           const double flush = (std::fabs(a) + std::fabs(b) * std::fabs(xc)) * std::numeric_limits<float>::min();
-          const double inner_tol = std::fabs(a) * rel_p + 2 * kU * std::fabs(a * ((i == target ? 1.0 : 0.0) - p)) +
-                                   std::fabs(b) * (rel_p * std::fabs(xc) +
-                                                   p * kU * (std::fabs(double(shift) - mean) + 3 * std::fabs(xc))) +
-                                   kU * std::fabs(inner) + flush;
+          const double inner_tol =
+              std::fabs(a) * rel_p + 2 * kU * std::fabs(a * ((i == target ? 1.0 : 0.0) - p)) +
+              std::fabs(b) * (rel_p * std::fabs(xc) + p * kU * (std::fabs(double(shift) - mean) + 3 * std::fabs(xc))) +
+              kU * std::fabs(inner) + flush;
           const double tol32 = inner_tol * std::fabs(chain) +
                                std::fabs(inner) * double(cap_s) * (4.0 * kU * t * t + 5.0 * kU) + kU * std::fabs(g_ref);
           const double g = out_t == Elem::f32 ? out.as<float>()[i] : bf16_to_float(out.as<std::uint16_t>()[i]);

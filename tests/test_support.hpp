@@ -116,8 +116,8 @@ inline bool near_kink(const LossConfig& c, double log_ratio) {
 //   b term: p (x - mean) moves by p |x - mean| (3 tol + 4 eps + f16) plus
 //           p |error of x - mean| <= tol (4 + 2 log V) + f16 spread
 //   chain:  dchain = 2 s |t| |dt| <= 2 s cap_k (tol + f16 spread) times |g| <= a + b spread
-inline double dz_error_bound(const LossConfig& c, double a_abs, double b_abs, double tol, double spread,
-                             double vocab, bool f16) {
+inline double dz_error_bound(const LossConfig& c, double a_abs, double b_abs, double tol, double spread, double vocab,
+                             bool f16) {
   const double u = f16 ? 1.0 / 2048.0 : 0.0;
   const double s = c.logit_scale;
   const double err_a = a_abs * (3.0 * tol + 4.0 * kEpsF32 + u);

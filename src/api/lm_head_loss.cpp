@@ -119,9 +119,9 @@ std::string LmHeadLossPlan::describe() const {
      << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk
      << " threads=" << s.threads << " gemm_passes=" << passes
      << (s.recompute_logits ? (detail::needs_all_rows(d.config)
-                                    ? " (logits recomputed: the top-entropy mask needs every row's entropy first)"
-                                    : " (logits recomputed: a whole-sequence term spans token blocks)")
-                              : "")
+                                   ? " (logits recomputed: the top-entropy mask needs every row's entropy first)"
+                                   : " (logits recomputed: a whole-sequence term spans token blocks)")
+                            : "")
      << (d.entropy_bonus ? " entropy_bonus=fused" : "") << (d.config.logit_softcap ? " softcap=fused" : "")
      << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
   if (d.scale_out) os << d.scale_out->describe();

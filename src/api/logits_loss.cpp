@@ -12,8 +12,8 @@
 #include "driver/logits_driver.hpp"
 #include "driver/parallel.hpp"
 #include "driver/row_math.hpp"
-#include "kernels/stage_kernels.hpp"
 #include "grpo/baseline.hpp"
+#include "kernels/stage_kernels.hpp"
 
 namespace grpo {
 

@@ -237,31 +237,32 @@ struct LmHeadStep {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
       dlogits_clock.time([&] {
-      for (std::int64_t i = 0; i < na; ++i) {
-        const std::int64_t r = active[i];
-        const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
-        const std::int64_t row = b0 + r;
-        // ids are global; outside this vocab shard, outside every tile (no one-hot).
-        const std::int64_t tgt = valid(row) ? in.batch.ids[row] - p.shape.vocab_offset - c0 : -1;
-        const float a = logp_coef[r] * temp.grad_scale;
-        // Row i <= s: the compacted output never overwrites a stored row not yet read.
-        if (temp.capped()) {
-          const bool ent = entropy_coef != nullptr;
-          k.dlogits_softcap_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max,
-                                lse[s], a, ent ? entropy_coef[r] * temp.entropy_grad_scale : 0.0F,
-                                ent ? lse[s] - entropy[s] : 0.0F, temp.cap_k, temp.softcap_scale, tgt,
-                                block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
-        } else if (entropy_coef == nullptr) {
-          k.dlogits_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max, lse[s],
-                        a, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
-        } else {
-          // E_p[x] = M + D/S = LSE - entropy (RowStats); dEnt/dx_v = -p_v (x_v - E_p[x]).
-          k.dlogits_entropy_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max,
-                                lse[s], a, entropy_coef[r] * temp.entropy_grad_scale, lse[s] - entropy[s], tgt,
-                                block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
+        for (std::int64_t i = 0; i < na; ++i) {
+          const std::int64_t r = active[i];
+          const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
+          const std::int64_t row = b0 + r;
+          // ids are global; outside this vocab shard, outside every tile (no one-hot).
+          const std::int64_t tgt = valid(row) ? in.batch.ids[row] - p.shape.vocab_offset - c0 : -1;
+          const float a = logp_coef[r] * temp.grad_scale;
+          // Row i <= s: the compacted output never overwrites a stored row not yet read.
+          if (temp.capped()) {
+            const bool ent = entropy_coef != nullptr;
+            k.dlogits_softcap_row(
+                block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max, lse[s], a,
+                ent ? entropy_coef[r] * temp.entropy_grad_scale : 0.0F, ent ? lse[s] - entropy[s] : 0.0F, temp.cap_k,
+                temp.softcap_scale, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
+          } else if (entropy_coef == nullptr) {
+            k.dlogits_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max,
+                          lse[s], a, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
+          } else {
+            // E_p[x] = M + D/S = LSE - entropy (RowStats); dEnt/dx_v = -p_v (x_v - E_p[x]).
+            k.dlogits_entropy_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F,
+                                  tile_stats[s * p.tiles + j].max, lse[s], a, entropy_coef[r] * temp.entropy_grad_scale,
+                                  lse[s] - entropy[s], tgt, block_at(i, c0, dl_size), dl_type,
+                                  dbias != nullptr ? dbias + c0 : nullptr);
+          }
         }
-      }
-      for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
+        for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
       });
       const kernels::Gemm& gemm = *dweight_gemms.pick(j == p.tiles - 1)[accumulate];
       auto* dw = static_cast<std::byte*>(out.dweight.data) +
@@ -280,8 +281,9 @@ struct LmHeadStep {
     for_each_item(p.hidden_chunks, p.schedule.threads, [&](std::int64_t chunk, int slot) {
       const std::int64_t h0 = chunk * kHiddenChunk;
       const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
-      dhidden_clock.time(
-          [&] { bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot)); });
+      dhidden_clock.time([&] {
+        bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot));
+      });
     });
     // Vocabulary parallelism: each shard's part of dh = dlogits W, summed over the group.
     if (p.scale_out && p.scale_out->vocab) {
@@ -337,19 +339,19 @@ struct LmHeadStep {
         forward_gemm_clock.time(
             [&] { bindings.at(gemm, slot).run(chunk_source(c), weight_at_vocab(c0), tile, bias, slot_scratch(slot)); });
         forward_stage_clock.time([&] {
-        for (std::int64_t r = r0; r < std::min(nb, r0 + fr); ++r) {
-          float* z = tile + (r - r0) * cols;
-          // z -> z' = c tanh(s z / c) in place, while the row is in cache.
-          if (temp.capped()) k.softcap(z, kernels::Elem::f32, cols, temp.softcap_scale, temp.softcap, z);
-          tile_stats[r * p.tiles + j] =
-              keep ? k.row_stats_store(z, cols, temp.scale, block_at(r, c0, store_size), p.store_type)
-                   : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
-          const std::int64_t row = row_of(r);
-          if (valid(row)) {
-            const std::int64_t id = in.batch.ids[row] - p.shape.vocab_offset;  // ids are global
-            if (id >= c0 && id < c0 + cols) target[r] = z[id - c0] * temp.scale;
+          for (std::int64_t r = r0; r < std::min(nb, r0 + fr); ++r) {
+            float* z = tile + (r - r0) * cols;
+            // z -> z' = c tanh(s z / c) in place, while the row is in cache.
+            if (temp.capped()) k.softcap(z, kernels::Elem::f32, cols, temp.softcap_scale, temp.softcap, z);
+            tile_stats[r * p.tiles + j] =
+                keep ? k.row_stats_store(z, cols, temp.scale, block_at(r, c0, store_size), p.store_type)
+                     : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
+            const std::int64_t row = row_of(r);
+            if (valid(row)) {
+              const std::int64_t id = in.batch.ids[row] - p.shape.vocab_offset;  // ids are global
+              if (id >= c0 && id < c0 + cols) target[r] = z[id - c0] * temp.scale;
+            }
           }
-        }
         });
       }
     });

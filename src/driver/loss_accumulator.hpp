@@ -98,9 +98,9 @@ class LossAccumulator {
   double clip_region_ = 0.0;
   double kl_sum_ = 0.0;
   // Entropy bonus and top-entropy mask (LossConfig::entropy_coef, top_entropy_quantile).
-  bool entropy_mask_ = false;      // top_entropy_quantile < 1
+  bool entropy_mask_ = false;       // top_entropy_quantile < 1
   float entropy_threshold_ = 0.0F;  // q: tokens with Ent >= q keep their policy term
-  double entropy_norm_ = 0.0;      // 1 / max(sum_t m_t e_t, 1)
+  double entropy_norm_ = 0.0;       // 1 / max(sum_t m_t e_t, 1)
   double entropy_sum_ = 0.0;
 };
 

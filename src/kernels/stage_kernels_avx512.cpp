@@ -407,15 +407,17 @@ void dlogits_softcap_in(const void* in, std::int64_t n, const DlogitsRow& c, Bat
   }
 }
 
-void dlogits_softcap_row_avx512(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift,
-                                float lse, float a, float b, float mean, float cap_k, float cap_s, std::int64_t target,
-                                void* out, Elem out_type, float* dbias) {
+void dlogits_softcap_row_avx512(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
+                                float a, float b, float mean, float cap_k, float cap_s, std::int64_t target, void* out,
+                                Elem out_type, float* dbias) {
   const DlogitsRow c{Batch(in_scale), Batch(in_shift), Batch(lse), Batch(a), Batch(b), Batch(in_shift - mean)};
   switch (in_type) {
-    case Elem::f32: return dlogits_softcap_in<Elem::f32>(in, n, c, Batch(cap_k), Batch(cap_s), target, out, out_type, dbias);
+    case Elem::f32:
+      return dlogits_softcap_in<Elem::f32>(in, n, c, Batch(cap_k), Batch(cap_s), target, out, out_type, dbias);
     case Elem::bf16:
       return dlogits_softcap_in<Elem::bf16>(in, n, c, Batch(cap_k), Batch(cap_s), target, out, out_type, dbias);
-    case Elem::f16: return dlogits_softcap_in<Elem::f16>(in, n, c, Batch(cap_k), Batch(cap_s), target, out, out_type, dbias);
+    case Elem::f16:
+      return dlogits_softcap_in<Elem::f16>(in, n, c, Batch(cap_k), Batch(cap_s), target, out, out_type, dbias);
   }
 }
 

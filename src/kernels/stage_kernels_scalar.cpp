@@ -163,9 +163,9 @@ void softcap_scalar(const void* z, Elem z_type, std::int64_t n, float scale, flo
   for (std::int64_t i = 0; i < n; ++i) out[i] = cap * std::tanh(load(z, z_type, i) * k);
 }
 
-void dlogits_softcap_row_scalar(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift,
-                                float lse, float a, float b, float mean, float cap_k, float cap_s, std::int64_t target,
-                                void* out, Elem out_type, float* dbias) {
+void dlogits_softcap_row_scalar(const void* in, Elem in_type, std::int64_t n, float in_scale, float in_shift, float lse,
+                                float a, float b, float mean, float cap_k, float cap_s, std::int64_t target, void* out,
+                                Elem out_type, float* dbias) {
   const float shift_from_mean = in_shift - mean;
   for (std::int64_t i = 0; i < n; ++i) {
     const float v = load(in, in_type, i);
