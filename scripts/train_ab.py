@@ -10,14 +10,18 @@ real share of the step. The tokenizer is a WordLevel one with 151936 entries
 (every id decodes to a word). The first 16 words after the specials are the
 task's "digits" d0..d15.
 
-The task. A prompt is "dK =", the reward of a completion is the fraction of
-its 128 tokens that are dK (verifiable, prompt-dependent). A random model
-spreads its mass over 151936 tokens and would never score, so both arms start
-from one supervised warm start, run once and cached on disk: 128-token
-sequences where each token is dK with probability 0.2 and a uniform digit
-otherwise, so the policy starts near reward 0.25 with the copy already
-wired; GRPO has to raise it. Generation is forced to the full 128 tokens
-(min_new_tokens; the warm start never shows <eos> anyway).
+The task: count up modulo 16. A prompt is one digit "dK"; the reward of a
+completion is the fraction of its 128 tokens that are the previous token + 1
+(mod 16): "d5" -> "d6 d7 ... d15 d0 d1 ..." scores 1 (verifiable, small
+arithmetic; what the completion must say depends on the prompt, and the rule
+is the same for every prompt, so one prompt per step gives a consistent
+gradient). A random model spreads its mass over 151936 tokens and would never
+score, so both arms start from one supervised warm start, run once and cached
+on disk: 128-token sequences where each token is the previous + 1 with
+probability 0.3 and a uniform digit otherwise, so the policy starts near
+reward 0.34 with the rule already wired; GRPO has to raise it. Generation is
+forced to the full 128 tokens (min_new_tokens; the warm start never shows
+<eos> anyway).
 
 The arms, each in its own subprocess (so its peak RSS is its own), same seed,
 same data order (TRL's sampler seeded by GRPOConfig.seed), same GRPOConfig:
@@ -83,7 +87,7 @@ class Setup:
     intermediate: int = 1536
     digits: int = 16  # the task's alphabet d0..d(digits-1)
     completion: int = 128  # max_completion_length, every completion is this long
-    copy_prob: float = 0.3  # warm start: P(token = target) before the uniform digit draw
+    step_prob: float = 0.3  # warm start: P(token = previous + 1 mod digits), else a uniform digit
     sft_steps: int = 100
     sft_batch: int = 8
     sft_lr: float = 1e-3
@@ -92,14 +96,14 @@ class Setup:
     steps: int = 100
     prompts_per_step: int = 1
     num_generations: int = 8
-    learning_rate: float = 1e-4
+    learning_rate: float = 3e-5
     beta: float = 0.04
     epsilon: float = 0.2
     epsilon_high: float = 0.28  # DAPO's clip-higher
 
     def model_key(self) -> str:
         fields = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "digits", "completion",
-                  "copy_prob", "sft_steps", "sft_batch", "sft_lr", "seed")
+                  "step_prob", "sft_steps", "sft_batch", "sft_lr", "seed")
         text = json.dumps({f: getattr(self, f) for f in fields}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -108,7 +112,7 @@ class Setup:
 SMOKE = dict(vocab=4096, hidden=64, layers=1, heads=2, kv_heads=1, intermediate=128, completion=16, sft_steps=40,
              sft_batch=8, sft_lr=1e-2, steps=2, prompts_per_step=1, num_generations=8)
 
-SPECIALS = ["<pad>", "<eos>", "<unk>", "="]
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
 
 
 def words(setup: Setup) -> list[str]:
@@ -127,15 +131,11 @@ def make_tokenizer(setup: Setup):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def digit_id(setup: Setup, k: int) -> int:
-    return len(SPECIALS) + k
-
-
 # --------------------------------------------------------------------------- the warm start
 
 
 def warm_start(setup: Setup, path: str) -> dict:
-    """Random Qwen2 + supervised warm start on the copy-with-noise sequences; saved (with the tokenizer) at path."""
+    """Random Qwen2 + supervised warm start on noisy count-up sequences; saved (with the tokenizer) at path."""
     import torch
     import torch.nn.functional as F
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -147,24 +147,23 @@ def warm_start(setup: Setup, path: str) -> dict:
                          pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(config)
     gen = torch.Generator().manual_seed(setup.seed + 1)
-    eq = SPECIALS.index("=")
     optimizer = torch.optim.AdamW(model.parameters(), lr=setup.sft_lr, weight_decay=0.0)
-    # Cosine decay to 0: the last steps settle near the noisy-copy distribution instead of hovering in Adam noise.
+    # Cosine decay to 0: the last steps settle near the noisy count-up distribution instead of in Adam noise.
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda i: 0.5 * (1.0 + math.cos(math.pi * min(i, setup.sft_steps) / setup.sft_steps)))
     losses = []
     start = time.perf_counter()
     for step in range(setup.sft_steps):
-        target = torch.randint(setup.digits, (setup.sft_batch, 1), generator=gen)
-        noise = torch.randint(setup.digits, (setup.sft_batch, setup.completion), generator=gen)
-        copy = torch.rand(setup.sft_batch, setup.completion, generator=gen) < setup.copy_prob
-        body = torch.where(copy, target, noise)
-        ids = torch.cat([target, torch.full_like(target, -1), body], dim=1) + len(SPECIALS)
-        ids[:, 1] = eq
+        seq = [torch.randint(setup.digits, (setup.sft_batch,), generator=gen)]  # the prompt digit
+        for _ in range(setup.completion):
+            up = torch.rand(setup.sft_batch, generator=gen) < setup.step_prob
+            noise = torch.randint(setup.digits, (setup.sft_batch,), generator=gen)
+            seq.append(torch.where(up, (seq[-1] + 1) % setup.digits, noise))
+        ids = torch.stack(seq, dim=1) + len(SPECIALS)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = model.model(input_ids=ids).last_hidden_state[:, 1:-1]  # predicts body tokens
+            hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]  # predicts the completion tokens
             logits = model.lm_head(hidden)
-        loss = F.cross_entropy(logits.float().reshape(-1, setup.vocab), ids[:, 2:].reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, setup.vocab), ids[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -172,9 +171,9 @@ def warm_start(setup: Setup, path: str) -> dict:
         losses.append(loss.item())
         if (step + 1) % 25 == 0:
             print(f"warm start step {step + 1}/{setup.sft_steps}: loss {statistics.fmean(losses[-25:]):.3f}", flush=True)
-    # The loss floor: the entropy of the noisy copy distribution.
-    p_target = setup.copy_prob + (1 - setup.copy_prob) / setup.digits
-    p_other = (1 - setup.copy_prob) / setup.digits
+    # The loss floor: the entropy of the noisy count-up distribution.
+    p_target = setup.step_prob + (1 - setup.step_prob) / setup.digits
+    p_other = (1 - setup.step_prob) / setup.digits
     floor = -(p_target * torch.log(torch.tensor(p_target)) + (setup.digits - 1) * p_other * torch.log(torch.tensor(p_other)))
     model.save_pretrained(path)
     make_tokenizer(setup).save_pretrained(path)
@@ -198,23 +197,26 @@ def ensure_model(setup: Setup, cache_dir: str) -> str:
 # --------------------------------------------------------------------------- the reward
 
 
-def copy_reward_for(setup: Setup):
-    def copy_reward(prompts, completions, **kwargs):
-        """Fraction of the completion's tokens equal to the prompt's target digit (dK of "dK =")."""
+def count_reward_for(setup: Setup):
+    index = {f"d{i}": i for i in range(setup.digits)}
+
+    def count_reward(prompts, completions, **kwargs):
+        """Fraction of the completion's tokens that are the previous token (the prompt's digit first) + 1 mod 16."""
         out = []
         for prompt, completion in zip(prompts, completions):
-            target = prompt.split()[0]
-            out.append(sum(1 for w in completion.split() if w == target) / setup.completion)
+            seq = [index.get(w, -1) for w in prompt.split()[-1:] + completion.split()]
+            hits = sum(1 for a, b in zip(seq, seq[1:]) if a >= 0 and b == (a + 1) % setup.digits)
+            out.append(hits / setup.completion)
         return out
 
-    return copy_reward
+    return count_reward
 
 
 def dataset(setup: Setup):
     from datasets import Dataset
 
     rows = setup.steps * setup.prompts_per_step
-    return Dataset.from_dict({"prompt": [f"d{i % setup.digits} =" for i in range(max(rows, setup.digits))]})
+    return Dataset.from_dict({"prompt": [f"d{i % setup.digits}" for i in range(max(rows, setup.digits))]})
 
 
 # --------------------------------------------------------------------------- measurement
@@ -456,7 +458,7 @@ def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str) -> dict:
         beta=setup.beta, epsilon=setup.epsilon, epsilon_high=setup.epsilon_high,
         learning_rate=setup.learning_rate, lr_scheduler_type="constant", logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True)
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=copy_reward_for(setup), args=args,
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=count_reward_for(setup), args=args,
                           train_dataset=dataset(setup), processing_class=make_tokenizer(setup))
     if arm in ("grpo", "grpo_loss"):
         from grpo.integrations.trl import patch_grpo_trainer
@@ -594,7 +596,7 @@ def plot(out_dir: str, arms: list[str]) -> str | None:
         ax2.plot(x, [r["step_s"] for r in rows], color=c, lw=2, label=f"{arm}: step")
         ax2.plot(x, [r["logprob_loss_s"] for r in rows], color=c, lw=1.5, ls="--", label=f"{arm}: log-prob + loss")
         ax2.plot(x, [r["generation_s"] for r in rows], color=c, lw=1, ls=":", label=f"{arm}: generation")
-    ax1.set(xlabel="step", ylabel="reward (fraction of target tokens)", title="Reward")
+    ax1.set(xlabel="step", ylabel="reward (fraction of tokens = previous + 1)", title="Reward")
     ax2.set(xlabel="step", ylabel="seconds", title="Step time", ylim=(0, None))
     ax1.legend()
     ax2.legend(fontsize=8)
