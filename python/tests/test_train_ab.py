@@ -1,4 +1,8 @@
-"""scripts/train_ab.py --smoke: both arms of the TRL training A/B, 2 steps each at a tiny size (~15 s).
+"""scripts/train_ab.py --smoke: both arms of the TRL training A/B, 2 steps each at a tiny size.
+
+Marked slow: 13 s on a quiet 2-core machine but 45-50 s while other jobs
+compile (two arm subprocesses, each importing torch / transformers / TRL,
+and the warm start), over the fast tier's 30 s.
 
 The same seed and data order give both arms the same first batch: the
 generation runs before any update and never calls the LM-head patch (it runs
@@ -24,6 +28,7 @@ FIELDS = ("step", "step_s", "generation_s", "logprob_loss_s", "rest_s", "logprob
           "logprob_loss_rise_mib", "reward", "loss", "kl", "entropy", "clip_ratio", "completion_length")
 
 
+@pytest.mark.slow
 def test_train_ab_smoke(tmp_path):
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT} is not in this checkout")
