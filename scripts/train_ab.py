@@ -18,8 +18,8 @@ is the same for every prompt, so one prompt per step gives a consistent
 gradient). A random model spreads its mass over 151936 tokens and would never
 score, so both arms start from one supervised warm start, run once and cached
 on disk: 128-token sequences where each token is the previous + 1 with
-probability 0.3 and a uniform digit otherwise, so the policy starts near
-reward 0.34 with the rule already wired; GRPO has to raise it. Generation is
+probability 0.3 and a uniform digit otherwise (100 steps: the policy starts
+near reward 0.2-0.3 with the rule partly wired); GRPO has to raise it. Generation is
 forced to the full 128 tokens (min_new_tokens; the warm start never shows
 <eos> anyway).
 
@@ -32,6 +32,9 @@ same data order (TRL's sampler seeded by GRPOConfig.seed), same GRPOConfig:
   grpo       the same trainer after grpo.integrations.trl.patch_grpo_trainer:
              the LM head's log-probs / entropy (policy and reference) come from
              grpo.torch.fused_log_probs; TRL's loss code is untouched.
+  grpo_loss  (not run by default: --arms trl,grpo,grpo_loss) grpo's head for
+             the reference model and, in compute_loss, grpo's fused loss
+             (use_fused_loss below).
 
 Each step is split by timers around TRL's own methods:
   generation     GRPOTrainer._generate (tokenize, model.generate, decode)
@@ -49,7 +52,7 @@ logprob_loss_rise the largest VmHWM - RSS at the call's start.
 Writes to --out: <arm>.jsonl (one JSON object per step: reward, loss, KL,
 entropy, clip ratio, the three times, the memory), summary.json, train_ab.png
 (reward and step time of both arms against the step) and prints a markdown
-table for the README.
+table for the README, and the command's wall time.
 """
 
 from __future__ import annotations
@@ -184,14 +187,17 @@ def warm_start(setup: Setup, path: str) -> dict:
     return info
 
 
-def ensure_model(setup: Setup, cache_dir: str) -> str:
+def ensure_model(setup: Setup, cache_dir: str) -> tuple[str, bool]:
     path = os.path.join(cache_dir, f"qwen2_{setup.model_key()}")
-    if not os.path.exists(os.path.join(path, "warm_start.json")):
+    cached = os.path.exists(os.path.join(path, "warm_start.json"))
+    if not cached:
         os.makedirs(path, exist_ok=True)
         info = warm_start(setup, path)
         print(f"warm start: {info['sft_steps']} steps in {info['seconds']:.0f} s, loss {info['first_loss']:.3f} -> "
               f"{info['last_loss']:.3f} (floor {info['loss_floor']:.3f}); saved at {path}", flush=True)
-    return path
+    else:
+        print(f"warm start: cached at {path}", flush=True)
+    return path, cached
 
 
 # --------------------------------------------------------------------------- the reward
@@ -640,7 +646,9 @@ def main(argv=None) -> int:
         return 0
 
     os.makedirs(opts.out, exist_ok=True)
-    model_dir = ensure_model(setup, opts.cache_dir)
+    start = time.perf_counter()
+    model_dir, cached = ensure_model(setup, opts.cache_dir)
+    warm_start_s = time.perf_counter() - start
     arms = opts.arms.split(",")
     for arm in arms:
         cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--model-dir", model_dir, "--out", opts.out]
@@ -660,7 +668,13 @@ def main(argv=None) -> int:
                 raise SystemExit(f"arm {arm} failed (exit {proc.returncode}); see {log.name}")
     summary = summarize(opts.out, arms, setup)
     png = plot(opts.out, arms)
+    total_s = time.perf_counter() - start
+    # The command's wall time, with the warm start (0 when it came from the cache) and the arms' subprocesses.
+    summary["command"] = dict(wall_s=total_s, warm_start_s=warm_start_s, warm_start_cached=cached)
+    with open(os.path.join(opts.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
     print(markdown(summary))
+    print(f"command wall time {total_s / 60:.1f} min (warm start {warm_start_s / 60:.1f} min)")
     print(f"wrote {opts.out}/{{{','.join(arms)}}}.jsonl, summary.json" + (f", {os.path.basename(png)}" if png else ""))
     return 0
 
