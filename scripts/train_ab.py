@@ -452,6 +452,11 @@ def use_fused_loss(trainer) -> None:
 def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str) -> dict:
     import tempfile
 
+    with tempfile.TemporaryDirectory(prefix=f"train_ab_{arm}_") as trainer_dir:  # TRL's output_dir (saves nothing)
+        return _run_arm(arm, setup, model_dir, out_dir, trainer_dir)
+
+
+def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: str) -> dict:
     import torch
     import transformers
     import trl
@@ -459,7 +464,7 @@ def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str) -> dict:
 
     phases = Phases()
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix=f"train_ab_{arm}_"), use_cpu=True, seed=setup.seed, data_seed=setup.seed,
+        output_dir=trainer_dir, use_cpu=True, seed=setup.seed, data_seed=setup.seed,
         per_device_train_batch_size=setup.prompts_per_step * setup.num_generations,
         num_generations=setup.num_generations, max_completion_length=setup.completion,
         generation_kwargs={"min_new_tokens": setup.completion}, max_steps=setup.steps, loss_type="dapo",

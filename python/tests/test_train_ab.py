@@ -1,7 +1,7 @@
-"""scripts/train_ab.py --smoke: both arms of the TRL training A/B, 2 steps each at a tiny size.
+"""scripts/train_ab.py --smoke: the arms of the TRL training A/B (trl, grpo, grpo_loss), 2 steps each, tiny size.
 
-Marked slow: 13 s on a quiet 2-core machine but 45-50 s while other jobs
-compile (two arm subprocesses, each importing torch / transformers / TRL,
+Marked slow: 13-17 s on a quiet 2-core machine but 45-50 s while other jobs
+compile (an arm subprocess per arm, each importing torch / transformers / TRL,
 and the warm start), over the fast tier's 30 s.
 
 The same seed and data order give both arms the same first batch: the
@@ -24,8 +24,10 @@ pytest.importorskip("trl")
 pytest.importorskip("transformers")
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "train_ab.py"
+ARMS = ("trl", "grpo", "grpo_loss")
 FIELDS = ("step", "step_s", "generation_s", "logprob_loss_s", "rest_s", "logprob_loss_peak_mib",
-          "logprob_loss_rise_mib", "reward", "loss", "kl", "entropy", "clip_ratio", "completion_length")
+          "logprob_loss_rise_mib", "reward", "loss", "kl", "entropy", "clip_ratio", "grad_norm",
+          "completion_length")
 
 
 @pytest.mark.slow
@@ -33,13 +35,13 @@ def test_train_ab_smoke(tmp_path):
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT} is not in this checkout")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--cache-dir",
-                           str(tmp_path / "cache")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--arms", ",".join(ARMS), "--out", str(out),
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     length = summary["setup"]["completion"]
     steps = {}
-    for arm in ("trl", "grpo"):
+    for arm in ARMS:
         rows = [json.loads(line) for line in (out / f"{arm}.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]
         for r in rows:
@@ -50,13 +52,18 @@ def test_train_ab_smoke(tmp_path):
             assert r["generation_s"] + r["logprob_loss_s"] <= r["step_s"]
             assert r["logprob_loss_peak_mib"] >= r["logprob_loss_rise_mib"] > 0
         steps[arm] = rows
-    a, b = steps["trl"][0], steps["grpo"][0]
+    a = steps["trl"][0]
     # The smoke's warm start leaves the policy with reward > 0 and < 1, so equality is not 0 == 0.
-    assert 0.0 < a["reward"] < 1.0 and a["reward"] == b["reward"]
-    # Same completions, two heads: the entropy (a mean over ~100 tokens of bf16-rounded logits, TRL's tiles)
-    # within a few bf16 ulps of its size; step 1's KL is 0 in both (policy == reference).
-    assert abs(a["entropy"] - b["entropy"]) <= 8 * 2.0**-8 * abs(a["entropy"])
-    assert a["kl"] == 0.0 and b["kl"] == 0.0
-    assert summary["agreement"]["grpo"]["step1_reward_identical"] is True
-    assert set(summary["ratios_over_trl"]["grpo"]) >= {"logprob_loss_time", "logprob_loss_peak_rss"}
-    assert "| grpo / trl |" in proc.stdout
+    assert 0.0 < a["reward"] < 1.0
+    for arm in ARMS[1:]:
+        b = steps[arm][0]
+        assert a["reward"] == b["reward"], arm
+        # Same completions, another head (and for grpo_loss another loss): the entropy (a mean over ~100
+        # tokens of bf16-rounded logits, TRL's tiles) within a few bf16 ulps of its size; step 1's KL is 0
+        # (policy == reference) and the gradient norm agrees to the bf16 rounding of the logits.
+        assert abs(a["entropy"] - b["entropy"]) <= 8 * 2.0**-8 * abs(a["entropy"]), arm
+        assert a["kl"] == 0.0 and b["kl"] == 0.0, arm
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 8 * 2.0**-8 * a["grad_norm"], arm
+        assert summary["agreement"][arm]["step1_reward_identical"] is True
+        assert set(summary["ratios_over_trl"][arm]) >= {"logprob_loss_time", "logprob_loss_peak_rss"}
+        assert f"| {arm} / trl |" in proc.stdout
