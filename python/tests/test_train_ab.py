@@ -1,8 +1,8 @@
 """scripts/train_ab.py --smoke: the arms of the TRL training A/B (trl, grpo, grpo_loss), 2 steps each, tiny size.
 
-Marked slow: 13-17 s on a quiet 2-core machine but 45-50 s while other jobs
-compile (an arm subprocess per arm, each importing torch / transformers / TRL,
-and the warm start), over the fast tier's 30 s.
+Marked slow: 13-17 s on a quiet 2-core machine, but 45-50 s measured while
+other jobs compiled (an arm subprocess per arm, each importing torch /
+transformers / TRL, and the warm start), over the fast tier's 30 s.
 
 The same seed and data order give both arms the same first batch: the
 generation runs before any update and never calls the LM-head patch (it runs
