@@ -116,35 +116,7 @@ std::vector<HeadCase> fused_cases() {
   add(LossType::dapo, IsLevel::token, dual);
   // Entropy bonus, top-entropy mask (one block, and spanning blocks: the
   // two-pass schedule), logit softcap and scale, appended likewise.
-  const auto bonus = [](BatchSpec& s) { s.config.entropy_coef = 0.05F; };
-  const auto topk = [](BatchSpec& s) { s.config.top_entropy_quantile = 0.4F; };
-  const auto cap = [](BatchSpec& s) {
-    s.config.logit_softcap = 4.0F;
-    s.config.logit_scale = 1.2F;
-  };
-  const auto scaled = [](BatchSpec& s) { s.config.logit_scale = 0.6F; };
-  add(LossType::grpo, IsLevel::token, bonus);
-  add(LossType::dapo, IsLevel::token, [&](BatchSpec& s) {
-    bonus(s);
-    topk(s);
-  });
-  add(LossType::grpo, IsLevel::sequence, topk);
-  add(LossType::cispo, IsLevel::token, [&](BatchSpec& s) {
-    cap(s);
-    bonus(s);
-  });
-  add(LossType::bnpo, IsLevel::token, cap);
-  add(LossType::sapo, IsLevel::token, scaled);
-  add(LossType::vespo, IsLevel::token, [&](BatchSpec& s) {
-    scaled(s);
-    topk(s);
-    s.config.entropy_coef = -0.1F;
-  });
-  add(LossType::luspo, IsLevel::sequence, [&](BatchSpec& s) {
-    cap(s);
-    topk(s);
-    s.config.beta = 0.04F;
-  });
+  add_loss_feature_cases(add);
   return cases;
 }
 

@@ -107,6 +107,42 @@ inline bool near_kink(const LossConfig& c, double log_ratio) {
   return false;
 }
 
+// The loss-feature cases both kernels' oracle sweeps append (entropy bonus,
+// top-entropy mask, logit softcap and scale): add(type, level, tweak) is the
+// sweep's own case maker.
+template <class Add>
+void add_loss_feature_cases(Add&& add) {
+  const auto bonus = [](BatchSpec& s) { s.config.entropy_coef = 0.05F; };
+  const auto topk = [](BatchSpec& s) { s.config.top_entropy_quantile = 0.4F; };
+  const auto cap = [](BatchSpec& s) {
+    s.config.logit_softcap = 4.0F;  // the generated |z| / tau reaches ~10: a real cap
+    s.config.logit_scale = 1.2F;
+  };
+  const auto scaled = [](BatchSpec& s) { s.config.logit_scale = 0.6F; };
+  add(LossType::grpo, IsLevel::token, bonus);
+  add(LossType::dapo, IsLevel::token, [&](BatchSpec& s) {
+    bonus(s);
+    topk(s);
+  });
+  add(LossType::grpo, IsLevel::sequence, topk);
+  add(LossType::cispo, IsLevel::token, [&](BatchSpec& s) {
+    cap(s);
+    bonus(s);
+  });
+  add(LossType::bnpo, IsLevel::token, cap);
+  add(LossType::sapo, IsLevel::token, scaled);
+  add(LossType::vespo, IsLevel::token, [&](BatchSpec& s) {
+    scaled(s);
+    topk(s);
+    s.config.entropy_coef = -0.1F;
+  });
+  add(LossType::luspo, IsLevel::sequence, [&](BatchSpec& s) {
+    cap(s);
+    topk(s);
+    s.config.beta = 0.04F;
+  });
+}
+
 // The bound on |dlogits error| per entry of one row, for the general row
 //   dz = chain (a (onehot - p) - b' p (x - E_p[x])),  chain = dz'/dz <= s,
 // a_abs = |dLoss/dlogp| / tau, b_abs = |dLoss/dEnt| dx/dz', tol: the row's
