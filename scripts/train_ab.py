@@ -94,8 +94,10 @@ class Setup:
     sft_steps: int = 100
     sft_batch: int = 8
     sft_lr: float = 1e-3
-    seed: int = 0
+    seed: int = 0  # the warm start's (model init, SFT data) and, unless rl_seed is set, the GRPO run's
     # GRPO
+    rl_seed: int = -1  # GRPOConfig.seed / data_seed (sampling, prompt order); -1 = seed. Not in the warm start's
+    #                    key: a second rl_seed reruns GRPO from the same policy, a measure of seed noise.
     steps: int = 100
     prompts_per_step: int = 1
     num_generations: int = 8
@@ -103,6 +105,9 @@ class Setup:
     beta: float = 0.04
     epsilon: float = 0.2
     epsilon_high: float = 0.28  # DAPO's clip-higher
+
+    def grpo_seed(self) -> int:
+        return self.seed if self.rl_seed < 0 else self.rl_seed
 
     def model_key(self) -> str:
         fields = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "digits", "completion",
@@ -464,7 +469,7 @@ def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: 
 
     phases = Phases()
     args = GRPOConfig(
-        output_dir=trainer_dir, use_cpu=True, seed=setup.seed, data_seed=setup.seed,
+        output_dir=trainer_dir, use_cpu=True, seed=setup.grpo_seed(), data_seed=setup.grpo_seed(),
         per_device_train_batch_size=setup.prompts_per_step * setup.num_generations,
         num_generations=setup.num_generations, max_completion_length=setup.completion,
         generation_kwargs={"min_new_tokens": setup.completion}, max_steps=setup.steps, loss_type="dapo",
