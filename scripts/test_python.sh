@@ -2,24 +2,13 @@
 # The Python package's tests: builds a venv (reused when present), installs
 # ./python with its [test] extra (torch, Liger-Kernel, pytest; pinned in
 # python/pyproject.toml), and runs pytest. scripts/test.sh calls it after
-# ctest. GRPO_TEST_LABEL=fast skips tests marked slow.
-#   GRPO_PY_VENV   venv directory (default build/venv-python)
-#   GRPO_PY_BUILD  CMake build directory of the extension, kept between runs
-#                  so a re-install only recompiles what changed (default build/python)
+# ctest. GRPO_TEST_LABEL=fast skips tests marked slow. The venv and its
+# variables (GRPO_PY_VENV, GRPO_PY_BUILD, GRPO_PYTHON): scripts/lib/python_venv.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-venv=${GRPO_PY_VENV:-build/venv-python}
-build_dir=${GRPO_PY_BUILD:-build/python}
-# Debian's interpreter (python3-venv / python3-dev from install_deps.sh), not
-# whatever python3 is first on PATH: the extension is built against its headers.
-python=${GRPO_PYTHON:-/usr/bin/python3}
-
-if [[ ! -x "$venv/bin/python" ]]; then
-  "$python" -m venv "$venv"
-  "$venv/bin/pip" install -q --upgrade pip
-fi
-"$venv/bin/pip" install -q "./python[test]" --config-settings=build-dir="$PWD/$build_dir"
+source scripts/lib/python_venv.sh
+grpo_install_python test
 
 marker=()
 if [[ "${GRPO_TEST_LABEL:-}" == fast ]]; then marker=(-m "not slow"); fi
