@@ -44,6 +44,7 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   c.dhidden_dtype = parse_dtype(r, "dhidden_dtype", DType::f32);
   c.dweight_dtype = parse_dtype(r, "dweight_dtype", DType::f32);
   c.forward_only = r.get_bool("forward_only").value_or(false);
+  c.frozen_weight = r.get_bool("frozen_weight").value_or(false);
   c.in_place = r.get_bool("in_place").value_or(false);
   c.measure_backward = r.get_bool("measure_backward").value_or(false);
   c.measure_unfused_gemms = r.get_bool("measure_unfused_gemms").value_or(lm_head);
@@ -68,6 +69,9 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   }
   if (c.measure_backward && c.forward_only) {
     throw ConfigError(r.field("measure_backward"), "makes no sense with forward_only: true");
+  }
+  if (c.frozen_weight && c.impl != Impl::fused && c.impl != Impl::generic_head) {
+    throw ConfigError(r.field("frozen_weight"), "needs impl fused or generic_head (the baselines always compute dW)");
   }
   if (c.measure_backward && c.impl != Impl::fused && c.impl != Impl::baseline) {
     throw ConfigError(r.field("measure_backward"), "needs impl fused or baseline");

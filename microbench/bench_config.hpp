@@ -47,7 +47,8 @@ struct BenchConfig {
   DType dhidden_dtype = DType::f32;
   DType dweight_dtype = DType::f32;
   bool forward_only = false;
-  bool in_place = false;  // logits level: dlogits written over the logits
+  bool frozen_weight = false;  // LmHeadOptions::frozen_weight (fused and generic_head only)
+  bool in_place = false;       // logits level: dlogits written over the logits
   // Also time a forward-only run of the same impl on the same inputs;
   // backward_s = step time - forward-only time.
   bool measure_backward = false;

@@ -26,8 +26,9 @@ struct HeadOutputs {
     const auto n = static_cast<std::size_t>(c.shape.rows()), h = static_cast<std::size_t>(c.shape.hidden),
                v = static_cast<std::size_t>(c.shape.vocab);
     dhidden = HostBuffer(n * h * size_of(c.dhidden_dtype));
-    dweight = HostBuffer(v * h * size_of(c.dweight_dtype));
     dhidden.fill_zero();
+    if (c.frozen_weight) return;
+    dweight = HostBuffer(v * h * size_of(c.dweight_dtype));
     dweight.fill_zero();
     if (c.bias) dbias.assign(v, 0.0F);
   }
@@ -40,6 +41,7 @@ struct HeadOutputs {
     o.stats = stats;
     if (dhidden.empty()) return o;
     o.dhidden = {dhidden.data(), c.dhidden_dtype, n, h, h};
+    if (dweight.empty()) return o;  // frozen_weight
     o.dweight = c.layout == WeightLayout::vocab_major ? MutMatrixView{dweight.data(), c.dweight_dtype, v, h, h}
                                                       : MutMatrixView{dweight.data(), c.dweight_dtype, h, v, v};
     o.dbias = dbias;
@@ -80,6 +82,7 @@ LmHeadOptions plan_options(const BenchConfig& c, Allocator& a) {
   o.workspace_budget = c.workspace_budget;
   o.max_threads = c.threads;
   o.forward_only = c.forward_only;
+  o.frozen_weight = c.frozen_weight;
   o.dweight_dtype = c.dweight_dtype;
   o.dhidden_dtype = c.dhidden_dtype;
   o.allocator = &a;
@@ -241,7 +244,7 @@ class UnfusedGemmsRunner final : public Runner {
   }
   std::optional<LmHeadStepStats> step_stats() const override {
     const std::int64_t n = c_.shape.rows();
-    return LmHeadStepStats{n, c_.forward_only ? 0 : n};  // every row, no loss work
+    return LmHeadStepStats{n, c_.forward_only ? 0 : n, c_.forward_only ? 0 : n};  // every row, no loss work
   }
 
  private:
@@ -396,12 +399,12 @@ double nominal_flops(const BenchConfig& c) {
   if (!is_lm_head(c.impl)) return 0.0;
   const double one = 2.0 * static_cast<double>(c.shape.rows()) * static_cast<double>(c.shape.vocab) *
                      static_cast<double>(c.shape.hidden);
-  return one * (c.forward_only ? 1.0 : 3.0);
+  return one * (c.forward_only ? 1.0 : (c.frozen_weight ? 2.0 : 3.0));
 }
 
 double executed_flops(const BenchConfig& c, const LmHeadStepStats& rows) {
   const double per_row = 2.0 * static_cast<double>(c.shape.vocab) * static_cast<double>(c.shape.hidden);
-  return per_row * (static_cast<double>(rows.logits_gemm_rows) + 2.0 * static_cast<double>(rows.backward_gemm_rows));
+  return per_row * static_cast<double>(rows.logits_gemm_rows + rows.backward_gemm_rows + rows.dweight_gemm_rows);
 }
 
 double nominal_bytes(const BenchConfig& c) {

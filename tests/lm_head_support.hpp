@@ -17,6 +17,7 @@ struct HeadCase {
   bool bias = false;
   bool banned = false;      // bias -inf on some tokens
   bool accumulate = false;  // dweight / dbias += (initial values nonzero)
+  bool frozen = false;      // LmHeadOptions::frozen_weight: dweight / dbias not passed (they keep their fill)
   std::int64_t token_block = 32;
   std::int64_t vocab_tile = 64;
   DType dweight_dtype = DType::f32;
@@ -266,6 +267,10 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
       {c.dweight_pad != 0 ? dweight_buf.data() : o.dweight.data(), c.dweight_dtype, wrows, wcols, dweight_ld},
       o.dbias,
       &o.metrics};
+  if (c.frozen) {
+    out.dweight = {};
+    out.dbias = {};
+  }
   if (c.baseline) {
     LmHeadBaselineOptions opt;
     opt.logits_dtype = c.baseline_logits;
@@ -281,6 +286,7 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
     opt.dweight_dtype = c.dweight_dtype;
     opt.dhidden_dtype = c.dhidden_dtype;
     opt.accumulate_weight_grads = c.accumulate;
+    opt.frozen_weight = c.frozen;
     opt.max_threads = max_threads;
     LmHeadLossPlan plan(shape, s.config, opt);
     o.schedule = plan.describe();

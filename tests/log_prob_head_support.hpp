@@ -95,6 +95,7 @@ inline LmHeadOptions log_prob_options(const LogProbCase& c, int max_threads = 0)
   opt.dweight_dtype = c.head.dweight_dtype;
   opt.dhidden_dtype = c.head.dhidden_dtype;
   opt.accumulate_weight_grads = c.head.accumulate;
+  opt.frozen_weight = c.head.frozen;
   opt.max_threads = max_threads;
   return opt;
 }
@@ -137,11 +138,15 @@ inline LogProbRun run_log_prob(const LogProbCase& c, const LogProbHostProblem& p
   o.plan_schedule = plan.schedule();
   const LogProbInputs in = log_prob_inputs(c, p);
   plan.forward(in, {o.logp, o.entropy, &o.forward_stats});
-  plan.backward(in, {p.dlogp, p.dentropy},
-                {{o.dhidden.data(), c.head.dhidden_dtype, n, h, h},
-                 {o.dweight.data(), c.head.dweight_dtype, vm ? v : h, vm ? h : v, vm ? h : v},
-                 o.dbias,
-                 &o.backward_stats});
+  LogProbGradients grads{{o.dhidden.data(), c.head.dhidden_dtype, n, h, h},
+                         {o.dweight.data(), c.head.dweight_dtype, vm ? v : h, vm ? h : v, vm ? h : v},
+                         o.dbias,
+                         &o.backward_stats};
+  if (c.head.frozen) {
+    grads.dweight = {};
+    grads.dbias = {};
+  }
+  plan.backward(in, {p.dlogp, p.dentropy}, grads);
   return o;
 }
 

@@ -766,6 +766,28 @@ std::vector<Refusal> refusals() {
        {"dhidden", "dweight", "dbias"},
        kHead,
        [](Call& c, B&) { c.head_options.forward_only = c.baseline_options.forward_only = true; }},
+      {"DweightToFrozenWeightPlan",
+       {"dweight"},
+       kFused,
+       [](Call& c, B&) {
+         c.head_options.frozen_weight = true;
+         c.dbias = {};
+       }},
+      {"DbiasToFrozenWeightPlan",
+       {"dbias"},
+       kFused,
+       [](Call& c, B&) {
+         c.head_options.frozen_weight = true;
+         c.dweight = {};
+       }},
+      {"FrozenWeightWithAccumulate",
+       {"options.accumulate_weight_grads"},
+       kFused,
+       [](Call& c, B&) {
+         c.head_options.frozen_weight = c.head_options.accumulate_weight_grads = true;
+         c.dweight = {};
+         c.dbias = {};
+       }},
 
       // --- aliasing outputs ---
       {"LogpInsideLogits",

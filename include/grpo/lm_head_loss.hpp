@@ -74,6 +74,11 @@ struct LmHeadOptions {
   DType dhidden_dtype = DType::f32;
   // false: dweight / dbias are overwritten; true: the step adds into them.
   bool accumulate_weight_grads = false;
+  // true: the weight (and bias) is frozen, as in LoRA training: the backward
+  // computes dhidden alone, dweight and dbias must be empty, and the dW GEMMs
+  // (half of the backward's FLOPs) are not run. dhidden is bitwise the one a
+  // plan without this option computes.
+  bool frozen_weight = false;
   Allocator* allocator = nullptr;  // nullptr = default_allocator()
   // Several processes (grpo/communicator.hpp); none = this process alone.
   // Not offered with accumulate_weight_grads under data parallelism (the
@@ -90,13 +95,14 @@ struct LmHeadInputs {
 
 // What a step executed, for FLOP accounting (a benchmark's executed GFLOP/s):
 // rows that went through the logits GEMM (N per pass over the blocks; 2N when
-// the plan recomputes logits), and rows that went through each of the two
-// backward GEMMs (dweight and dhidden), zero padding to the GEMM row quantum
-// included, rows with a zero coefficient excluded. Each row costs 2 * V * H
-// FLOPs per GEMM.
+// the plan recomputes logits), through the dhidden GEMM and through the dW
+// GEMM (the same rows, or none with frozen_weight), zero padding to the GEMM
+// row quantum included, rows with a zero coefficient excluded. Each row costs
+// 2 * V * H FLOPs per GEMM.
 struct LmHeadStepStats {
   std::int64_t logits_gemm_rows = 0;
-  std::int64_t backward_gemm_rows = 0;
+  std::int64_t backward_gemm_rows = 0;  // dhidden GEMM
+  std::int64_t dweight_gemm_rows = 0;
   // Where the time went, in thread-seconds summed over the threads (a
   // steady_clock pair around each piece of work inside the tasks):
   //   forward_gemm_s   the logits GEMM calls (forward, and any recompute)
@@ -115,8 +121,8 @@ struct LmHeadStepStats {
 struct LmHeadOutputs {
   TokenOutputs tokens;
   MutMatrixView dhidden;   // [N, H], dtype = options.dhidden_dtype; empty when forward_only
-  MutMatrixView dweight;   // weight's layout, dtype = options.dweight_dtype; empty when forward_only
-  std::span<float> dbias;  // [V] when has_bias and not forward_only
+  MutMatrixView dweight;   // weight's layout, dtype = options.dweight_dtype; empty when forward_only / frozen_weight
+  std::span<float> dbias;  // [V] when has_bias and neither forward_only nor frozen_weight
   Metrics* metrics = nullptr;
   LmHeadStepStats* stats = nullptr;  // optional
 };

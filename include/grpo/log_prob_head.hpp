@@ -75,8 +75,8 @@ struct LogProbUpstream {
 
 struct LogProbGradients {
   MutMatrixView dhidden;             // [N, H], dtype = options.dhidden_dtype; zero rows where skipped
-  MutMatrixView dweight;             // weight's layout, dtype = options.dweight_dtype
-  std::span<float> dbias;            // [V] when has_bias
+  MutMatrixView dweight;             // weight's layout, dtype = options.dweight_dtype; empty with frozen_weight
+  std::span<float> dbias;            // [V] when has_bias and not frozen_weight
   LmHeadStepStats* stats = nullptr;  // optional
 };
 

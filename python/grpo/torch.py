@@ -320,6 +320,7 @@ def lm_head_grpo_loss(
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    frozen = _frozen_head(weight, bias)
     threads = int(num_threads) if num_threads is not None else torch.get_num_threads()
     dtype = _FLOAT_DTYPES[hidden.dtype]
     bias_dtype = _FLOAT_DTYPES[bias.dtype] if bias is not None else _core.DType.f32
@@ -330,7 +331,7 @@ def lm_head_grpo_loss(
            config.beta, config.kl_bias_correction, config.kl_clamp, config.temperature, config.temperature_on_logp,
            config.max_completion_length, items, config.sapo_tau_pos, config.sapo_tau_neg, config.vespo_k_pos,
            config.vespo_lambda_pos, config.vespo_k_neg, config.vespo_lambda_neg, config.entropy_coef,
-           config.top_entropy_quantile, config.logit_softcap, config.logit_scale, not needs_grad, threads,
+           config.top_entropy_quantile, config.logit_softcap, config.logit_scale, not needs_grad, frozen, threads,
            workspace_budget)
 
     def build():
@@ -343,6 +344,7 @@ def lm_head_grpo_loss(
         options = _core.LmHeadOptions()
         options.max_threads = threads
         options.forward_only = not needs_grad
+        options.frozen_weight = frozen
         if workspace_budget is not None:
             options.workspace_budget = int(workspace_budget)
         return _core.LmHeadLossPlan(shape, config, options)
@@ -356,8 +358,8 @@ def lm_head_grpo_loss(
         entropy = torch.empty(n, dtype=torch.float32) if return_entropy else None
         kl = torch.empty(n, dtype=torch.float32) if beta != 0.0 else None
         dhidden = torch.empty(n, h, dtype=torch.float32) if needs_grad else None
-        dweight = torch.empty(v, h, dtype=torch.float32) if needs_grad else None
-        dbias = torch.empty(v, dtype=torch.float32) if (needs_grad and bias is not None) else None
+        dweight = torch.empty(v, h, dtype=torch.float32) if needs_grad and not frozen else None
+        dbias = torch.empty(v, dtype=torch.float32) if (needs_grad and not frozen and bias is not None) else None
         m = plan.execute(cache.workspace, rows.detach(), weight.detach(), None if bias is None else bias.detach(),
                          ids32, mask32, adv32, old32, ref32, isw32, logp, entropy, kl, dhidden, dweight, dbias)
     except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
@@ -644,6 +646,12 @@ _LOG_PROB_NAMES = {"hidden": "hidden", "weight": "weight", "bias": "bias", "ids"
                    "dlogp": "grad of log_probs", "dentropy": "grad of entropy"}
 
 
+def _frozen_head(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """True when neither the LM-head weight nor its bias wants a gradient (a frozen head, as in LoRA training):
+    the plan is built with frozen_weight and the backward skips the dW GEMMs."""
+    return not weight.requires_grad and (bias is None or not bias.requires_grad)
+
+
 def _scratch(cache: grpo.PlanCache, shape: tuple[int, ...]) -> torch.Tensor:
     """A float32 buffer of `shape` kept in the cache, for a gradient the C++ head must write but nobody wants.
 
@@ -695,12 +703,16 @@ class _FusedLogProbs(torch.autograd.Function):
         dlogp = (grad_logp.detach().to(torch.float32).reshape(-1).contiguous() if grad_logp is not None
                  else torch.zeros(n, dtype=torch.float32))
         dent = grad_entropy.detach().to(torch.float32).reshape(-1).contiguous() if grad_entropy is not None else None
-        # The C++ head writes every gradient it has: an unwanted one goes to a cached scratch buffer.
+        # The C++ head writes every gradient it has: an unwanted one goes to a
+        # cached scratch buffer. A frozen head's plan (neither weight nor bias
+        # wants a gradient: _frozen_head) has no dW / dbias at all.
+        frozen = not (need_w or need_b)
         dhidden = torch.empty(n, h, dtype=torch.float32) if need_h else _scratch(cache, (n, h))
-        dweight = torch.empty(v, h, dtype=torch.float32) if need_w else _scratch(cache, (v, h))
-        dbias = None
-        if bias is not None:
-            dbias = torch.empty(v, dtype=torch.float32) if need_b else _scratch(cache, (v,))
+        dweight = dbias = None
+        if not frozen:
+            dweight = torch.empty(v, h, dtype=torch.float32) if need_w else _scratch(cache, (v, h))
+            if bias is not None:
+                dbias = torch.empty(v, dtype=torch.float32) if need_b else _scratch(cache, (v,))
         try:
             ctx.plan.backward(cache.workspace, rows.detach(), weight.detach(), None if bias is None else bias.detach(),
                               ids32, mask32, dlogp, dent, dhidden, dweight, dbias)
@@ -755,11 +767,12 @@ def fused_log_probs(
     computed, and the upstream gradients of both are ignored.
 
     Gradients: computed in float32 and cast to each input's dtype. The C++
-    head writes dhidden, dweight and dbias in every backward: one that is not
-    needed (a frozen lm_head, a hidden that does not require grad) is written
-    into a float32 scratch buffer kept in the plan cache (a [V, H] float32
-    buffer for a frozen weight, held as long as the cache holds it) and
-    discarded. logit_softcap / logit_scale: the model's logit transform
+    head writes dhidden, dweight and dbias in every backward, except for a
+    frozen head (neither weight nor bias requires grad, as in LoRA): its plan
+    is built with frozen_weight and skips the dW GEMMs, a third of the step.
+    Any other unneeded gradient (a hidden that does not require grad, a
+    weight whose bias alone is trained) is written into a float32 scratch
+    buffer kept in the plan cache and discarded. logit_softcap / logit_scale: the model's logit transform
     before the temperature, as TRL applies final_logit_softcapping and its
     logit scale: z' = c tanh(s z / c), or s z without a cap (None).
     temperature_on_logp: grpo's other temperature convention
@@ -812,13 +825,14 @@ def fused_log_probs(
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    frozen = _frozen_head(weight, bias)
     threads = int(num_threads) if num_threads is not None else torch.get_num_threads()
     dtype = _FLOAT_DTYPES[hidden.dtype]
     bias_dtype = _FLOAT_DTYPES[bias.dtype] if bias is not None else _core.DType.f32
     hidden_ld, weight_ld = _row_stride(rows), _row_stride(weight)
     key = (n, h, v, str(hidden.dtype), None if bias is None else str(bias.dtype), hidden_ld, weight_ld,
            float(temperature), bool(temperature_on_logp), None if logit_softcap is None else float(logit_softcap),
-           float(logit_scale), threads, needs_grad, workspace_budget)
+           float(logit_scale), threads, needs_grad, frozen, workspace_budget)
 
     def build():
         shape = _core.LmHeadShape()
@@ -837,6 +851,7 @@ def fused_log_probs(
         options = _core.LmHeadOptions()
         options.max_threads = threads
         options.forward_only = not needs_grad
+        options.frozen_weight = frozen
         if workspace_budget is not None:
             options.workspace_budget = int(workspace_budget)
         return _core.LmHeadLogProbPlan(shape, config, options)

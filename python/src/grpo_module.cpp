@@ -240,7 +240,7 @@ grpo::LmHeadStepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Work
 grpo::LmHeadStepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
                                         const Array& weight, const OptArray& bias, const Array& ids,
                                         const OptArray& mask, const Array& dlogp, const OptArray& dentropy,
-                                        const Array& dhidden, const Array& dweight, const OptArray& dbias) {
+                                        const Array& dhidden, const OptArray& dweight, const OptArray& dbias) {
   const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
   grpo::LmHeadStepStats stats;
   grpo::LogProbUpstream up;
@@ -375,7 +375,8 @@ NB_MODULE(_core, m) {
       .def_rw("forward_only", &grpo::LmHeadOptions::forward_only)
       .def_rw("dweight_dtype", &grpo::LmHeadOptions::dweight_dtype)
       .def_rw("dhidden_dtype", &grpo::LmHeadOptions::dhidden_dtype)
-      .def_rw("accumulate_weight_grads", &grpo::LmHeadOptions::accumulate_weight_grads);
+      .def_rw("accumulate_weight_grads", &grpo::LmHeadOptions::accumulate_weight_grads)
+      .def_rw("frozen_weight", &grpo::LmHeadOptions::frozen_weight);
 
   nb::class_<grpo::Metrics>(m, "Metrics", "Masked means over the valid rows of one execute (grpo::Metrics).")
       .def_ro("loss", &grpo::Metrics::loss)
@@ -417,7 +418,8 @@ NB_MODULE(_core, m) {
   nb::class_<grpo::LmHeadStepStats>(m, "LmHeadStepStats",
                                     "Rows through the logits GEMM and through each backward GEMM (padding included).")
       .def_ro("logits_gemm_rows", &grpo::LmHeadStepStats::logits_gemm_rows)
-      .def_ro("backward_gemm_rows", &grpo::LmHeadStepStats::backward_gemm_rows);
+      .def_ro("backward_gemm_rows", &grpo::LmHeadStepStats::backward_gemm_rows)
+      .def_ro("dweight_gemm_rows", &grpo::LmHeadStepStats::dweight_gemm_rows);
 
   nb::class_<grpo::LogProbConfig>(m, "LogProbConfig", "The log-prob head's configuration (grpo::LogProbConfig).")
       .def(nb::init<>())
@@ -449,7 +451,8 @@ NB_MODULE(_core, m) {
       .def("backward", &log_prob_backward,
            "Validates, then writes dhidden [N, H], dweight (weight's layout; the options' dtypes) and dbias float32 "
            "[V] (when the plan has a bias) from dlogp float32 [N] and dentropy float32 [N] or None (GIL released). "
-           "Every gradient buffer the plan has is required. Returns the LmHeadStepStats.",
+           "Every gradient buffer the plan has is required (dweight and dbias are None with frozen_weight). Returns "
+           "the LmHeadStepStats.",
            "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a.none(), "dlogp"_a,
-           "dentropy"_a.none(), "dhidden"_a, "dweight"_a, "dbias"_a.none());
+           "dentropy"_a.none(), "dhidden"_a, "dweight"_a.none(), "dbias"_a.none());
 }

@@ -91,3 +91,34 @@ def test_zero_copy_inputs_and_gradient_dtypes():
     assert loss.dtype == torch.float32 and len(metrics) == 2
     assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.bfloat16
     assert x.grad.shape == x.shape and w.grad.shape == w.shape
+
+
+def test_frozen_lm_head_skips_dweight_and_keeps_dhidden_bitwise():
+    """A head whose weight and bias want no gradient (LoRA) gets a frozen_weight plan: no dW, the same dhidden."""
+    case = make_case(seed=21, dtype=torch.bfloat16, b=2, t=40, h=32, v=300)
+    cache = grpo.PlanCache()
+
+    def grpo_loss(trainable):
+        x = case.hidden.clone().requires_grad_()
+        w = case.weight.clone().requires_grad_(trainable)
+        b = case.bias.clone().requires_grad_(trainable)
+        out = gt.lm_head_grpo_loss(x, w, case.ids, case.mask, case.advantages, bias=b,
+                                   old_logp=case.old_logp, ref_logp=case.ref_logp, beta=0.04, plan_cache=cache)
+        out.loss.backward()
+        return out.loss.detach(), x.grad, w.grad, b.grad
+
+    def log_probs(trainable):
+        x = case.hidden.clone().requires_grad_()
+        w = case.weight.clone().requires_grad_(trainable)
+        b = case.bias.clone().requires_grad_(trainable)
+        logp, entropy = gt.fused_log_probs(x, w, b, case.ids, plan_cache=cache)
+        (logp * case.mask).sum().add(0.01 * entropy.sum()).backward()
+        return logp.detach(), x.grad, w.grad, b.grad
+
+    for run in (grpo_loss, log_probs):
+        out, dx, dw, db = run(True)
+        out_f, dx_f, dw_f, db_f = run(False)
+        assert dw is not None and db is not None and dw_f is None and db_f is None
+        assert torch.equal(out_f, out), run.__name__
+        assert torch.equal(dx_f, dx) and dx.abs().sum() > 0, run.__name__
+    assert len(cache) == 4  # the frozen calls built their own (frozen_weight) plans

@@ -78,6 +78,16 @@ void validate_grad_dtypes(const LmHeadShape& s, DType dweight, DType dhidden) {
   if (dhidden != DType::f32 && dhidden != DType::bf16) throw Error("options.dhidden_dtype", "must be f32 or bf16");
 }
 
+void validate_head_options(const LmHeadShape& shape, const LmHeadOptions& options) {
+  validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
+  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
+  if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
+  if (options.frozen_weight && options.accumulate_weight_grads) {
+    throw Error("options.accumulate_weight_grads", "has no dweight to add into: options.frozen_weight is set");
+  }
+}
+
 }  // namespace detail
 
 struct LmHeadLossPlan::Impl {
@@ -92,14 +102,11 @@ LmHeadLossPlan::LmHeadLossPlan(const LmHeadShape& shape, const LossConfig& confi
   impl->data = detail::build_plan(shape, config, options, [&] {
     detail::validate_lm_head_shape(shape);
     detail::validate_config(checked);
-    detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
-    if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
-    if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
-    if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
+    detail::validate_head_options(shape, options);
     detail::check_scale_out_arguments(shape, config, options);
   });
-  impl->call = {impl->data->shape, checked, options.forward_only,        options.dweight_dtype, options.dhidden_dtype,
-                shape.bias_dtype,  false,   impl->data->schedule.threads};
+  impl->call = {impl->data->shape, checked, options.forward_only,         options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype,  false,   impl->data->schedule.threads, options.frozen_weight};
   impl_ = std::move(impl);
 }
 
@@ -113,7 +120,7 @@ const LmHeadSchedule& LmHeadLossPlan::schedule() const { return impl_->data->sch
 std::string LmHeadLossPlan::describe() const {
   const detail::LmHeadPlanData& d = *impl_->data;
   const LmHeadSchedule& s = d.schedule;
-  const int passes = d.options.forward_only ? 1 : (s.recompute_logits ? 4 : 3);
+  const int passes = d.options.forward_only ? 1 : (s.recompute_logits ? 4 : 3) - (d.options.frozen_weight ? 1 : 0);
   std::ostringstream os;
   os << "fused lm-head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
      << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk
@@ -123,6 +130,7 @@ std::string LmHeadLossPlan::describe() const {
                                    : " (logits recomputed: a whole-sequence term spans token blocks)")
                             : "")
      << (d.entropy_bonus ? " entropy_bonus=fused" : "") << (d.config.logit_softcap ? " softcap=fused" : "")
+     << (d.options.frozen_weight && !d.options.forward_only ? " frozen_weight=no_dW" : "")
      << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
   if (d.scale_out) os << d.scale_out->describe();
   return os.str();

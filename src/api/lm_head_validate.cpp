@@ -103,6 +103,11 @@ void validate_lm_head_gradients(const LmHeadCallSpec& spec, const LmHeadOutputs&
   validate_matrix(out.dhidden, "dhidden", rows, s.hidden, spec.dhidden_dtype);
   if (spec.dhidden_dense && out.dhidden.ld != s.hidden)
     throw Error("dhidden", "must be dense (ld == hidden) for the baseline", ErrorKind::unsupported);
+  if (spec.frozen_weight) {
+    if (!out.dweight.empty()) throw Error("dweight", "was given but the plan's options.frozen_weight is set");
+    if (!out.dbias.empty()) throw Error("dbias", "was given but the plan's options.frozen_weight is set");
+    return;
+  }
   validate_matrix(out.dweight, "dweight", vocab_major ? s.vocab : s.hidden, vocab_major ? s.hidden : s.vocab,
                   spec.dweight_dtype);
   check_ld(out.dweight.ld, s.dweight_ld, "dweight");

@@ -14,6 +14,7 @@ struct LmHeadCallSpec {
   DType bias_dtype = DType::f32;
   bool dhidden_dense = false;  // the baseline writes dhidden with one GEMM of ld = H
   int threads = 1;             // for the finiteness scans
+  bool frozen_weight = false;  // no dweight / dbias (LmHeadOptions::frozen_weight)
 };
 
 // Throws grpo::Error naming the argument; writes nothing. Returns the largest
@@ -41,7 +42,9 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
 void validate_lm_head_shape(const LmHeadShape& shape);
 // The shape with every *_ld resolved (0 = dense).
 LmHeadShape resolve_lds(LmHeadShape shape);
-// dweight / dhidden dtypes the plan can produce from the shape's dtype.
+// dweight / dhidden dtypes the plan can produce from the shape's dtype, and
+// the option fields both fused heads take (threads, block, tile, frozen weight).
 void validate_grad_dtypes(const LmHeadShape& shape, DType dweight, DType dhidden);
+void validate_head_options(const LmHeadShape& shape, const LmHeadOptions& options);
 
 }  // namespace grpo::detail

@@ -130,15 +130,12 @@ LmHeadLogProbPlan::LmHeadLogProbPlan(const LmHeadShape& shape, const LogProbConf
     throw Error("config.temperature", "must be finite and > 0, got " + std::to_string(config.temperature));
   }
   detail::validate_logit_transform(config.logit_softcap, config.logit_scale);
-  detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
-  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
-  if (options.token_block < 0) throw Error("options.token_block", "must be >= 0");
-  if (options.vocab_tile < 0) throw Error("options.vocab_tile", "must be >= 0");
+  detail::validate_head_options(shape, options);
   const LossConfig loss = loss_config_of(config);
   auto impl = std::make_unique<Impl>();
   impl->data = detail::build_lm_head_plan(detail::resolve_lds(shape), loss, options);
-  impl->call = {impl->data->shape, loss,  options.forward_only,        options.dweight_dtype, options.dhidden_dtype,
-                shape.bias_dtype,  false, impl->data->schedule.threads};
+  impl->call = {impl->data->shape, loss,  options.forward_only,         options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype,  false, impl->data->schedule.threads, options.frozen_weight};
   impl_ = std::move(impl);
 }
 
@@ -156,7 +153,10 @@ std::string LmHeadLogProbPlan::describe() const {
   os << "log-prob head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
      << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk
      << " threads=" << s.threads << " gemm_passes=1 forward"
-     << (d.options.forward_only ? "" : " + 3 backward (logits of rows with nonzero upstream recomputed)")
+     << (d.options.forward_only ? ""
+         : d.options.frozen_weight
+             ? " + 2 backward (logits of rows with nonzero upstream recomputed; frozen_weight: no dW GEMMs)"
+             : " + 3 backward (logits of rows with nonzero upstream recomputed)")
      << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
   return os.str();
 }

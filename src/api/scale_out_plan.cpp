@@ -43,6 +43,7 @@ struct PlanFacts {
   std::int32_t bias_dtype = 0;
   std::int32_t dweight_dtype = 0;
   std::int32_t forward_only = 0;
+  std::int32_t frozen_weight = 0;
   std::int32_t global_num_items = 0;
   std::int32_t loss_type = 0;
   std::int32_t level = 0;
@@ -83,6 +84,7 @@ PlanFacts facts_of(const LmHeadShape& s, const LossConfig& c, const LmHeadOption
   f.bias_dtype = static_cast<std::int32_t>(s.bias_dtype);
   f.dweight_dtype = static_cast<std::int32_t>(o.dweight_dtype);
   f.forward_only = o.forward_only ? 1 : 0;
+  f.frozen_weight = o.frozen_weight ? 1 : 0;
   f.global_num_items = o.scale_out.global_num_items ? 1 : 0;
   f.loss_type = static_cast<std::int32_t>(c.loss_type);
   f.level = static_cast<std::int32_t>(c.importance_sampling_level);
@@ -188,6 +190,7 @@ Status check_data_group(const Group& g, const std::vector<Record<PlanFacts>>& al
       {[](const PlanFacts& f) { return std::int64_t{f.bias_dtype}; }, "shape.bias_dtype"},
       {[](const PlanFacts& f) { return std::int64_t{f.dweight_dtype}; }, "options.dweight_dtype"},
       {[](const PlanFacts& f) { return std::int64_t{f.forward_only}; }, "options.forward_only"},
+      {[](const PlanFacts& f) { return std::int64_t{f.frozen_weight}; }, "options.frozen_weight"},
       {[](const PlanFacts& f) { return std::int64_t{f.global_num_items}; }, "options.scale_out.global_num_items"},
   };
   for (const auto& field : fields) {

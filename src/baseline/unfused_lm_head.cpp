@@ -95,7 +95,10 @@ void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, c
   const std::int64_t n = s.batch * s.seq_len;
   FullBuffers b = allocate(d, alloc);
   if (d.options.forward_only) b.dlogits.reset();
-  if (out.stats != nullptr) *out.stats = {n, d.options.forward_only ? 0 : n};  // no row is ever skipped
+  if (out.stats != nullptr) {  // no row is ever skipped
+    const std::int64_t backward_rows = d.options.forward_only ? 0 : n;
+    *out.stats = {n, backward_rows, backward_rows};
+  }
   d.logits->run(in.hidden.data, in.weight.data, b.logits.as(), in.bias.data, b.scratch.as());
   LogitsShape ls{s.batch, s.seq_len, s.vocab, d.options.logits_dtype};
   LogitsOutputs lo;

@@ -151,7 +151,7 @@ void create_gemms(LmHeadPlanData& p) {
     const std::int64_t chunk = std::min(kHiddenChunk, s.hidden);
     for (std::int64_t k = kRowQuantum; k <= p.block_rows_alloc; k += kRowQuantum) {
       auto& dw = p.dweight.emplace_back();
-      for (int acc = 0; acc < 2; ++acc) {
+      for (int acc = 0; acc < 2 && !p.options.frozen_weight; ++acc) {
         dw.full[acc] = make(dweight_spec(s, p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
         dw.last[acc] = make(dweight_spec(s, p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
       }

@@ -226,8 +226,9 @@ struct LmHeadStep {
       return;
     }
     const std::int64_t padded = (na + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+    const bool dweight = !p.options.frozen_weight;
     stats.backward_gemm_rows += padded;
-    const auto& dweight_gemms = p.dweight[padded / kRowQuantum - 1];
+    if (dweight) stats.dweight_gemm_rows += padded;
     const int accumulate = *dweight_written ? 1 : 0;
     const kernels::Elem dl_type = elem_of(p.dlogits_dtype);
     const std::size_t dw_size = size_of(p.options.dweight_dtype);
@@ -264,7 +265,8 @@ struct LmHeadStep {
         }
         for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
       });
-      const kernels::Gemm& gemm = *dweight_gemms.pick(j == p.tiles - 1)[accumulate];
+      if (!dweight) return;  // frozen weight: the tile's dlogits feed dhidden alone
+      const kernels::Gemm& gemm = *p.dweight[padded / kRowQuantum - 1].pick(j == p.tiles - 1)[accumulate];
       auto* dw = static_cast<std::byte*>(out.dweight.data) +
                  static_cast<std::size_t>(vocab_major ? c0 * p.shape.dweight_ld : c0) * dw_size;
       dweight_clock.time([&] {
@@ -275,7 +277,7 @@ struct LmHeadStep {
         }
       });
     });
-    *dweight_written = true;
+    *dweight_written = dweight;
 
     const auto& dhidden_gemms = p.dhidden[padded / kRowQuantum - 1];
     for_each_item(p.hidden_chunks, p.schedule.threads, [&](std::int64_t chunk, int slot) {
@@ -309,6 +311,7 @@ struct LmHeadStep {
   }
 
   void zero_dweight() const {
+    if (p.options.frozen_weight) return;
     const std::size_t elem = size_of(out.dweight.dtype);
     for (std::int64_t r = 0; r < out.dweight.rows; ++r) {
       std::memset(static_cast<std::byte*>(out.dweight.data) + static_cast<std::size_t>(r * out.dweight.ld) * elem, 0,

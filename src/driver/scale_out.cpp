@@ -266,7 +266,7 @@ void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outpu
     }
   }
   if (outputs.metrics != nullptr) *outputs.metrics = acc->metrics(total);
-  if (plan.options.forward_only) return;
+  if (plan.options.forward_only || plan.options.frozen_weight) return;  // no dW, no dbias
   std::byte* ws = workspace + plan.layout.scale_out;
   so.sum_in_rank_order(so.data, outputs.dweight, ws, plan.schedule.threads);
   if (!outputs.dbias.empty()) {

@@ -555,6 +555,12 @@ void run_one(FuzzedDataProvider& fdp) {
       options.dweight_dtype = dweight_dtype;
       options.dhidden_dtype = dhidden_dtype;
       options.accumulate_weight_grads = accumulate;
+      // A frozen head: usually without dweight / dbias (as it must be), sometimes with them (refused).
+      options.frozen_weight = fdp.ConsumeIntegralInRange<int>(0, 7) == 0;
+      if (options.frozen_weight && fdp.ConsumeIntegralInRange<int>(0, 7) != 0) {
+        out.dweight = {};
+        out.dbias = {};
+      }
       const grpo::LmHeadLossPlan plan(shape, config, options);
       std::span<std::byte> ws;
       const int ws_kind = fdp.ConsumeIntegralInRange<int>(0, 7);
