@@ -51,7 +51,8 @@ TEST(FrozenWeight, FusedHeadWritesTheSameBitsWithoutDweight) {
     EXPECT_TRUE(same_bits(frozen.kl, full.kl));
     EXPECT_TRUE(same_bits(frozen.dhidden, full.dhidden));
     // dhidden is not trivially zero: the comparison above means something.
-    const std::vector<float> dh = to_float(full.dhidden.data(), base.dhidden_dtype, full.dhidden.size() / size_of(base.dhidden_dtype));
+    const std::vector<float> dh =
+        to_float(full.dhidden.data(), base.dhidden_dtype, full.dhidden.size() / size_of(base.dhidden_dtype));
     EXPECT_TRUE(std::any_of(dh.begin(), dh.end(), [](float x) { return x != 0.0F; }));
     EXPECT_NE(frozen.schedule.find("frozen_weight=no_dW"), std::string::npos) << frozen.schedule;
     EXPECT_EQ(full.schedule.find("frozen_weight"), std::string::npos) << full.schedule;
