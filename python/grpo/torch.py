@@ -132,6 +132,30 @@ def _as_rows(hidden: torch.Tensor, name: str, n: int) -> torch.Tensor:
 # --------------------------------------------------------------------------
 
 
+_CAST_CHUNK = 1 << 22  # elements per slice of _scaled_cast's float32 temporary (16 MB)
+
+
+def _scaled_cast(g: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(g * factor).to(dtype), bitwise, without a full-size float32 temporary.
+
+    g is a saved float32 gradient (dW is [V, H]: 2.5 GB at Qwen's V = 151936,
+    H = 4096), so g * factor would double it before the cast to a bfloat16
+    weight's dtype. g is not scaled in place: a second backward
+    (retain_graph=True) must find it unchanged. For a float32 input the
+    product is the result and is made whole.
+    """
+    if dtype == torch.float32 or g.dim() == 0 or g.numel() <= _CAST_CHUNK:
+        return (g * factor).to(dtype)
+    out = torch.empty(g.shape, dtype=dtype)
+    rows = max(1, _CAST_CHUNK // max(1, g[0].numel()))
+    product = torch.empty((min(rows, g.shape[0]),) + tuple(g.shape[1:]), dtype=torch.float32)
+    for r0 in range(0, g.shape[0], rows):
+        r1 = min(r0 + rows, g.shape[0])
+        torch.mul(g[r0:r1], factor, out=product[:r1 - r0])
+        out[r0:r1].copy_(product[:r1 - r0])
+    return out
+
+
 class _ScaledGradients(torch.autograd.Function):
     """Attaches precomputed (unscaled) gradients to the loss.
 
@@ -157,7 +181,7 @@ class _ScaledGradients(torch.autograd.Function):
         unit = ctx.scale == 1.0 and bool(grad_loss == 1.0)
 
         def scaled(g, dtype):
-            return (g if unit else g * factor).to(dtype)
+            return g.to(dtype) if unit else _scaled_cast(g, factor, dtype)
 
         gh = scaled(dhidden, hidden_dtype).view(hidden_shape) if ctx.needs_input_grad[1] else None
         gw = scaled(dweight, weight_dtype) if ctx.needs_input_grad[2] else None
