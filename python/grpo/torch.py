@@ -258,6 +258,10 @@ def lm_head_grpo_loss(
     (Loss -= entropy_coef * mean entropy over the tokens it acts on);
     top_entropy_quantile: TRL's entropy mask; logit_softcap / logit_scale: the
     model's logit transform before the temperature (grpo.LossConfig fields).
+
+    Gradients: computed with the loss, in float32, and held until backward,
+    which scales them and casts them to each input's dtype (_scaled_cast: no
+    second float32 copy of dW).
     """
     names = {k: k for k in ("hidden", "weight", "bias", "ids", "mask", "advantages", "old_logp", "ref_logp",
                             "is_weight", "loss_type", "importance_sampling_level", "num_items_in_batch")}
