@@ -127,6 +127,28 @@ def _as_rows(hidden: torch.Tensor, name: str, n: int) -> torch.Tensor:
     return rows
 
 
+def _head_shape(b: int, s: int, h: int, v: int, dtype, has_bias: bool, bias_dtype, hidden_ld: int,
+                weight_ld: int) -> _core.LmHeadShape:
+    shape = _core.LmHeadShape()
+    shape.batch, shape.seq_len, shape.hidden, shape.vocab = b, s, h, v
+    shape.dtype = dtype
+    shape.has_bias = has_bias
+    shape.bias_dtype = bias_dtype
+    shape.hidden_ld, shape.weight_ld = hidden_ld, weight_ld
+    return shape
+
+
+def _head_options(threads: int, forward_only: bool, frozen: bool,
+                  workspace_budget: Optional[int]) -> _core.LmHeadOptions:
+    options = _core.LmHeadOptions()
+    options.max_threads = threads
+    options.forward_only = forward_only
+    options.frozen_weight = frozen
+    if workspace_budget is not None:
+        options.workspace_budget = int(workspace_budget)
+    return options
+
+
 # --------------------------------------------------------------------------
 # The autograd op: gradients computed in forward, scaled in backward.
 # --------------------------------------------------------------------------
@@ -363,18 +385,8 @@ def lm_head_grpo_loss(
            workspace_budget)
 
     def build():
-        shape = _core.LmHeadShape()
-        shape.batch, shape.seq_len, shape.hidden, shape.vocab = b, s, h, v
-        shape.dtype = dtype
-        shape.has_bias = bias is not None
-        shape.bias_dtype = bias_dtype
-        shape.hidden_ld, shape.weight_ld = hidden_ld, weight_ld
-        options = _core.LmHeadOptions()
-        options.max_threads = threads
-        options.forward_only = not needs_grad
-        options.frozen_weight = frozen
-        if workspace_budget is not None:
-            options.workspace_budget = int(workspace_budget)
+        shape = _head_shape(b, s, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld)
+        options = _head_options(threads, not needs_grad, frozen, workspace_budget)
         return _core.LmHeadLossPlan(shape, config, options)
 
     cache = plan_cache if plan_cache is not None else grpo.default_plan_cache()
@@ -863,25 +875,15 @@ def fused_log_probs(
            float(logit_scale), threads, needs_grad, frozen, workspace_budget)
 
     def build():
-        shape = _core.LmHeadShape()
         # One sequence of N rows: the head has no per-sequence term, so the
         # plan depends on N only.
-        shape.batch, shape.seq_len, shape.hidden, shape.vocab = 1, n, h, v
-        shape.dtype = dtype
-        shape.has_bias = bias is not None
-        shape.bias_dtype = bias_dtype
-        shape.hidden_ld, shape.weight_ld = hidden_ld, weight_ld
+        shape = _head_shape(1, n, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld)
         config = _core.LogProbConfig()
         config.temperature = float(temperature)
         config.temperature_on_logp = bool(temperature_on_logp)
         config.logit_softcap = None if logit_softcap is None else float(logit_softcap)
         config.logit_scale = float(logit_scale)
-        options = _core.LmHeadOptions()
-        options.max_threads = threads
-        options.forward_only = not needs_grad
-        options.frozen_weight = frozen
-        if workspace_budget is not None:
-            options.workspace_budget = int(workspace_budget)
+        options = _head_options(threads, not needs_grad, frozen, workspace_budget)
         return _core.LmHeadLogProbPlan(shape, config, options)
 
     cache = plan_cache if plan_cache is not None else grpo.default_plan_cache()
