@@ -2,7 +2,9 @@
 
 #include <omp.h>
 
+#include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -49,7 +51,46 @@ struct Gemm::Impl {
   memory::desc a, b, c, bias, scratch;
 };
 
-Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec) {
+const char* forced_gemm_backend() {
+  static const char* forced = [] {
+    const char* v = std::getenv("GRPO_GEMM");
+    return v != nullptr && *v != '\0' ? v : nullptr;
+  }();
+  return forced;
+}
+
+namespace {
+
+// Our backends in priority order, from the forced one down: null = oneDNN's turn.
+std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
+  const char* forced = forced_gemm_backend();
+  const std::string_view f = forced != nullptr ? forced : "";
+  if (f == "reference") return make_reference_gemm(spec);
+  if (f == "onednn") return nullptr;
+  if (f.empty() || f == "amx") return make_amx_gemm(spec);
+  throw Error("GRPO_GEMM", "unknown GEMM backend '" + std::string(f) + "' (amx, onednn or reference)");
+}
+
+}  // namespace
+
+Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec) : Gemm(engine, spec, pick_own_backend(spec)) {}
+
+Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, GemmBackendKind backend)
+    : Gemm(engine, spec,
+           backend == GemmBackendKind::amx         ? make_amx_gemm(spec)
+           : backend == GemmBackendKind::reference ? make_reference_gemm(spec)
+                                                   : nullptr) {
+  if (backend == GemmBackendKind::amx && own_ == nullptr) {
+    throw Error("gemm",
+                std::string("the amx backend cannot serve this GEMM: ") +
+                    (amx_usable() ? "it takes bf16 A and B with one contiguous dimension each" : amx_unusable_reason()),
+                ErrorKind::unsupported);
+  }
+}
+
+Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, std::unique_ptr<GemmBackend> own)
+    : own_(std::move(own)), own_spec_(spec) {
+  if (own_ != nullptr) return;
   OmpThreadsScope scope(spec.threads);
   auto impl = std::make_unique<Impl>();
   impl->spec = spec;
@@ -84,12 +125,23 @@ Gemm::~Gemm() = default;
 Gemm::Gemm(Gemm&&) noexcept = default;
 Gemm& Gemm::operator=(Gemm&&) noexcept = default;
 
-const GemmSpec& Gemm::spec() const { return impl_->spec; }
+// Our backends keep their spec; oneDNN's Impl keeps it for oneDNN.
+const GemmSpec& Gemm::spec() const { return impl_ != nullptr ? impl_->spec : own_spec_; }
 const Gemm::Impl* Gemm::impl_for_binding() const { return impl_.get(); }
-std::size_t Gemm::scratchpad_bytes() const { return impl_->scratch.get_size(); }
-const char* Gemm::implementation() const { return impl_->pd.impl_info_str(); }
+std::size_t Gemm::scratchpad_bytes() const {
+  return own_ != nullptr ? own_->scratchpad_bytes() : impl_->scratch.get_size();
+}
+const char* Gemm::implementation() const {
+  return own_ != nullptr ? own_->implementation() : impl_->pd.impl_info_str();
+}
+GemmBackendKind Gemm::backend() const { return own_ != nullptr ? own_->kind() : GemmBackendKind::onednn; }
+GemmTraits Gemm::traits() const { return own_ != nullptr ? own_->traits() : GemmTraits{.m_independent = false}; }
 
 void Gemm::run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const {
+  if (own_ != nullptr) {
+    own_->run(a, b, c, bias, scratchpad);
+    return;
+  }
   OmpThreadsScope scope(impl_->spec.threads);
   const dnnl::engine& eng = impl_->engine;
   // oneDNN takes non-const handles; it only reads inputs.
@@ -106,12 +158,15 @@ void Gemm::run(const void* a, const void* b, void* c, const void* bias, void* sc
 }
 
 struct GemmBinding::Impl {
-  const Gemm::Impl* gemm;
+  const GemmBackend* own = nullptr;  // our backends need no per-caller objects
+  const Gemm::Impl* gemm = nullptr;
   dnnl::stream stream;
   memory a, b, c, bias, scratch;
 };
 
 GemmBinding::GemmBinding(const Gemm& gemm) : impl_(std::make_unique<Impl>()) {
+  impl_->own = gemm.own_backend();
+  if (impl_->own != nullptr) return;
   const Gemm::Impl& g = *gemm.impl_for_binding();
   impl_->gemm = &g;
   impl_->stream = dnnl::stream(g.engine);
@@ -129,6 +184,10 @@ GemmBinding::GemmBinding(GemmBinding&&) noexcept = default;
 GemmBinding& GemmBinding::operator=(GemmBinding&&) noexcept = default;
 
 void GemmBinding::run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const {
+  if (impl_->own != nullptr) {
+    impl_->own->run(a, b, c, bias, scratchpad);
+    return;
+  }
   const Gemm::Impl& g = *impl_->gemm;
   OmpThreadsScope scope(g.spec.threads);
   // oneDNN takes non-const handles; it only reads inputs.

@@ -1,8 +1,10 @@
-// oneDNN matmul wrappers. A Gemm is created once, in a plan, for one exact
-// problem (shapes, strides, dtypes, accumulate or not) and then only executed.
-// Scratchpads are user-managed: the caller passes scratchpad_bytes() of its
-// own memory, so every byte oneDNN's primitives need is in the plan's
-// workspace, and concurrent executions never share one.
+// The GEMMs of a plan. A Gemm is created once, in a plan, for one exact
+// problem (shapes, strides, dtypes, accumulate or not) and then only executed,
+// by the first backend of gemm_backend.hpp's list that serves it (our AMX
+// microkernels, oneDNN's matmul, the reference loops). Scratchpads are
+// user-managed: the caller passes scratchpad_bytes() of its own memory, so
+// every byte a backend needs is in the plan's workspace, and concurrent
+// executions never share one.
 //
 // Threads: the Debian oneDNN uses the OpenMP runtime. A Gemm records the
 // OpenMP thread count it is built for (1 for calls made inside TBB tasks,
@@ -17,6 +19,7 @@
 #include <memory>
 
 #include "grpo/types.hpp"
+#include "kernels/gemm_backend.hpp"
 
 namespace dnnl {
 struct engine;
@@ -58,15 +61,22 @@ class GemmEngine {
 
 class Gemm {
  public:
+  // The first backend of the list (or GRPO_GEMM's) that serves spec.
   Gemm(const GemmEngine& engine, const GemmSpec& spec);
+  // Exactly this backend (the tests compare backends); throws grpo::Error
+  // (unsupported) when it cannot serve spec on this CPU.
+  Gemm(const GemmEngine& engine, const GemmSpec& spec, GemmBackendKind backend);
   ~Gemm();
   Gemm(Gemm&&) noexcept;
   Gemm& operator=(Gemm&&) noexcept;
 
   const GemmSpec& spec() const;
   std::size_t scratchpad_bytes() const;
-  // oneDNN's implementation name (e.g. "brg:avx512_core_bf16"), for describe().
+  // The backend's implementation name (e.g. "grpo:amx_bf16", or oneDNN's
+  // "brg:avx512_core_bf16"), for describe().
   const char* implementation() const;
+  GemmBackendKind backend() const;
+  GemmTraits traits() const;
   // scratchpad: scratchpad_bytes() bytes, 64-byte aligned (may be null when 0).
   // Builds its memory objects and stream per call (heap allocations): for the
   // baselines and tools; hot paths run through a GemmBinding.
@@ -78,11 +88,20 @@ class Gemm {
 
   struct Impl;
   const Impl* impl_for_binding() const;
+  const GemmBackend* own_backend() const { return own_.get(); }
 
  private:
-  std::unique_ptr<Impl> impl_;
+  Gemm(const GemmEngine& engine, const GemmSpec& spec, std::unique_ptr<GemmBackend> own);  // null own: oneDNN
+
+  std::unique_ptr<Impl> impl_;        // oneDNN's objects, when oneDNN runs this GEMM
+  std::unique_ptr<GemmBackend> own_;  // one of ours otherwise
+  GemmSpec own_spec_;
   std::size_t index_ = 0;
 };
+
+// The backend GRPO_GEMM names (amx, onednn, reference), or the default list.
+// Read once per process.
+const char* forced_gemm_backend();
 
 // One caller's oneDNN objects for one Gemm: a stream and the memory objects
 // whose data handles each run re-points. Created once (a plan keeps sets of

@@ -1,0 +1,450 @@
+// The AMX-BF16 GEMM backend: C (+)= A B (+ bias), A and B bf16, C f32 or
+// bf16, on the calling thread.
+//
+// Scheme (BLIS-like, sized for one core's 2 MiB L2 and 48 KiB L1):
+//   The product is computed as X Y with X [Mx, K] and Y [K, Ny], either
+//   X = A, Y = B or (swapped) X = B^T, Y = A^T, whichever packs fewer
+//   elements: X is read in place when its rows are K-contiguous (the forward's
+//   W tile, the backward's dlogits), otherwise copied into row panels; Y is
+//   always packed into AMX's VNNI layout (pairs of k interleaved), one block
+//   of kc x nc at a time (<= kYBlockBytes, so it stays in L2 while every X
+//   panel streams past it).
+//   Register blocking: 2 x 2 accumulator tiles (32 x 32 f32 of C), 2 X tiles
+//   (16 rows x 32 k), 2 Y tiles (32 k x 16 columns) = the 8 tiles of palette 1.
+//   Each element's reduction runs over k in steps of 32 in ascending order
+//   (tdpbf16ps, then f32 partial sums stored and reloaded exactly between k
+//   blocks): the same order whatever M, N or the element's position, so a
+//   row's result does not depend on its batch (GemmTraits::m_independent).
+//
+// This file alone is compiled with -mamx-tile -mamx-bf16 -mavx512bf16 (and
+// AVX-512F/BW); nothing here runs unless amx_usable() said yes.
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+
+#include "kernels/gemm.hpp"
+#include "kernels/gemm_backend.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+// arch_prctl codes and the XSAVE feature number of the AMX tile data
+// (linux/arch/x86/include/uapi/asm/prctl.h; Intel SDM vol. 1, 13.2).
+constexpr int kArchGetXcompPerm = 0x1022;
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+constexpr std::uint64_t kXcr0Amx = (1U << 17) | (1U << 18);  // XTILECFG, XTILEDATA
+constexpr std::uint64_t kXcr0Avx512 = (1U << 1) | (1U << 2) | (1U << 5) | (1U << 6) | (1U << 7);
+
+// The packed Y block's size: half of a 2 MiB L2 plus room, so the block and
+// the X panel passing by (32 rows x kc bf16, <= 160 KiB at kc = 2560) stay in
+// L2 together.
+constexpr std::size_t kYBlockBytes = std::size_t{1280} << 10;
+constexpr std::int64_t kTile = 16;   // rows of a tile; f32 columns of an accumulator tile
+constexpr std::int64_t kKStep = 32;  // bf16 k per tile row (64 bytes)
+constexpr std::int64_t kPanel = 32;  // rows (or columns) of a 2 x 2 accumulator block
+constexpr std::size_t kAlignBytes = 64;
+
+std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
+std::size_t align_up(std::size_t v) { return (v + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
+
+struct Cpu {
+  bool usable = false;
+  const char* reason = "";
+};
+
+std::uint64_t xcr0() {
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile(".byte 0x0f, 0x01, 0xd0" : "=a"(lo), "=d"(hi) : "c"(0));  // xgetbv
+  return (static_cast<std::uint64_t>(hi) << 32) | lo;
+}
+
+Cpu probe_cpu() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return {false, "no CPUID leaf 7"};
+  const bool avx512 = ((b >> 16) & 1U) != 0 && ((b >> 30) & 1U) != 0;  // F, BW
+  const bool amx_bf16 = ((d >> 22) & 1U) != 0;
+  const bool amx_tile = ((d >> 24) & 1U) != 0;
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  const bool avx512_bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) != 0 && ((a1 >> 5) & 1U) != 0;
+  if (!amx_bf16 || !amx_tile) return {false, "the CPU has no AMX-BF16"};
+  if (!avx512 || !avx512_bf16) return {false, "the CPU has no AVX512-BF16"};
+  unsigned a0 = 0, b0 = 0, c0 = 0, d0 = 0;
+  __get_cpuid(1, &a0, &b0, &c0, &d0);
+  if (((c0 >> 27) & 1U) == 0) return {false, "the OS does not enable XSAVE"};
+  const std::uint64_t x = xcr0();
+  if ((x & kXcr0Avx512) != kXcr0Avx512) return {false, "the OS does not save the AVX-512 state"};
+  if ((x & kXcr0Amx) != kXcr0Amx) return {false, "the OS does not save the AMX tile state"};
+  // Linux keeps the tile data state off until a process asks (Linux >= 5.16);
+  // the permission is process-wide.
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    return {false, "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"};
+  }
+  unsigned long granted = 0;
+  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0 || ((granted >> kXfeatureXtiledata) & 1U) == 0) {
+    return {false, "Linux did not grant the AMX tile state"};
+  }
+  return {true, ""};
+}
+
+const Cpu& cpu() {
+  static const Cpu c = probe_cpu();
+  return c;
+}
+
+// The 64-byte LDTILECFG operand (Intel SDM vol. 1, 3.4): palette 1, bytes per
+// row and rows of tiles 0-15. Every tile used here is full: 16 rows x 64 bytes.
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+static_assert(sizeof(TileConfig) == 64);
+
+// Strided 2-D bf16 operand: element (i, j) at p[i * rs + j * cs].
+struct View {
+  std::int64_t rs = 0;
+  std::int64_t cs = 0;
+};
+
+__mmask32 mask32(std::int64_t n) { return n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1; }
+__mmask16 mask16(std::int64_t n) { return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1U << n) - 1); }
+
+// Row/column index vectors for 16 x 16 32-bit transposes through gathers
+// (the blocks are in L1; a gather of 16 is cheap next to the 128 tdpbf16ps a
+// K = 4096 accumulator tile takes).
+__m512i column_offsets(std::int64_t stride) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(static_cast<int>(stride)));
+}
+
+class AmxGemm final : public GemmBackend {
+ public:
+  explicit AmxGemm(const GemmSpec& spec) : spec_(spec) {
+    const GemmOperand& a = spec.a;
+    const GemmOperand& b = spec.b;
+    m_ = a.rows;
+    k_ = a.cols;
+    n_ = b.cols;
+    // Orientation: the one that packs fewer elements (X read in place when
+    // its rows are K-contiguous and K is a whole number of tile rows).
+    const auto x_packs = [&](std::int64_t cs) { return !(cs == 1 && k_ % kKStep == 0); };
+    const std::int64_t cost_plain = (x_packs(a.col_stride) ? m_ : 0) * k_ + k_ * n_;
+    const std::int64_t cost_swapped = (x_packs(b.row_stride) ? n_ : 0) * k_ + k_ * m_;
+    swapped_ = cost_swapped < cost_plain;
+    if (!swapped_) {
+      mx_ = m_;
+      ny_ = n_;
+      x_ = {a.row_stride, a.col_stride};
+      y_ = {b.row_stride, b.col_stride};
+    } else {
+      mx_ = n_;
+      ny_ = m_;
+      x_ = {b.col_stride, b.row_stride};  // X = B^T
+      y_ = {a.col_stride, a.row_stride};  // Y = A^T
+    }
+    x_direct_ = !x_packs(x_.cs);
+    // Blocking of Y: nc columns by kc rows within kYBlockBytes; kc as long as
+    // possible first (fewer partial-sum round trips), then nc grows into it.
+    const std::int64_t k32 = round_up(k_, kKStep);
+    const std::int64_t ny32 = round_up(ny_, kPanel);
+    nc_ = std::min<std::int64_t>(ny32, 512);
+    kc_ = std::min<std::int64_t>(
+        k32, std::max<std::int64_t>(kKStep, static_cast<std::int64_t>(kYBlockBytes) / (nc_ * 2) / kKStep * kKStep));
+    nc_ = std::min<std::int64_t>(
+        ny32, std::max<std::int64_t>(nc_, static_cast<std::int64_t>(kYBlockBytes) / (kc_ * 2) / kPanel * kPanel));
+    const std::int64_t mx32 = round_up(mx_, kPanel);
+    // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
+    y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * 2);
+    x_bytes_ = align_up(static_cast<std::size_t>((x_direct_ ? kPanel : mx32) * kc_) * 2);
+    acc_bytes_ = kc_ < k_ ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
+    acc_ld_ = ny32;
+    scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + 2 * kTile * kTile * sizeof(float) + sizeof(TileConfig);
+  }
+
+  GemmBackendKind kind() const override { return GemmBackendKind::amx; }
+  const char* implementation() const override { return swapped_ ? "grpo:amx_bf16 (swapped)" : "grpo:amx_bf16"; }
+  GemmTraits traits() const override { return {.m_independent = true}; }
+  std::size_t scratchpad_bytes() const override { return scratch_bytes_; }
+
+  void run(const void* a, const void* b, void* c, const void* bias, void* scratch) const override {
+    const auto* xs = static_cast<const std::uint16_t*>(swapped_ ? b : a);
+    const auto* ys = static_cast<const std::uint16_t*>(swapped_ ? a : b);
+    auto* s = static_cast<std::byte*>(scratch);
+    auto* ypack = reinterpret_cast<std::uint16_t*>(s);
+    auto* xpack = reinterpret_cast<std::uint16_t*>(s + y_bytes_);
+    auto* acc = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_);
+    auto* tmp = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_ + acc_bytes_);
+    auto* cfg = reinterpret_cast<TileConfig*>(tmp + 2 * kTile * kTile);
+    *cfg = TileConfig{};
+    for (int t = 0; t < 8; ++t) {
+      cfg->colsb[t] = 64;
+      cfg->rows[t] = kTile;
+    }
+    _tile_loadconfig(cfg);
+
+    const std::int64_t mx32 = round_up(mx_, kPanel);
+    for (std::int64_t k0 = 0; k0 < k_; k0 += kc_) {
+      const std::int64_t kb = std::min(kc_, k_ - k0);
+      const std::int64_t kb32 = round_up(kb, kKStep);
+      const bool first = k0 == 0;
+      const bool last = k0 + kb >= k_;
+      if (!x_direct_) pack_x(xs, 0, mx_, k0, kb, kb32, xpack);
+      for (std::int64_t n0 = 0; n0 < ny_; n0 += nc_) {
+        const std::int64_t nb = std::min(nc_, ny_ - n0);
+        const std::int64_t nb32 = round_up(nb, kPanel);
+        pack_y(ys, k0, kb, kb32, n0, nb, nb32, ypack);
+        for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
+          const std::uint16_t* xp = nullptr;
+          std::int64_t xld = 0;  // elements
+          if (!x_direct_) {
+            xp = xpack + m0 * kb32;
+            xld = kb32;
+          } else if (m0 + kPanel <= mx_) {
+            xp = xs + m0 * x_.rs + k0;
+            xld = x_.rs;
+          } else {
+            pack_x(xs, m0, mx_ - m0, k0, kb, kb32, xpack);  // the partial last panel, zero-padded
+            xp = xpack;
+            xld = kb32;
+          }
+          for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
+            const std::int64_t ncol = n0 + nn;  // Y column of the block
+            float* acc_at = acc + m0 * acc_ld_ + ncol;
+            const auto acc_stride = static_cast<long>(acc_ld_ * sizeof(float));
+            if (first) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+            } else {
+              _tile_loadd(0, acc_at, acc_stride);
+              _tile_loadd(1, acc_at + kTile, acc_stride);
+              _tile_loadd(2, acc_at + kTile * acc_ld_, acc_stride);
+              _tile_loadd(3, acc_at + kTile * acc_ld_ + kTile, acc_stride);
+            }
+            const std::uint16_t* y0 = ypack + (nn / kTile) * (kb32 / 2) * 32;
+            const std::uint16_t* y1 = y0 + (kb32 / 2) * 32;
+            const auto xstride = static_cast<long>(xld * 2);
+            for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
+              _tile_loadd(4, xp + kk, xstride);
+              _tile_loadd(5, xp + kTile * xld + kk, xstride);
+              _tile_loadd(6, y0 + kk * 16, 64);
+              _tile_loadd(7, y1 + kk * 16, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+            if (!last) {
+              _tile_stored(0, acc_at, acc_stride);
+              _tile_stored(1, acc_at + kTile, acc_stride);
+              _tile_stored(2, acc_at + kTile * acc_ld_, acc_stride);
+              _tile_stored(3, acc_at + kTile * acc_ld_ + kTile, acc_stride);
+              continue;
+            }
+            _tile_stored(0, tmp, 64);
+            store(tmp, m0, ncol, c, bias);
+            _tile_stored(1, tmp, 64);
+            store(tmp, m0, ncol + kTile, c, bias);
+            _tile_stored(2, tmp, 64);
+            store(tmp, m0 + kTile, ncol, c, bias);
+            _tile_stored(3, tmp, 64);
+            store(tmp, m0 + kTile, ncol + kTile, c, bias);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+
+ private:
+  // X rows [m0, m0 + rows) x k [k0, k0 + kb) -> out [round_up(rows, 32)][kb32]
+  // bf16, zero-padded in both directions.
+  void pack_x(const std::uint16_t* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb,
+              std::int64_t kb32, std::uint16_t* out) const {
+    const std::int64_t rows32 = round_up(rows, kPanel);
+    if (x_.cs == 1) {  // rows K-contiguous: copy
+      for (std::int64_t r = 0; r < rows32; ++r) {
+        std::uint16_t* o = out + r * kb32;
+        for (std::int64_t kk = 0; kk < kb32; kk += 32) {
+          const __m512i v = r < rows ? _mm512_maskz_loadu_epi16(mask32(kb - kk), x + (m0 + r) * x_.rs + k0 + kk)
+                                     : _mm512_setzero_si512();
+          _mm512_storeu_si512(o + kk, v);
+        }
+      }
+      return;
+    }
+    // Columns contiguous (x_.rs == 1): per 16 rows x 32 k, pair k and k + 1
+    // of each row into a u32 ([kp][row] in tmp), then gather the transpose.
+    alignas(64) std::uint32_t pairs[kTile * kTile];
+    const __m512i cols = column_offsets(kTile);
+    for (std::int64_t r0 = 0; r0 < rows32; r0 += kTile) {
+      const std::int64_t rn = std::clamp<std::int64_t>(rows - r0, 0, kTile);
+      const __mmask16 rmask = mask16(rn);
+      for (std::int64_t kk = 0; kk < kb32; kk += 32) {
+        for (std::int64_t kp = 0; kp < kTile; ++kp) {
+          const std::int64_t k = kk + 2 * kp;
+          const __m256i lo =
+              k < kb ? _mm256_maskz_loadu_epi16(rmask, x + (m0 + r0) + (k0 + k) * x_.cs) : _mm256_setzero_si256();
+          const __m256i hi = k + 1 < kb ? _mm256_maskz_loadu_epi16(rmask, x + (m0 + r0) + (k0 + k + 1) * x_.cs)
+                                        : _mm256_setzero_si256();
+          const __m512i v =
+              _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+          _mm512_store_si512(pairs + kp * kTile, v);
+        }
+        for (std::int64_t r = 0; r < kTile; ++r) {
+          const __m512i row =
+              _mm512_i32gather_epi32(_mm512_add_epi32(cols, _mm512_set1_epi32(static_cast<int>(r))), pairs, 4);
+          _mm512_storeu_si512(out + (r0 + r) * kb32 + kk, row);
+        }
+      }
+    }
+  }
+
+  // Y k [k0, k0 + kb) x columns [n0, n0 + nb) -> VNNI tiles: for each 16
+  // columns t, kb32 / 2 rows of 16 (k, k + 1) pairs; zero-padded.
+  void pack_y(const std::uint16_t* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0,
+              std::int64_t nb, std::int64_t nb32, std::uint16_t* out) const {
+    const std::int64_t rows_per_tile = kb32 / 2;
+    if (y_.cs == 1) {  // rows (k) N-contiguous: interleave row pairs
+      // (k, n) pairs for 32 columns: lo = columns 0-15, hi = 16-31.
+      const __m512i lo_idx = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                               0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                               0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+      const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+      for (std::int64_t nn = 0; nn < nb32; nn += 32) {
+        const __mmask32 cmask = mask32(nb - nn);
+        std::uint16_t* t0 = out + (nn / kTile) * rows_per_tile * 32;
+        std::uint16_t* t1 = t0 + rows_per_tile * 32;
+        for (std::int64_t kp = 0; kp < rows_per_tile; ++kp) {
+          const std::int64_t k = 2 * kp;
+          const __m512i r0 = k < kb && nn < nb ? _mm512_maskz_loadu_epi16(cmask, y + (k0 + k) * y_.rs + n0 + nn)
+                                               : _mm512_setzero_si512();
+          const __m512i r1 = k + 1 < kb && nn < nb ? _mm512_maskz_loadu_epi16(cmask, y + (k0 + k + 1) * y_.rs + n0 + nn)
+                                                   : _mm512_setzero_si512();
+          _mm512_storeu_si512(t0 + kp * 32, _mm512_permutex2var_epi16(r0, lo_idx, r1));
+          _mm512_storeu_si512(t1 + kp * 32, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+        }
+      }
+      return;
+    }
+    // Columns K-contiguous (y_.rs == 1): a (k, k + 1) pair is one u32 of a
+    // column; a 16 x 16 u32 transpose per 16 columns x 32 k.
+    alignas(64) std::uint32_t block[kTile * kTile];
+    const __m512i cols = column_offsets(kTile);
+    for (std::int64_t nn = 0; nn < nb32; nn += kTile) {
+      std::uint16_t* t = out + (nn / kTile) * rows_per_tile * 32;
+      for (std::int64_t kk = 0; kk < kb32; kk += 32) {
+        const __mmask32 kmask = mask32(kb - kk);
+        for (std::int64_t j = 0; j < kTile; ++j) {
+          const __m512i v = nn + j < nb ? _mm512_maskz_loadu_epi16(kmask, y + (n0 + nn + j) * y_.cs + k0 + kk)
+                                        : _mm512_setzero_si512();
+          _mm512_store_si512(block + j * kTile, v);
+        }
+        for (std::int64_t kp = 0; kp < kTile; ++kp) {
+          const __m512i row =
+              _mm512_i32gather_epi32(_mm512_add_epi32(cols, _mm512_set1_epi32(static_cast<int>(kp))), block, 4);
+          _mm512_storeu_si512(t + (kk / 2 + kp) * 32, row);
+        }
+      }
+    }
+  }
+
+  // One finished 16 x 16 accumulator tile (tmp, X rows xr0.., Y columns yc0..)
+  // into C: transposed back when swapped; + bias, + C when accumulating;
+  // rounded to bf16 (nearest even) for a bf16 C. Rows and columns past C's
+  // edges are dropped.
+  void store(float* tmp, std::int64_t xr0, std::int64_t yc0, void* c, const void* bias) const {
+    if (xr0 >= mx_ || yc0 >= ny_) return;
+    std::int64_t rows = 0;  // of C
+    std::int64_t cols = 0;
+    std::int64_t r0 = 0;
+    std::int64_t c0 = 0;
+    if (swapped_) {
+      // tmp[i][j] = C[yc0 + j][xr0 + i]: transpose in place through a copy.
+      alignas(64) float t[kTile * kTile];
+      std::memcpy(t, tmp, sizeof(t));
+      const __m512i idx = column_offsets(kTile);
+      for (std::int64_t j = 0; j < kTile; ++j) {
+        _mm512_store_ps(tmp + j * kTile,
+                        _mm512_i32gather_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(j))), t, 4));
+      }
+      r0 = yc0;
+      c0 = xr0;
+      rows = std::min(kTile, ny_ - yc0);
+      cols = std::min(kTile, mx_ - xr0);
+    } else {
+      r0 = xr0;
+      c0 = yc0;
+      rows = std::min(kTile, mx_ - xr0);
+      cols = std::min(kTile, ny_ - yc0);
+    }
+    const __mmask16 cmask = mask16(cols);
+    __m512 bv = _mm512_setzero_ps();
+    if (spec_.has_bias) {
+      if (spec_.bias_dtype == DType::f32) {
+        bv = _mm512_maskz_loadu_ps(cmask, static_cast<const float*>(bias) + c0);
+      } else {
+        const __m256i h = _mm256_maskz_loadu_epi16(cmask, static_cast<const std::uint16_t*>(bias) + c0);
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
+    }
+    const GemmOperand& co = spec_.c;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      __m512 v = _mm512_load_ps(tmp + r * kTile);
+      if (spec_.has_bias) v = _mm512_add_ps(v, bv);
+      const std::int64_t at = (r0 + r) * co.row_stride + c0;
+      if (co.dtype == DType::f32) {
+        float* dst = static_cast<float*>(c) + at;
+        if (spec_.accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(cmask, dst), v);
+        _mm512_mask_storeu_ps(dst, cmask, v);
+      } else {
+        std::uint16_t* dst = static_cast<std::uint16_t*>(c) + at;
+        if (spec_.accumulate) {
+          const __m256i old = _mm256_maskz_loadu_epi16(cmask, dst);
+          v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), v);
+        }
+        const auto packed = std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v));  // round to nearest even
+        _mm256_mask_storeu_epi16(dst, cmask, packed);
+      }
+    }
+  }
+
+  GemmSpec spec_;
+  std::int64_t m_ = 0, n_ = 0, k_ = 0;
+  bool swapped_ = false;
+  std::int64_t mx_ = 0, ny_ = 0;
+  View x_, y_;
+  bool x_direct_ = false;
+  std::int64_t kc_ = 0, nc_ = 0;
+  std::int64_t acc_ld_ = 0;
+  std::size_t y_bytes_ = 0, x_bytes_ = 0, acc_bytes_ = 0, scratch_bytes_ = 0;
+};
+
+bool serves(const GemmSpec& s) {
+  const auto one_dim_contiguous = [](const GemmOperand& o) { return o.col_stride == 1 || o.row_stride == 1; };
+  return s.a.dtype == DType::bf16 && s.b.dtype == DType::bf16 && s.c.col_stride == 1 && one_dim_contiguous(s.a) &&
+         one_dim_contiguous(s.b) && s.a.rows > 0 && s.a.cols > 0 && s.b.cols > 0;
+}
+
+}  // namespace
+
+bool amx_usable() { return cpu().usable; }
+const char* amx_unusable_reason() { return cpu().reason; }
+
+std::unique_ptr<GemmBackend> make_amx_gemm(const GemmSpec& spec) {
+  if (!amx_usable() || !serves(spec)) return nullptr;
+  return std::make_unique<AmxGemm>(spec);
+}
+
+}  // namespace grpo::kernels

@@ -1,0 +1,57 @@
+// The GEMM backend seam. A GemmSpec (gemm.hpp) is fixed at plan time; a
+// backend built for it runs C (+)= A B (+ bias) on the caller's thread with
+// the caller's scratch, and allocates nothing per call. kernels::Gemm picks
+// the first backend of the priority list that serves the spec:
+//   amx        our AMX-BF16 microkernels (gemm_amx.cpp): bf16 A and B, when the
+//              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
+//   onednn     oneDNN's matmul (gemm.cpp)
+//   reference  plain loops in f32, k ascending (gemm_reference.cpp): any spec,
+//              slow; the last resort and a comparison point for the tests
+// GRPO_GEMM=amx|onednn|reference forces one (as GRPO_SIMD does for the stage
+// kernels); a forced backend that cannot serve a spec falls back down the list.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace grpo::kernels {
+
+struct GemmSpec;
+
+enum class GemmBackendKind : std::uint8_t { amx, onednn, reference };
+
+const char* to_string(GemmBackendKind kind);
+
+// What a driver may rely on from a backend.
+struct GemmTraits {
+  // Each element of C is reduced over K in an order that depends on K and
+  // the data alone, never on M, N or the element's position: a row's result
+  // does not depend on the batch it came in (batch invariance by
+  // construction). oneDNN's brgemm picks its K blocking from M: false.
+  bool m_independent = false;
+};
+
+class GemmBackend {
+ public:
+  virtual ~GemmBackend() = default;
+  virtual GemmBackendKind kind() const = 0;
+  // For describe(): e.g. "amx_bf16" or oneDNN's "brg:avx512_core_amx_bf16".
+  virtual const char* implementation() const = 0;
+  virtual GemmTraits traits() const = 0;
+  virtual std::size_t scratchpad_bytes() const = 0;
+  // scratch: scratchpad_bytes() bytes, 64-byte aligned. Single-threaded.
+  virtual void run(const void* a, const void* b, void* c, const void* bias, void* scratch) const = 0;
+};
+
+// Null when the CPU (or the OS) lacks what the backend needs, or the spec is
+// outside what it serves.
+std::unique_ptr<GemmBackend> make_amx_gemm(const GemmSpec& spec);
+std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec);
+
+// The CPU has AMX-BF16 and AVX512-BF16, and this process may use the tile
+// state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once). Why not, when false.
+bool amx_usable();
+const char* amx_unusable_reason();
+
+}  // namespace grpo::kernels

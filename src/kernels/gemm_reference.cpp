@@ -1,0 +1,78 @@
+// The reference GEMM backend: plain loops, f32 products summed in f32 with k
+// ascending, then bias, then the accumulated C; bf16 C rounded to nearest
+// even. Serves every spec; slow (no blocking): the last entry of the
+// backend list, and what the GEMM tester runs beside the fast backends.
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/gemm.hpp"
+#include "kernels/gemm_backend.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+float load(const void* p, DType dtype, std::int64_t at) {
+  if (dtype == DType::f32) return static_cast<const float*>(p)[at];
+  const std::uint32_t bits = static_cast<std::uint32_t>(static_cast<const std::uint16_t*>(p)[at]) << 16;
+  float v = 0.0F;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+std::uint16_t to_bf16(float v) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(v));
+  if ((bits & 0x7f800000U) == 0x7f800000U && (bits & 0x007fffffU) != 0) return 0x7fc0;  // NaN stays NaN
+  bits += 0x7fffU + ((bits >> 16) & 1U);                                                // nearest even
+  return static_cast<std::uint16_t>(bits >> 16);
+}
+
+class ReferenceGemm final : public GemmBackend {
+ public:
+  explicit ReferenceGemm(const GemmSpec& spec) : spec_(spec) {}
+  GemmBackendKind kind() const override { return GemmBackendKind::reference; }
+  const char* implementation() const override { return "grpo:reference"; }
+  GemmTraits traits() const override { return {.m_independent = true}; }
+  std::size_t scratchpad_bytes() const override { return 0; }
+
+  void run(const void* a, const void* b, void* c, const void* bias, void* /*scratch*/) const override {
+    const GemmOperand& ao = spec_.a;
+    const GemmOperand& bo = spec_.b;
+    const GemmOperand& co = spec_.c;
+    for (std::int64_t i = 0; i < co.rows; ++i) {
+      for (std::int64_t j = 0; j < co.cols; ++j) {
+        float sum = 0.0F;
+        for (std::int64_t k = 0; k < ao.cols; ++k) {
+          sum += load(a, ao.dtype, i * ao.row_stride + k * ao.col_stride) *
+                 load(b, bo.dtype, k * bo.row_stride + j * bo.col_stride);
+        }
+        if (spec_.has_bias) sum += load(bias, spec_.bias_dtype, j);
+        const std::int64_t at = i * co.row_stride + j * co.col_stride;
+        if (spec_.accumulate) sum += load(c, co.dtype, at);
+        if (co.dtype == DType::f32) {
+          static_cast<float*>(c)[at] = sum;
+        } else {
+          static_cast<std::uint16_t*>(c)[at] = to_bf16(sum);
+        }
+      }
+    }
+  }
+
+ private:
+  GemmSpec spec_;
+};
+
+}  // namespace
+
+std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec) { return std::make_unique<ReferenceGemm>(spec); }
+
+const char* to_string(GemmBackendKind kind) {
+  switch (kind) {
+    case GemmBackendKind::amx: return "amx";
+    case GemmBackendKind::onednn: return "onednn";
+    case GemmBackendKind::reference: return "reference";
+  }
+  return "?";
+}
+
+}  // namespace grpo::kernels

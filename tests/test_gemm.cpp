@@ -1,0 +1,269 @@
+// The GEMM tester: every backend this CPU can run (ours, oneDNN, the
+// reference loops) against a double-precision reference, at tile-edge shapes,
+// in the four operand layouts the LM-head step uses (A row-major or
+// transposed x B row-major or transposed), with padded leading dimensions
+// whose padding holds NaN (a read outside a view shows up as NaN), overwrite
+// and accumulate, with and without bias, f32 and bf16 outputs. Then the
+// backends that claim batch invariance are held to it bitwise.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/gemm.hpp"
+#include "kernels/gemm_backend.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+std::uint16_t bf16_bits(float v) {
+  std::uint32_t b = 0;
+  std::memcpy(&b, &v, 4);
+  return static_cast<std::uint16_t>(b >> 16);  // v is already a bf16 value
+}
+float from_bf16(std::uint16_t h) {
+  const std::uint32_t b = static_cast<std::uint32_t>(h) << 16;
+  float v = 0.0F;
+  std::memcpy(&v, &b, 4);
+  return v;
+}
+// A random value exactly representable in bf16 (so every backend multiplies the same numbers).
+float bf16_value(std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-2.0F, 2.0F);
+  return from_bf16(bf16_bits(u(rng)));
+}
+
+// A matrix in memory: rows x cols with element (i, j) at i * rs + j * cs,
+// every element of the allocation outside the view set to NaN.
+struct Buffer {
+  DType dtype = DType::bf16;
+  GemmOperand op;
+  std::vector<float> f32;
+  std::vector<std::uint16_t> b16;
+  void* data() { return dtype == DType::f32 ? static_cast<void*>(f32.data()) : static_cast<void*>(b16.data()); }
+  float at(std::int64_t i, std::int64_t j) const {
+    const std::int64_t k = i * op.row_stride + j * op.col_stride;
+    return dtype == DType::f32 ? f32[k] : from_bf16(b16[k]);
+  }
+};
+
+Buffer make(DType dtype, std::int64_t rows, std::int64_t cols, bool transposed, std::int64_t pad, std::mt19937& rng) {
+  Buffer b;
+  b.dtype = dtype;
+  // Row-major: ld = cols + pad; transposed (column-major): ld = rows + pad.
+  const std::int64_t ld = (transposed ? rows : cols) + pad;
+  b.op = transposed ? GemmOperand{dtype, rows, cols, 1, ld} : GemmOperand{dtype, rows, cols, ld, 1};
+  const std::int64_t size = (transposed ? cols : rows) * ld;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (dtype == DType::f32) {
+    b.f32.assign(static_cast<std::size_t>(size), nan);
+  } else {
+    b.b16.assign(static_cast<std::size_t>(size), 0x7fc0);  // bf16 NaN
+  }
+  for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const std::int64_t k = i * b.op.row_stride + j * b.op.col_stride;
+      const float v = bf16_value(rng);
+      if (dtype == DType::f32) {
+        b.f32[k] = v;
+      } else {
+        b.b16[k] = bf16_bits(v);
+      }
+    }
+  }
+  return b;
+}
+
+struct Case {
+  std::int64_t m, n, k;
+  bool a_t, b_t;  // transposed (column-major) operands
+  bool accumulate;
+  int bias;  // 0 none, 1 f32, 2 bf16
+  DType c_dtype;
+};
+
+std::string name(const Case& c) {
+  return "M" + std::to_string(c.m) + "N" + std::to_string(c.n) + "K" + std::to_string(c.k) + (c.a_t ? "_At" : "_A") +
+         (c.b_t ? "Bt" : "B") + (c.accumulate ? "_acc" : "") +
+         (c.bias == 1   ? "_biasf32"
+          : c.bias == 2 ? "_biasbf16"
+                        : "") +
+         (c.c_dtype == DType::f32 ? "_f32" : "_bf16");
+}
+
+std::vector<GemmBackendKind> runnable_backends() {
+  std::vector<GemmBackendKind> kinds{GemmBackendKind::onednn, GemmBackendKind::reference};
+  if (amx_usable()) kinds.insert(kinds.begin(), GemmBackendKind::amx);
+  return kinds;
+}
+
+std::unique_ptr<GemmBackend> make_backend(GemmBackendKind kind, const GemmSpec& spec) {
+  if (kind == GemmBackendKind::amx) return make_amx_gemm(spec);
+  if (kind == GemmBackendKind::reference) return make_reference_gemm(spec);
+  return nullptr;  // oneDNN runs through kernels::Gemm (GRPO_GEMM unset or forcing another: see run_case)
+}
+
+// Runs spec on one backend; returns false when it does not serve the spec.
+bool run_on(GemmBackendKind kind, const GemmEngine& engine, const GemmSpec& spec, const void* a, const void* b, void* c,
+            const void* bias) {
+  std::vector<std::byte> scratch;
+  auto aligned = [&](std::size_t bytes) {
+    scratch.assign(bytes + 64, std::byte{0});
+    auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
+    return reinterpret_cast<void*>((p + 63) / 64 * 64);
+  };
+  if (kind == GemmBackendKind::onednn) {
+    // Through oneDNN directly: kernels::Gemm would pick ours first.
+    const std::unique_ptr<Gemm> g = std::make_unique<Gemm>(engine, spec, GemmBackendKind::onednn);
+    g->run(a, b, c, bias, aligned(g->scratchpad_bytes()));
+    return true;
+  }
+  const std::unique_ptr<GemmBackend> be = make_backend(kind, spec);
+  if (be == nullptr) return false;
+  be->run(a, b, c, bias, aligned(be->scratchpad_bytes()));
+  return true;
+}
+
+class GemmTester : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
+  const Case cs = GetParam();
+  const unsigned seed = 1234U + static_cast<unsigned>(cs.m * 7919 + cs.n * 131 + cs.k);
+  std::mt19937 rng(seed);
+  Buffer a = make(DType::bf16, cs.m, cs.k, cs.a_t, 3, rng);
+  Buffer b = make(DType::bf16, cs.k, cs.n, cs.b_t, 5, rng);
+  Buffer c0 = make(cs.c_dtype, cs.m, cs.n, false, 2, rng);  // the accumulated-into values
+  Buffer bias = make(cs.bias == 2 ? DType::bf16 : DType::f32, 1, cs.n, false, 0, rng);
+  GemmSpec spec;
+  spec.a = a.op;
+  spec.b = b.op;
+  spec.c = c0.op;
+  spec.accumulate = cs.accumulate;
+  spec.has_bias = cs.bias != 0;
+  spec.bias_dtype = bias.dtype;
+  const GemmEngine engine;
+  for (const GemmBackendKind kind : runnable_backends()) {
+    Buffer c = c0;
+    if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
+      if (kind == GemmBackendKind::amx) ADD_FAILURE() << "amx backend refused a bf16 spec it should serve";
+      continue;
+    }
+    int bad = 0;
+    for (std::int64_t i = 0; i < cs.m && bad < 5; ++i) {
+      for (std::int64_t j = 0; j < cs.n && bad < 5; ++j) {
+        double ref = 0.0;
+        double mag = 0.0;  // sum |a b| (+ |bias| + |c0|): the scale of the f32 summation error
+        for (std::int64_t k = 0; k < cs.k; ++k) {
+          const double p = static_cast<double>(a.at(i, k)) * static_cast<double>(b.at(k, j));
+          ref += p;
+          mag += std::abs(p);
+        }
+        if (cs.bias != 0) {
+          ref += bias.at(0, j);
+          mag += std::abs(bias.at(0, j));
+        }
+        if (cs.accumulate) {
+          ref += c0.at(i, j);
+          mag += std::abs(c0.at(i, j));
+        }
+        // f32 summation of k + 2 terms in any order: |err| <= (k + 2) u sum|terms|
+        // (u = 2^-24, first order); a bf16 output adds its rounding to nearest,
+        // at most bf16's unit roundoff 2^-8 relative (8 significant bits).
+        double tol = static_cast<double>(cs.k + 2) * std::ldexp(1.0, -24) * mag;
+        if (cs.c_dtype == DType::bf16) tol += std::ldexp(1.0, -8) * (std::abs(ref) + tol);
+        const double got = c.at(i, j);
+        if (!(std::abs(got - ref) <= tol)) {
+          ++bad;
+          ADD_FAILURE() << to_string(kind) << " " << name(cs) << " seed " << seed << " C(" << i << "," << j
+                        << ") = " << got << ", reference " << ref << ", tolerance " << tol;
+        }
+      }
+    }
+    // Padding between rows (NaN) must be untouched.
+    for (std::int64_t i = 0; i < cs.m; ++i) {
+      for (std::int64_t j = cs.n; j < c.op.row_stride; ++j) {
+        const std::int64_t k = i * c.op.row_stride + j;
+        const bool nan = cs.c_dtype == DType::f32 ? std::isnan(c.f32[k]) : c.b16[k] == 0x7fc0;
+        if (!nan) ADD_FAILURE() << to_string(kind) << " " << name(cs) << " wrote C padding (" << i << "," << j << ")";
+      }
+    }
+  }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  // Tile edges of the AMX kernel (16-row tiles, 32-wide panels, k steps of 32)
+  // and of the k / n blocking (K > kc splits the reduction; see gemm_amx.cpp).
+  const std::int64_t mn[] = {1, 15, 16, 17, 33, 64};
+  const std::int64_t ks[] = {1, 31, 32, 33, 96};
+  for (const bool a_t : {false, true}) {
+    for (const bool b_t : {false, true}) {
+      for (const std::int64_t m : mn) {
+        for (const std::int64_t k : ks) {
+          const std::int64_t n = mn[(m + k) % 6];
+          out.push_back({m, n, k, a_t, b_t, (m + k) % 2 == 1, static_cast<int>((m + n + k) % 3),
+                         k % 2 == 0 ? DType::f32 : DType::bf16});
+        }
+      }
+      // The step's own kinds of shape, scaled down: a reduction split into k
+      // blocks (K = 3000 over N = 256 takes two 2560-deep blocks), a wide N
+      // split into column blocks, and the forward's 160 rows.
+      out.push_back({33, 256, 3000, a_t, b_t, true, 0, DType::f32});
+      out.push_back({40, 1100, 640, a_t, b_t, true, 0, DType::bf16});
+      out.push_back({160, 300, 256, a_t, b_t, false, 1, DType::f32});
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmTester, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return name(i.param); });
+
+// A row's result does not depend on the rows computed with it: rows 0-6 of a
+// 7-row call equal rows 0-6 of a 160-row call bitwise, and rows 100-106 of the
+// 160-row call equal a 7-row call over those rows, for every backend whose
+// traits say so (our AMX and reference backends). oneDNN's says not.
+TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
+  std::mt19937 rng(77);
+  const std::int64_t k = 4096;
+  const std::int64_t n = 384;
+  Buffer a = make(DType::bf16, 160, k, false, 0, rng);
+  for (const bool b_t : {false, true}) {
+    Buffer b = make(DType::bf16, k, n, b_t, 0, rng);
+    for (const GemmBackendKind kind : runnable_backends()) {
+      if (kind != GemmBackendKind::amx) continue;  // the reference is invariant by its loops; oneDNN is not
+      auto run_rows = [&](std::int64_t r0, std::int64_t rows) {
+        GemmSpec spec;
+        spec.a = {DType::bf16, rows, k, k, 1};
+        spec.b = b.op;
+        spec.c = {DType::f32, rows, n, n, 1};
+        const std::unique_ptr<GemmBackend> be = make_amx_gemm(spec);
+        EXPECT_TRUE(be->traits().m_independent);
+        std::vector<std::byte> scratch(be->scratchpad_bytes() + 64);
+        auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
+        std::vector<float> c(static_cast<std::size_t>(rows * n));
+        be->run(a.b16.data() + r0 * k, b.data(), c.data(), nullptr, reinterpret_cast<void*>((p + 63) / 64 * 64));
+        return c;
+      };
+      const std::vector<float> all = run_rows(0, 160);
+      const std::vector<float> head = run_rows(0, 7);
+      const std::vector<float> mid = run_rows(100, 7);
+      EXPECT_EQ(0, std::memcmp(all.data(), head.data(), head.size() * sizeof(float))) << "b_t " << b_t;
+      EXPECT_EQ(0, std::memcmp(all.data() + 100 * n, mid.data(), mid.size() * sizeof(float))) << "b_t " << b_t;
+    }
+  }
+}
+
+TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
+  if (!amx_usable()) GTEST_SKIP() << "amx backend not tested on this CPU: " << amx_unusable_reason();
+  SUCCEED();
+}
+
+}  // namespace
+}  // namespace grpo::kernels
