@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: installs what is missing, builds Release, and runs
+# The README's test command: installs what is missing, checks the docs'
+# links and paths (scripts/check_docs.py), builds Release, and runs
 # every test tier (fast, slow and, when MPI is built, mpi) with ctest, then the
 # Python package's tests (scripts/test_python.sh). GRPO_TEST_LABEL=fast runs
 # one tier, plus the mpi label (the scale-out tests under mpirun with 1-4
@@ -8,6 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install_deps.sh
+# The docs first (a fraction of a second): every link resolves, every script,
+# config and path they name exists.
+python3 scripts/check_docs.py
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j2
 ctest --test-dir build --output-on-failure ${GRPO_TEST_LABEL:+-L "$GRPO_TEST_LABEL"}
