@@ -4,10 +4,13 @@
 # run's peak cannot hide another's), then a T sweep (512..4096) of fused bf16
 # and the bf16-logits baseline, then the PNG. About an hour on the 2-core
 # machine; the baselines need ~19-21 GB. Run it alone.
-# Output: microbench/results/*.json and microbench/results/scaling.png.
+# Output: *.json and scaling.png in this machine's results folder,
+# microbench/results/<machine>/ (scripts/lib/results_dir.sh; GRPO_RESULTS_DIR
+# overrides it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=microbench/results
+source scripts/lib/results_dir.sh
+out=${GRPO_RESULTS_DIR:-$(grpo_results_dir)}
 mkdir -p "$out"
 bench=${GRPO_BENCH:-build/microbench/grpo-microbench}
 if [[ ! -x $bench ]]; then

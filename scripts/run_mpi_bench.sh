@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 9's measurements: the fused plan over MPI ranks on this machine
-# (loopback: shared memory / TCP), one JSON per config in microbench/results/:
+# The scale-out measurements: the fused plan over MPI ranks on this machine
+# (loopback: shared memory / TCP), one JSON per config in this machine's
+# results folder, microbench/results/<machine>/ (scripts/lib/results_dir.sh):
 #   configs/mpi/vocab_T1024_bf16.yaml  vocabulary parallelism, B=1 T=1024
 #   configs/mpi/data_T1024_bf16.yaml   data parallelism, B=2 T=1024 (one sequence per rank)
 # each against the single-process plan of the same invocation (rank 0 alone).
@@ -11,13 +12,14 @@
 #   bash scripts/run_mpi_bench.sh --set steps=1          # extra flags go to grpo-mpi-bench
 #   CONFIGS="configs/mpi/vocab_T1024_bf16.yaml" bash scripts/run_mpi_bench.sh
 # Env: BUILD_DIR (default build), RANKS (default 2), OUT_DIR (default
-# microbench/results), MPIRUN_FLAGS (replaces the Open MPI flags below).
+# microbench/results/<machine>), MPIRUN_FLAGS (replaces the Open MPI flags below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 build=${BUILD_DIR:-build}
 ranks=${RANKS:-2}
-out_dir=${OUT_DIR:-microbench/results}
+source scripts/lib/results_dir.sh
+out_dir=${OUT_DIR:-$(grpo_results_dir)}
 configs=${CONFIGS:-"configs/mpi/vocab_T1024_bf16.yaml configs/mpi/data_T1024_bf16.yaml"}
 
 if [[ ! -x "$build/microbench/grpo-mpi-bench" ]]; then
