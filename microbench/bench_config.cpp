@@ -61,6 +61,11 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   if (!lm_head && c.impl != Impl::copy && c.dtype != DType::f32) {
     throw ConfigError(r.field("dtype"), "is for hidden and weight; logits-level runs take logits_dtype");
   }
+  if (c.inputs.generator != InputGenerator::random && (!lm_head || c.bias)) {
+    throw ConfigError(r.field("inputs.generator"),
+                      "trained_like and file build an LM head without bias (impl fused | "
+                      "generic_head | baseline | unfused_gemms, bias: false)");
+  }
   if (c.in_place && c.impl != Impl::logits_fused && c.impl != Impl::logits_baseline) {
     throw ConfigError(r.field("in_place"), "applies to the logits-level impls only");
   }

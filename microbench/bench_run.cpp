@@ -2,17 +2,23 @@
 
 #include <cstdio>
 #include <memory>
+#include <optional>
 
 #include <tbb/task_arena.h>
 #include <string>
 #include <utility>
 
+#include "input_stats.hpp"
 #include "machine_peak.hpp"
 #include "measure.hpp"
 #include "runners.hpp"
 
 namespace grpo::bench {
 namespace {
+
+// Rows the input statistics are measured on: 64 full reference rows, a few
+// seconds at V=151936 H=4096 on 2 cores.
+constexpr int kInputStatsRows = 64;
 
 void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
   out["step_s_mean"] = s.mean();
@@ -117,6 +123,13 @@ BenchResult run_bench(const BenchConfig& config, bool show_progress) {
   progress.update("synthesizing inputs");
   const ProblemSpec spec = problem_spec(config);
   auto problem = std::make_unique<Problem>(synthesize(spec));
+  // What trained-like or saved inputs look like, on sampled rows (input_stats.hpp).
+  std::optional<InputStats> input_stats;
+  if (spec.inputs.generator != InputGenerator::random) {
+    progress.update("measuring the inputs' entropy");
+    input_stats = measure_inputs(*problem, kInputStatsRows, config.threads);
+    if (show_progress) std::fprintf(stderr, "%s: %s\n", config.name.c_str(), input_stats->summary().c_str());
+  }
 
   // An unfused_gemms reference measures them anyway; do not pay twice.
   const BenchConfig::Reference* gemms_ref = nullptr;
@@ -144,6 +157,13 @@ BenchResult run_bench(const BenchConfig& config, bool show_progress) {
   }
   add_run_counters(config, main, result.counters);
   for (const auto& [r, s] : refs) add_reference_counters(r->name, r->config.impl, main, s, result.counters);
+  if (input_stats) {
+    result.counters["inputs_entropy_mean"] = input_stats->entropy_mean;
+    result.counters["inputs_entropy_p10"] = input_stats->entropy_p10;
+    result.counters["inputs_entropy_p50"] = input_stats->entropy_p50;
+    result.counters["inputs_entropy_p90"] = input_stats->entropy_p90;
+    result.counters["inputs_frac_above_eps"] = input_stats->frac_above;
+  }
   result.step_s = main.step_s;
   result.label = main.describe;
   return result;

@@ -14,6 +14,41 @@ void check_non_negative(double v, const std::string& field) {
   if (!(v >= 0.0) || !std::isfinite(v)) throw ConfigError(field, "must be a finite number >= 0");
 }
 
+// entropy_range: [min, max] (nats), entropy_mean, zipf_exponent,
+// frequency_order_noise, tail_noise: read always, meaningful for trained_like.
+void parse_trained_like(MapReader& r, InputSpec& in) {
+  const bool trained = in.generator == InputGenerator::trained_like;
+  for (const char* key : {"entropy_range", "entropy_mean", "zipf_exponent", "frequency_order_noise", "tail_noise"}) {
+    if (r.has(key) && !trained) throw ConfigError(r.field(key), "needs generator: trained_like");
+  }
+  if (r.has("entropy_range")) {
+    const YAML::Node range = r.raw("entropy_range");
+    bool ok = range.IsSequence() && range.size() == 2;
+    try {
+      if (ok) {
+        in.entropy_min = range[0].as<double>();
+        in.entropy_max = range[1].as<double>();
+      }
+    } catch (const YAML::Exception&) {
+      ok = false;
+    }
+    if (!ok) throw ConfigError(r.field("entropy_range"), "must be a list of two numbers [min, max] (nats)");
+    if (!(in.entropy_min > 0.0 && in.entropy_min < in.entropy_max && in.entropy_max <= 8.0))
+      throw ConfigError(r.field("entropy_range"), "must satisfy 0 < min < max <= 8 (nats)");
+  }
+  in.entropy_mean = r.get_double("entropy_mean").value_or(in.entropy_mean);
+  if (in.entropy_mean != 0.0 && !(in.entropy_mean > in.entropy_min && in.entropy_mean < in.entropy_max))
+    throw ConfigError(r.field("entropy_mean"), "must lie strictly inside entropy_range (or be 0: uniform targets)");
+  in.zipf_exponent = r.get_double("zipf_exponent").value_or(in.zipf_exponent);
+  if (!(in.zipf_exponent >= 0.5 && in.zipf_exponent <= 2.0))
+    throw ConfigError(r.field("zipf_exponent"), "must be within [0.5, 2]");
+  in.frequency_order_noise = r.get_double("frequency_order_noise").value_or(in.frequency_order_noise);
+  check_non_negative(in.frequency_order_noise, r.field("frequency_order_noise"));
+  in.tail_noise = r.get_double("tail_noise").value_or(in.tail_noise);
+  if (!(in.tail_noise >= 0.0 && in.tail_noise <= 2.0))
+    throw ConfigError(r.field("tail_noise"), "must be within [0, 2]");
+}
+
 }  // namespace
 
 const char* to_string(Distribution d) {
@@ -135,6 +170,16 @@ InputSpec parse_inputs(MapReader& parent) {
     if (*seed < 0) throw ConfigError(r.field("seed"), "must be >= 0");
     in.seed = static_cast<std::uint64_t>(*seed);
   }
+  in.generator = r.get_enum<InputGenerator>("generator", {{"random", InputGenerator::random},
+                                                          {"trained_like", InputGenerator::trained_like},
+                                                          {"file", InputGenerator::file}})
+                     .value_or(in.generator);
+  parse_trained_like(r, in);
+  in.path = r.get_string("path").value_or("");
+  if (in.generator == InputGenerator::file && in.path.empty())
+    throw ConfigError(r.field("path"), "is required with generator: file");
+  if (in.generator != InputGenerator::file && !in.path.empty())
+    throw ConfigError(r.field("path"), "needs generator: file");
   in.logit_std = r.get_double("logit_std").value_or(in.logit_std);
   check_non_negative(in.logit_std, r.field("logit_std"));
   in.hidden_distribution = r.get_enum<Distribution>("hidden_distribution", {{"normal", Distribution::normal},

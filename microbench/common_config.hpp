@@ -23,6 +23,10 @@ struct ShapeSpec {
 
 enum class Distribution : std::uint8_t { normal, uniform, rademacher, student_t };
 enum class OldLogp : std::uint8_t { none, noisy };
+// random: i.i.d. Gaussian W and hidden (logits near uniform over V);
+// trained_like: logits with per-token entropy in a set range (synth_trained.cpp);
+// file: an LM head saved by scripts/export_trained_head.py (input_file.hpp).
+enum class InputGenerator : std::uint8_t { random, trained_like, file };
 
 const char* to_string(Distribution d);
 
@@ -30,6 +34,22 @@ const char* to_string(Distribution d);
 // and the shape, so two runs of one config see the same tensors.
 struct InputSpec {
   std::uint64_t seed = 1;
+  InputGenerator generator = InputGenerator::random;
+  // trained_like: per-token target entropies (nats) within [entropy_min,
+  // entropy_max], uniform, or a truncated exponential of mean entropy_mean
+  // when that is > 0 (most tokens near the low end, as in a trained model).
+  double entropy_min = 0.3;
+  double entropy_max = 3.0;
+  double entropy_mean = 0.0;
+  // trained_like: the unigram prior is Zipf, p(rank) ~ (1 + rank)^-zipf_exponent;
+  // an id's frequency rank sorts log(1 + id) + N(0, frequency_order_noise)
+  // (0: ids in frequency order; large: shuffled).
+  double zipf_exponent = 1.0;
+  double frequency_order_noise = 1.0;
+  // trained_like: std of the context-dependent noise on every logit.
+  double tail_noise = 0.7;
+  // file: the input file (relative paths from the working directory).
+  std::string path;
   // LM head: W ~ N(0, logit_std / sqrt(H)) and hidden ~ unit variance, so the
   // logits have std ~ logit_std (trained heads sit around 2..4). Logits level:
   // the logits themselves have this std.

@@ -6,62 +6,16 @@
 #include <new>
 #include <numeric>
 
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
-#include <tbb/task_arena.h>
+#include "synth_internal.hpp"
 
 namespace grpo::bench {
 namespace {
 
-// Each tensor draws from its own stream, so adding a tensor never changes another.
-enum class Tensor : std::uint64_t {
-  hidden = 1,
-  hidden_chi,
-  weight,
-  bias,
-  logits,
-  ids,
-  advantages,
-  zero_pick,
-  old_noise,
-  ref_noise,
-  is_weight,
-  peaky,
-};
-
-constexpr std::uint64_t kGolden = 0x9e3779b97f4a7c15ULL;
-
-// splitmix64's finalizer: a bijective 64-bit mix, good enough for test data.
-constexpr std::uint64_t mix64(std::uint64_t x) {
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-struct Stream {
-  std::uint64_t key;
-  Stream(std::uint64_t seed, Tensor t, std::uint64_t sub = 0)
-      : key(mix64(mix64(seed + kGolden) ^ (static_cast<std::uint64_t>(t) * kGolden) ^ mix64(sub))) {}
-  std::uint64_t bits(std::uint64_t i) const { return mix64(key + (i + 1) * kGolden); }
-  // Uniform in (0, 1), never 0 or 1.
-  double uniform(std::uint64_t i) const { return (static_cast<double>(bits(i) >> 11) + 0.5) * 0x1p-53; }
-  // Box-Muller on the two halves of one draw.
-  double normal(std::uint64_t i) const {
-    const std::uint64_t b = bits(i);
-    const double u1 = (static_cast<double>(b >> 32) + 0.5) * 0x1p-32;
-    const double u2 = (static_cast<double>(b & 0xffffffffULL) + 0.5) * 0x1p-32;
-    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-  }
-  // Sum of four 16-bit uniforms, centred and scaled to unit variance: about
-  // ten times cheaper than Box-Muller, used for the V*H weight entries whose
-  // shape does not matter (each logit sums H of them, so it is Gaussian anyway).
-  float approx_normal(std::uint64_t i) const {
-    const std::uint64_t b = bits(i);
-    const auto sum = static_cast<float>((b & 0xffff) + ((b >> 16) & 0xffff) + ((b >> 32) & 0xffff) + (b >> 48));
-    constexpr float kScale = 1.7320508F / 65536.0F;  // sqrt(12 / 4) per unit of 2^16
-    return (sum + 2.0F - 2.0F * 65536.0F) * kScale;
-  }
-};
+using detail::kGolden;
+using detail::parallel_ranges;
+using detail::store;
+using detail::Stream;
+using detail::Tensor;
 
 // Student's t with 3 degrees of freedom, divided by sqrt(3) for unit variance.
 double student_t3(const Stream& z, const Stream& chi, std::uint64_t i) {
@@ -71,24 +25,6 @@ double student_t3(const Stream& z, const Stream& chi, std::uint64_t i) {
     c += n * n;
   }
   return z.normal(i) / std::sqrt(c / 3.0) / std::sqrt(3.0);
-}
-
-template <class F>
-void parallel_ranges(std::size_t n, int threads, F&& f) {
-  tbb::task_arena arena(threads > 0 ? threads : tbb::this_task_arena::max_concurrency());
-  arena.execute([&] {
-    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, std::size_t{1} << 16),
-                      [&](const tbb::blocked_range<std::size_t>& r) { f(r.begin(), r.end()); });
-  });
-}
-
-void store(const HostBuffer& buf, DType dtype, std::size_t i, float v) {
-  if (dtype == DType::f32) {
-    std::memcpy(buf.data() + 4 * i, &v, 4);
-  } else {
-    const std::uint16_t b = float_to_bf16(v);
-    std::memcpy(buf.data() + 2 * i, &b, 2);
-  }
 }
 
 // Expected log-sum-exp of V Gaussian logits of std s: log V + s^2 / 2.
@@ -107,7 +43,9 @@ bool near_kink(const LossConfig& c, double log_ratio, double margin) {
   return c.loss_type == LossType::cispo && near(c.epsilon_high);
 }
 
-void fill_batch_tensors(const ProblemSpec& s, Problem& p) {
+}  // namespace
+
+void detail::fill_batch_tensors(const ProblemSpec& s, Problem& p) {
   const InputSpec& in = s.inputs;
   const std::int64_t n = s.shape.rows();
   const std::int64_t t_len = s.shape.seq_len;
@@ -149,6 +87,8 @@ void fill_batch_tensors(const ProblemSpec& s, Problem& p) {
   if (s.loss.autos.num_items_in_batch)
     p.config.num_items_in_batch = static_cast<double>(std::max<std::int64_t>(p.num_valid(), 1));
 }
+
+namespace {
 
 void fill_lm_head(const ProblemSpec& s, Problem& p) {
   const InputSpec& in = s.inputs;
@@ -342,8 +282,12 @@ std::int64_t Problem::num_valid() const {
 Problem synthesize(const ProblemSpec& spec) {
   Problem p;
   p.spec = spec;
-  fill_batch_tensors(spec, p);
-  if (spec.lm_head) {
+  detail::fill_batch_tensors(spec, p);
+  if (spec.inputs.generator == InputGenerator::trained_like) {
+    detail::fill_trained_like(spec, p);
+  } else if (spec.inputs.generator == InputGenerator::file) {
+    detail::fill_from_file(spec, p);
+  } else if (spec.lm_head) {
     fill_lm_head(spec, p);
   } else {
     fill_logits(spec, p);
