@@ -91,6 +91,14 @@ struct LmHeadInputs {
   MatrixView weight;  // [V, H] or [H, V] per LmHeadShape::layout
   VectorView bias;    // [V] or empty
   BatchInputs batch;
+  // Multiplies every gradient this call writes (dhidden, dweight, dbias; not
+  // the loss, metrics or per-token outputs), applied to the per-row
+  // coefficients before the backward GEMMs: the upstream dTotal/dLoss, or a
+  // normalizer kept out of the plan (dapo's num_items_in_batch, which changes
+  // every step: a plan built with num_items_in_batch = 1 and grad_scale =
+  // 1 / num_items serves them all). No pass over dW follows the kernel. Finite;
+  // 1 = bitwise the unscaled step.
+  double grad_scale = 1.0;
 };
 
 // What a step executed, for FLOP accounting (a benchmark's executed GFLOP/s):
@@ -103,6 +111,9 @@ struct LmHeadStepStats {
   std::int64_t logits_gemm_rows = 0;
   std::int64_t backward_gemm_rows = 0;  // dhidden GEMM
   std::int64_t dweight_gemm_rows = 0;
+  // Rows with a nonzero upstream coefficient (the backward GEMMs' rows before
+  // the padding to the row quantum), summed over the passes.
+  std::int64_t active_rows = 0;
   // Where the time went, in thread-seconds summed over the threads (a
   // steady_clock pair around each piece of work inside the tasks):
   //   forward_gemm_s   the logits GEMM calls (forward, and any recompute)

@@ -23,15 +23,16 @@ from grpo._core import (
     DType,
     Error,
     IsLevel,
+    KlEstimator,
     LmHeadLogProbPlan,
     LmHeadLossPlan,
     LmHeadOptions,
     LmHeadShape,
-    LmHeadStepStats,
     LogProbConfig,
     LossConfig,
     LossType,
     Metrics,
+    StepStats,
     UnsupportedError,
     WeightLayout,
     Workspace,
@@ -41,11 +42,15 @@ from grpo._core import (
 )
 from grpo._plan_cache import PlanCache, default_plan_cache
 
+# The name of the stats the log-prob head returned before they carried kernel_s.
+LmHeadStepStats = StepStats
+
 __all__ = [
     "ArgumentTypeError",
     "DType",
     "Error",
     "IsLevel",
+    "KlEstimator",
     "LmHeadLogProbPlan",
     "LmHeadLossPlan",
     "LmHeadOptions",
@@ -55,6 +60,7 @@ __all__ = [
     "LossConfig",
     "LossType",
     "Metrics",
+    "StepStats",
     "PlanCache",
     "UnsupportedError",
     "WeightLayout",

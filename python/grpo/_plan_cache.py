@@ -15,7 +15,9 @@ gradients nobody needs).
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
@@ -33,6 +35,7 @@ class PlanCache:
         self.builds = 0  # plans built so far (a training loop's count stops growing)
         self._plans: OrderedDict[tuple[str, Hashable], Any] = OrderedDict()
         self._lock = threading.Lock()
+        _caches.add(self)
 
     def get(self, kind: str, key: Hashable, build: Callable[[], Any]) -> Any:
         """The plan for (kind, key); `build()` makes it on a miss."""
@@ -60,6 +63,19 @@ class PlanCache:
         """Drops every plan; the workspace stays allocated."""
         with self._lock:
             self._plans.clear()
+
+
+# Every live cache, emptied at interpreter exit: nanobind reports the C++
+# objects (plans, workspaces) still alive when its module is torn down as
+# leaks, and the process-wide cache would otherwise hold its plans until then.
+_caches: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+
+
+@atexit.register
+def _clear_at_exit() -> None:
+    for cache in list(_caches):
+        cache.clear()
+        cache.workspace = None
 
 
 _default: PlanCache | None = None

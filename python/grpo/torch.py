@@ -26,31 +26,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
 
 import grpo
-from grpo import _core
+from grpo import _core, _fields
 
 __all__ = ["LmHeadGRPOLoss", "LmHeadLossResult", "fused_log_probs", "lm_head_grpo_loss"]
 
-_LOSS_TYPES = {
-    "grpo": _core.LossType.grpo,
-    "bnpo": _core.LossType.bnpo,
-    "dr_grpo": _core.LossType.dr_grpo,
-    "dapo": _core.LossType.dapo,
-    "cispo": _core.LossType.cispo,
-    "sapo": _core.LossType.sapo,
-    "luspo": _core.LossType.luspo,
-    "vespo": _core.LossType.vespo,
-}
-# Loss types lm_head_grpo_loss computes (TRL 1.16's semantics, README) but the
-# Liger drop-in refuses: not checked against Liger 0.8.5's own luspo / vespo.
-_UNSUPPORTED_LOSS_TYPES: tuple[str, ...] = ()
-_DROP_IN_UNSUPPORTED_LOSS_TYPES = ("luspo", "vespo")
-_IS_LEVELS = {"token": _core.IsLevel.token, "sequence": _core.IsLevel.sequence}
+_LOSS_TYPES = _fields.LOSS_TYPES
+_IS_LEVELS = _fields.IS_LEVELS
 _FLOAT_DTYPES = {torch.float32: _core.DType.f32, torch.bfloat16: _core.DType.bf16}
 
 
@@ -138,77 +127,186 @@ def _head_shape(b: int, s: int, h: int, v: int, dtype, has_bias: bool, bias_dtyp
     return shape
 
 
-def _head_options(threads: int, forward_only: bool, frozen: bool,
-                  workspace_budget: Optional[int]) -> _core.LmHeadOptions:
-    options = _core.LmHeadOptions()
-    options.max_threads = threads
-    options.forward_only = forward_only
-    options.frozen_weight = frozen
-    if workspace_budget is not None:
-        options.workspace_budget = int(workspace_budget)
-    return options
+def _head_options(threads: int, forward_only: bool, frozen: bool, workspace_budget: Optional[int],
+                  dtype) -> _core.LmHeadOptions:
+    """The log-prob head's options: gradients in the inputs' dtype."""
+    try:
+        return _fields.head_options(dict(num_threads=threads, workspace_budget=workspace_budget),
+                                    forward_only=forward_only, frozen_weight=frozen, dweight_dtype=dtype,
+                                    dhidden_dtype=dtype)
+    except _fields.Refusal as refusal:
+        raise _refuse(refusal.argument, str(refusal).split(": ", 2)[-1]) from None
 
 
 # --------------------------------------------------------------------------
-# The autograd op: gradients computed in forward, scaled in backward.
+# The autograd op: the kernel computes the gradients in the forward (the only
+# moment the logits exist), in each parameter's own dtype and already scaled
+# by the call's normalizer (LmHeadInputs::grad_scale); backward hands them to
+# autograd.
 # --------------------------------------------------------------------------
 
+# id(weight.grad) -> [weakref to it, calls whose forward added into it and whose backward has not run yet].
+_PENDING: dict[int, list] = {}
+_PENDING_LOCK = threading.Lock()
+_RERUN_WARNED = False
 
-_CAST_CHUNK = 1 << 22  # elements per slice of _scaled_cast's float32 temporary (16 MB)
 
+def _grad_target(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """weight.grad when the kernel can add this call's dW into it in place, else None.
 
-def _scaled_cast(g: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(g * factor).to(dtype), bitwise, without a full-size float32 temporary.
-
-    g is a saved float32 gradient (dW is [V, H]: 2.5 GB at Qwen's V = 151936,
-    H = 4096), so g * factor would double it before the cast to a bfloat16
-    weight's dtype. g is not scaled in place: a second backward
-    (retain_graph=True) must find it unchanged. For a float32 input the
-    product is the result and is made whole.
+    It must be a plain dense CPU tensor shaped like weight with unit inner
+    stride, in weight's dtype or float32; and weight must carry no tensor hook
+    (register_hook), since such a hook would see .grad's whole value, not this
+    call's gradient alone (post-accumulate hooks and AccumulateGrad hooks, as
+    DDP / FSDP use, are fine).
     """
-    if dtype == torch.float32 or g.dim() == 0 or g.numel() <= _CAST_CHUNK:
-        return (g * factor).to(dtype)
-    out = torch.empty(g.shape, dtype=dtype)
-    rows = max(1, _CAST_CHUNK // max(1, g[0].numel()))
-    product = torch.empty((min(rows, g.shape[0]),) + tuple(g.shape[1:]), dtype=torch.float32)
-    for r0 in range(0, g.shape[0], rows):
-        r1 = min(r0 + rows, g.shape[0])
-        torch.mul(g[r0:r1], factor, out=product[:r1 - r0])
-        out[r0:r1].copy_(product[:r1 - r0])
-    return out
+    g = weight.grad
+    if g is None or not weight.is_leaf or not weight.requires_grad or type(g) is not torch.Tensor:
+        return None
+    if g.device.type != "cpu" or g.layout != torch.strided or g.requires_grad or g.shape != weight.shape:
+        return None
+    if g.dtype not in (weight.dtype, torch.float32) or (g.shape[1] > 1 and g.stride(1) != 1):
+        return None
+    if g.shape[0] > 1 and g.stride(0) < g.shape[1]:
+        return None
+    if weight.dtype == torch.float32 and g.dtype != torch.float32:
+        return None
+    if getattr(weight, "_backward_hooks", None):
+        return None
+    return g
 
 
-class _ScaledGradients(torch.autograd.Function):
-    """Attaches precomputed (unscaled) gradients to the loss.
+class _Step:
+    """One call of the fused loss: how to run its kernel, and the gradients the forward's run left.
 
-    `scale` is the factor the kernel's gradients still need (1/normalizer for
-    dapo / cispo, whose plans are built with a unit normalizer so they can be
-    reused while num_items_in_batch changes every step); backward multiplies
-    by grad_output * scale and casts to each input's dtype.
+    Gradient destinations, chosen in the forward:
+      fresh:    dW in a new tensor of weight's dtype; backward returns it and
+                AccumulateGrad steals it into weight.grad (no copy: nothing
+                else holds it any more) or adds it in place to an existing one.
+      into:     weight.grad (E) existed: the kernel added dW into E directly
+                (accumulate_weight_grads: no [V, H] temporary). backward makes
+                AccumulateGrad fire without adding anything: it sets
+                weight.grad = None and returns E, which AccumulateGrad steals
+                straight back (no pass, no copy; its hooks and DDP's / FSDP's
+                fire and see the accumulated .grad).
+    dhidden and dbias are always fresh.
+
+    grad_output g != 1 on the first backward: the fresh gradients are scaled
+    in place (one pass in their own dtype); with `into`, the kernel runs
+    again adding (g - 1) times this call's dW into E. A second backward
+    (retain_graph=True), or a weight.grad that was cleared, replaced or
+    modified between the forward and the backward (zero_grad between them),
+    runs the kernel again with scale g: correct, at the cost of a second
+    step.
     """
+
+    def __init__(self, run, scale, hidden, weight, bias, dhidden, dweight, dbias, into):
+        self.run = run  # run(grad_scale, dhidden, dweight, dbias, accumulate) -> None
+        self.scale = scale
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.versions = (hidden._version, weight._version, None if bias is None else bias._version)
+        self.dhidden, self.dweight, self.dbias = dhidden, dweight, dbias
+        self.into = into
+        self.into_version = None if into is None else into._version
+        self.consumed = False
+        if into is not None:
+            with _PENDING_LOCK:
+                entry = _PENDING.get(id(into))
+                if entry is None or entry[0]() is not into:
+                    entry = _PENDING[id(into)] = [weakref.ref(into), 0]
+                entry[1] += 1
+
+    def __del__(self):
+        # A graph dropped before its backward: this call no longer holds .grad's hand-over back.
+        if self.into is not None and not self.consumed:
+            try:
+                self._release_pending()
+            except Exception:  # interpreter shutdown
+                pass
+
+    def _release_pending(self) -> int:
+        """Drops this call from its .grad's pending calls; returns how many remain."""
+        with _PENDING_LOCK:
+            entry = _PENDING.get(id(self.into))
+            if entry is None or entry[0]() is not self.into:
+                return 0
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _PENDING[id(self.into)]
+                return 0
+            return entry[1]
+
+    def _check_versions(self) -> None:
+        now = (self.hidden._version, self.weight._version, None if self.bias is None else self.bias._version)
+        if now != self.versions:
+            raise RuntimeError("grpo: hidden, weight or bias was modified in place after grpo's fused loss was "
+                               "computed; its backward cannot run again on the modified values")
+
+    def _rerun(self, g: float, need_h: bool, need_w: bool, need_b: bool):
+        """Runs the kernel again with scale g: fresh dhidden / dbias, dW into weight.grad when possible."""
+        global _RERUN_WARNED
+        self._check_versions()
+        if not _RERUN_WARNED:
+            _RERUN_WARNED = True
+            warnings.warn("grpo: the fused loss's backward runs the kernel again (a second backward, or "
+                          "weight.grad changed between the forward and the backward, e.g. zero_grad() there): "
+                          "correct, but it costs a second step", RuntimeWarning, stacklevel=4)
+        target = _grad_target(self.weight) if need_w else None
+        return self.run(self.scale * g, target, need_w)
+
+    def backward(self, grad_loss: torch.Tensor, need_h: bool, need_w: bool, need_b: bool):
+        g = float(grad_loss)
+        into = self.into
+        first = not self.consumed
+        self.consumed = True
+        if into is not None:
+            remaining = self._release_pending() if first else 0
+            intact = self.weight.grad is into and into._version == self.into_version
+        if not first or (into is not None and not intact):
+            dhidden, dweight, dbias, target = self._rerun(g, need_h, need_w, need_b)
+            return self._hand(dhidden, dweight, dbias, target, 0, need_h, need_w, need_b)
+        dhidden, dweight, dbias = self.dhidden, self.dweight, self.dbias
+        self.dhidden = self.dweight = self.dbias = None  # so AccumulateGrad can steal them
+        if g != 1.0:
+            for t in (dhidden, dweight, dbias):
+                if t is not None:
+                    t.mul_(g)
+            if into is not None:
+                self._check_versions()
+                self.run(self.scale * (g - 1.0), into, True, only_weight=True)
+                self.into_version = into._version
+        return self._hand(dhidden, dweight, dbias, into, remaining if into is not None else 0, need_h, need_w,
+                          need_b)
+
+    def _hand(self, dhidden, dweight, dbias, into, remaining, need_h, need_w, need_b):
+        gh = dhidden.view(self.hidden.shape) if need_h and dhidden is not None else None
+        gb = dbias.to(self.bias.dtype) if need_b and dbias is not None else None
+        gw = dweight if need_w else None
+        if need_w and into is not None:
+            # dW is in weight.grad already. Other calls that added into it and
+            # whose backward is still to come hand it over themselves (the
+            # last one does, so AccumulateGrad sees it once per pass).
+            if remaining > 0:
+                gw = None
+            else:
+                self.weight.grad = None
+                gw = into
+        return gh, gw, gb
+
+
+class _LossGradients(torch.autograd.Function):
+    """Attaches the kernel's gradients (a _Step) to the loss; see _Step."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, bias, grads, scale):  # noqa: D401
-        dhidden, dweight, dbias = grads
-        ctx.save_for_backward(dhidden, dweight, dbias)
-        ctx.scale = scale
-        ctx.meta = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    def forward(ctx, loss, hidden, weight, bias, step):  # noqa: D401
+        ctx.step = step
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dhidden, dweight, dbias = ctx.saved_tensors
-        hidden_shape, hidden_dtype, weight_dtype, bias_dtype = ctx.meta
-        factor = grad_loss.to(torch.float32) * ctx.scale
-        unit = ctx.scale == 1.0 and bool(grad_loss == 1.0)
-
-        def scaled(g, dtype):
-            return g.to(dtype) if unit else _scaled_cast(g, factor, dtype)
-
-        gh = scaled(dhidden, hidden_dtype).view(hidden_shape) if ctx.needs_input_grad[1] else None
-        gw = scaled(dweight, weight_dtype) if ctx.needs_input_grad[2] else None
-        gb = scaled(dbias, bias_dtype) if (bias_dtype is not None and ctx.needs_input_grad[3]) else None
-        return None, gh, gw, gb, None, None
+        need_h, need_w, need_b = ctx.needs_input_grad[1:4]
+        gh, gw, gb = ctx.step.backward(grad_loss, need_h, need_w, need_b)
+        return None, gh, gw, gb, None
 
 
 @dataclasses.dataclass
@@ -218,9 +316,12 @@ class LmHeadLossResult:
     loss: 0-dim float32, differentiable w.r.t. hidden / weight / bias.
     per_token_logps: [B, T] float32 (0 on masked rows): the next epoch's old_logp.
     entropy: [B, T] float32 when requested. kl: [B, T] float32 when beta != 0, the KL
-    term added per token (k3, times r under kl_bias_correction; TRL's per_token_kl).
+    term added per token (its forward value, times r under kl_bias_correction; TRL's per_token_kl).
     metrics: clip_ratio_low / high / region, kl_mean, entropy_mean (masked
     means over valid rows), num_valid.
+    stats: what the kernel executed (step_stats()): GEMM rows (padding
+    included), active rows, executed_flops, kernel_s (the C++ call's wall
+    time) and the per-phase thread-seconds.
     """
 
     loss: torch.Tensor
@@ -228,6 +329,17 @@ class LmHeadLossResult:
     entropy: Optional[torch.Tensor]
     kl: Optional[torch.Tensor]
     metrics: dict[str, float]
+    stats: Optional[dict[str, float]] = None
+
+
+def step_stats(stats: grpo.StepStats, v: int, h: int) -> dict[str, float]:
+    """A StepStats as a dict, with executed_flops = 2 V H x (rows through the three GEMMs)."""
+    out = {name: getattr(stats, name) for name in (
+        "logits_gemm_rows", "backward_gemm_rows", "dweight_gemm_rows", "active_rows", "kernel_s",
+        "forward_gemm_s", "forward_stage_s", "dlogits_s", "dweight_gemm_s", "dhidden_gemm_s")}
+    rows = stats.logits_gemm_rows + stats.backward_gemm_rows + stats.dweight_gemm_rows
+    out["executed_flops"] = 2.0 * v * h * rows
+    return out
 
 
 def lm_head_grpo_loss(
@@ -248,6 +360,7 @@ def lm_head_grpo_loss(
     delta: Optional[float] = None,
     beta: float = 0.0,
     kl_bias_correction: bool = False,
+    kl_estimator: str = "k3",
     kl_clamp: Optional[float] = None,
     temperature: float = 1.0,
     temperature_on_logp: bool = False,
@@ -259,13 +372,18 @@ def lm_head_grpo_loss(
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
+    off_policy_mask_threshold: Optional[float] = None,
+    clip_ratio_c: Optional[float] = None,
     entropy_coef: float = 0.0,
     top_entropy_quantile: float = 1.0,
     logit_softcap: Optional[float] = None,
     logit_scale: float = 1.0,
     return_entropy: bool = False,
+    grad_into: str = "auto",
     num_threads: Optional[int] = None,
     workspace_budget: Optional[int] = None,
+    token_block: Optional[int] = None,
+    vocab_tile: Optional[int] = None,
     plan_cache: Optional[grpo.PlanCache] = None,
     _names: Optional[dict[str, str]] = None,
 ) -> LmHeadLossResult:
@@ -276,25 +394,45 @@ def lm_head_grpo_loss(
     ids / mask [B, T]; advantages [B] or [B, T]; old_logp / ref_logp [B, T];
     is_weight [B, T], [B, 1] or [B]. dapo / cispo / vespo need num_items_in_batch
     (the global valid-token count); dr_grpo needs max_completion_length; luspo
-    needs importance_sampling_level="sequence". entropy_coef: the entropy bonus
-    (Loss -= entropy_coef * mean entropy over the tokens it acts on);
-    top_entropy_quantile: TRL's entropy mask; logit_softcap / logit_scale: the
-    model's logit transform before the temperature (grpo.LossConfig fields).
+    needs importance_sampling_level="sequence". Every grpo.LossConfig field has
+    a keyword here (grpo/_fields.py: sapo_tau_pos is sapo_temperature_pos, ...):
+    kl_estimator ("k3", "k1", "abs", "k2", "k1+", "abs+", "k3+"),
+    off_policy_mask_threshold, clip_ratio_c (verl's dual-clip), entropy_coef,
+    top_entropy_quantile, logit_softcap / logit_scale. token_block /
+    vocab_tile / workspace_budget / num_threads: the plan's schedule options.
 
-    Gradients: computed with the loss, in float32, and held until backward,
-    which scales them and casts them to each input's dtype (_scaled_cast: no
-    second float32 copy of dW).
+    Gradients: the kernel computes them in the forward, in each parameter's
+    dtype, scaled by the aggregation's normalizer inside the kernel (no pass
+    over [V, H] follows it and no float32 [V, H] buffer exists). grad_into:
+    "auto" adds the weight gradient straight into an existing weight.grad
+    during the forward (gradient accumulation: no [V, H] temporary; the
+    backward still runs AccumulateGrad and its hooks); "new" always makes a
+    fresh one (nothing is written before backward). See _Step for the
+    backward's rules (grad_output != 1, retain_graph, zero_grad between the
+    forward and the backward).
     """
     names = {k: k for k in ("hidden", "weight", "bias", "ids", "mask", "advantages", "old_logp", "ref_logp",
-                            "is_weight", "loss_type", "importance_sampling_level", "num_items_in_batch")}
+                            "is_weight", "num_items_in_batch", "grad_into")}
     if _names:
         names.update(_names)
-    if loss_type in _UNSUPPORTED_LOSS_TYPES:
-        raise _refuse(names["loss_type"], f"'{loss_type}' is not implemented by grpo", NotImplementedError)
-    if loss_type not in _LOSS_TYPES:
-        raise _refuse(names["loss_type"], f"unknown loss type '{loss_type}' (one of {', '.join(_LOSS_TYPES)})")
-    if importance_sampling_level not in _IS_LEVELS:
-        raise _refuse(names["importance_sampling_level"], f"must be 'token' or 'sequence', got '{importance_sampling_level}'")
+    if grad_into not in ("auto", "new"):
+        raise _refuse(names["grad_into"], f"must be 'auto' or 'new', got {grad_into!r}")
+    values = dict(loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
+                  epsilon_high=epsilon_high, delta=delta, beta=beta, kl_bias_correction=kl_bias_correction,
+                  kl_estimator=kl_estimator, kl_clamp=kl_clamp, temperature=temperature,
+                  temperature_on_logp=temperature_on_logp, max_completion_length=max_completion_length,
+                  sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                  vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                  vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
+                  clip_ratio_c=clip_ratio_c, entropy_coef=entropy_coef, top_entropy_quantile=top_entropy_quantile,
+                  logit_softcap=logit_softcap, logit_scale=logit_scale)
+    try:
+        _fields.loss_config(values)  # converts every keyword: a refusal names it
+        plan_values = dict(num_threads=num_threads, workspace_budget=workspace_budget, token_block=token_block,
+                           vocab_tile=vocab_tile)
+        _fields.head_options(plan_values)  # refuses a bad schedule keyword before any tensor is looked at
+    except _fields.Refusal as refusal:
+        raise _refuse(names.get(refusal.argument, refusal.argument), str(refusal).split(": ", 2)[-1]) from None
 
     for t, key in ((hidden, "hidden"), (weight, "weight")):
         _check_cpu(t, names[key])
@@ -307,6 +445,8 @@ def lm_head_grpo_loss(
         b, s = ids.shape
     else:
         raise _refuse(names["ids"], f"must be [B, T], got shape {list(ids.shape)}")
+    if b == 0 or s == 0:
+        raise _refuse(names["hidden"], f"holds an empty batch (B = {b}, T = {s}); grpo needs B, T >= 1")
     n = b * s
     if weight.dtype != hidden.dtype:
         raise _refuse(names["weight"], f"has dtype {weight.dtype} but {names['hidden']} has {hidden.dtype}; "
@@ -318,6 +458,8 @@ def lm_head_grpo_loss(
     if weight.shape[1] > 1 and weight.stride(1) != 1:
         raise _refuse(names["weight"], f"must have unit inner stride, got {weight.stride(1)}")
     v = weight.shape[0]
+    if v == 0 or h == 0:
+        raise _refuse(names["weight"], f"is empty (shape {list(weight.shape)})")
     if bias is not None:
         _check_cpu(bias, names["bias"])
         _check_float(bias, names["bias"])
@@ -332,9 +474,11 @@ def lm_head_grpo_loss(
     ref32 = _per_token(ref_logp, names["ref_logp"], b, s)
     isw32 = _per_token(is_weight, names["is_weight"], b, s, extra_shapes=((b, 1), (b,)))
 
-    # dapo / cispo: the plan gets a unit normalizer and the result is scaled, so
-    # one plan serves every step whatever num_items_in_batch is.
-    # The entropy bonus has its own normalizer: with it the plan gets the real one.
+    # dapo / cispo / vespo: the plan gets a unit normalizer and the call's
+    # gradient scale is 1 / num_items_in_batch (applied to the coefficients
+    # inside the kernel), so one plan serves every step whatever
+    # num_items_in_batch is. The entropy bonus has its own normalizer: with it
+    # the plan gets the real one.
     scale = 1.0
     items = 0.0
     if loss_type in ("dapo", "cispo", "vespo"):
@@ -346,68 +490,97 @@ def lm_head_grpo_loss(
             raise _refuse(names["num_items_in_batch"], f"must be finite and > 0, got {normalizer}")
         scale, items = (1.0 / normalizer, 1.0) if float(entropy_coef) == 0.0 else (1.0, normalizer)
 
-    config = _core.LossConfig()
-    config.loss_type = _LOSS_TYPES[loss_type]
-    config.importance_sampling_level = _IS_LEVELS[importance_sampling_level]
-    config.epsilon_low = float(epsilon_low)
-    config.epsilon_high = float(epsilon_high)
-    config.delta = None if delta is None else float(delta)
-    config.beta = float(beta)
-    config.kl_bias_correction = bool(kl_bias_correction)
-    config.kl_clamp = None if kl_clamp is None else float(kl_clamp)
-    config.temperature = float(temperature)
-    config.temperature_on_logp = bool(temperature_on_logp)
-    config.max_completion_length = int(max_completion_length or 0)
-    config.num_items_in_batch = items
-    config.sapo_tau_pos = float(sapo_temperature_pos)
-    config.sapo_tau_neg = float(sapo_temperature_neg)
-    config.vespo_k_pos, config.vespo_lambda_pos = float(vespo_k_pos), float(vespo_lambda_pos)
-    config.vespo_k_neg, config.vespo_lambda_neg = float(vespo_k_neg), float(vespo_lambda_neg)
-    config.entropy_coef = float(entropy_coef)
-    config.top_entropy_quantile = float(top_entropy_quantile)
-    config.logit_softcap = None if logit_softcap is None else float(logit_softcap)
-    config.logit_scale = float(logit_scale)
+    # The graph keeps the closures below until it is freed (a second backward
+    # reruns the kernel): they hold Python values and tensors, no nanobind
+    # object, so an interpreter exiting with a graph alive reports no leak.
+    def make_config() -> _core.LossConfig:
+        config = _fields.loss_config(values)
+        config.num_items_in_batch = items
+        return config
 
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     frozen = _frozen_head(weight, bias)
     threads = int(num_threads) if num_threads is not None else torch.get_num_threads()
+    plan_values["num_threads"] = threads
     dtype = _FLOAT_DTYPES[hidden.dtype]
     bias_dtype = _FLOAT_DTYPES[bias.dtype] if bias is not None else _core.DType.f32
     hidden_ld, weight_ld = _row_stride(rows), _row_stride(weight)
-
-    key = (b, s, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld,
-           loss_type, importance_sampling_level, config.epsilon_low, config.epsilon_high, config.delta,
-           config.beta, config.kl_bias_correction, config.kl_clamp, config.temperature, config.temperature_on_logp,
-           config.max_completion_length, items, config.sapo_tau_pos, config.sapo_tau_neg, config.vespo_k_pos,
-           config.vespo_lambda_pos, config.vespo_k_neg, config.vespo_lambda_neg, config.entropy_coef,
-           config.top_entropy_quantile, config.logit_softcap, config.logit_scale, not needs_grad, frozen, threads,
-           workspace_budget)
-
-    def build():
-        shape = _head_shape(b, s, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld)
-        options = _head_options(threads, not needs_grad, frozen, workspace_budget)
-        return _core.LmHeadLossPlan(shape, config, options)
-
     cache = plan_cache if plan_cache is not None else grpo.default_plan_cache()
+
+    def plan_for(forward_only: bool, grad_dtype, dweight_ld: int, accumulate: bool):
+        options = _fields.head_options(plan_values, forward_only=forward_only, frozen_weight=frozen,
+                                       dweight_dtype=grad_dtype, dhidden_dtype=dtype,
+                                       accumulate_weight_grads=accumulate)
+        config = make_config()
+        key = (b, s, h, v, str(dtype), bias is not None, str(bias_dtype), hidden_ld, weight_ld, dweight_ld,
+               _fields.plan_key(config, options))
+
+        def build():
+            shape = _head_shape(b, s, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld)
+            shape.dweight_ld = dweight_ld
+            return _core.LmHeadLossPlan(shape, config, options)
+        return cache.get("lm_head_loss", key, build)
+
+    w_, b_ = weight.detach(), None if bias is None else bias.detach()
+    rows_ = rows.detach()
+    last_stats: list = []
+
+    def execute(plan, grad_scale, logp, entropy, kl, dhidden, dweight, dbias):
+        stats = grpo.StepStats()
+        m = plan.execute(cache.workspace, rows_, w_, b_, ids32, mask32, adv32, old32, ref32, isw32, logp, entropy,
+                         kl, dhidden, dweight, dbias, grad_scale=grad_scale, stats=stats)
+        last_stats[:] = [step_stats(stats, v, h)]
+        return m
+
+    def gradient_buffers(target, need_w):
+        """(dhidden, dweight, dbias, accumulate, dweight dtype, dweight_ld) for one run."""
+        dhidden = torch.empty(n, h, dtype=hidden.dtype)
+        dweight = dbias = None
+        accumulate = False
+        grad_dtype, dweight_ld = dtype, h
+        if not frozen:
+            if target is not None:
+                dweight, accumulate = target, True
+                grad_dtype, dweight_ld = _FLOAT_DTYPES[target.dtype], _row_stride(target)
+            elif need_w:
+                dweight = torch.empty(v, h, dtype=weight.dtype)
+            else:  # the bias alone is trained: the kernel still writes a dW, discarded
+                dweight = _scratch(cache, (v, h), weight.dtype)
+            if bias is not None:
+                dbias = torch.zeros(v, dtype=torch.float32) if accumulate else torch.empty(v, dtype=torch.float32)
+        return dhidden, dweight, dbias, accumulate, grad_dtype, dweight_ld
+
     try:
-        plan = cache.get("lm_head_loss", key, build)
         # Outputs exist only once the plan accepted the configuration; the
         # kernel validates every input before it writes any of them.
+        target = _grad_target(weight) if (needs_grad and grad_into == "auto" and not frozen) else None
+        if needs_grad:
+            dhidden, dweight, dbias, accumulate, grad_dtype, dweight_ld = gradient_buffers(target, True)
+            plan = plan_for(False, grad_dtype, dweight_ld, accumulate)
+        else:
+            dhidden = dweight = dbias = None
+            plan = plan_for(True, dtype, h, False)
         logp = torch.empty(n, dtype=torch.float32)
         entropy = torch.empty(n, dtype=torch.float32) if return_entropy else None
         kl = torch.empty(n, dtype=torch.float32) if beta != 0.0 else None
-        dhidden = torch.empty(n, h, dtype=torch.float32) if needs_grad else None
-        dweight = torch.empty(v, h, dtype=torch.float32) if needs_grad and not frozen else None
-        dbias = torch.empty(v, dtype=torch.float32) if (needs_grad and not frozen and bias is not None) else None
-        m = plan.execute(cache.workspace, rows.detach(), weight.detach(), None if bias is None else bias.detach(),
-                         ids32, mask32, adv32, old32, ref32, isw32, logp, entropy, kl, dhidden, dweight, dbias)
+        m = execute(plan, scale, logp, entropy, kl, dhidden, dweight, dbias)
     except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
         raise _renamed(error, names) from None
 
     loss_value = torch.tensor(m.loss * scale, dtype=torch.float32)
     if needs_grad:
-        loss = _ScaledGradients.apply(loss_value, hidden, weight, bias, (dhidden, dweight, dbias), scale)
+        def rerun(grad_scale, target, need_w, only_weight=False):
+            """The kernel again, gradients only (per-token outputs to scratch); returns the gradient buffers."""
+            dh, dw, db, acc, gd, ld = gradient_buffers(target, need_w)
+            execute(plan_for(False, gd, ld, acc), grad_scale, torch.empty(n, dtype=torch.float32),
+                    torch.empty(n, dtype=torch.float32) if return_entropy else None,
+                    torch.empty(n, dtype=torch.float32) if beta != 0.0 else None, dh, dw, db)
+            return dh, (None if acc else dw), db, (target if acc else None)
+
+        step = _Step(rerun, scale, hidden, weight, bias, dhidden, None if accumulate else dweight, dbias,
+                     dweight if accumulate else None)
+        loss = _LossGradients.apply(loss_value, hidden, weight, bias, step)
     else:
         loss = loss_value
     metrics = {
@@ -419,19 +592,24 @@ def lm_head_grpo_loss(
         "num_valid": m.num_valid,
     }
     return LmHeadLossResult(loss, logp.view(b, s), None if entropy is None else entropy.view(b, s),
-                            None if kl is None else kl.view(b, s), metrics)
+                            None if kl is None else kl.view(b, s), metrics, last_stats[0])
 
 
 _CORE_NAMES = {"hidden": "hidden", "weight": "weight", "bias": "bias", "ids": "ids", "mask": "mask",
-               "advantages": "advantages", "old_logp": "old_logp", "ref_logp": "ref_logp", "is_weight": "is_weight"}
+               "advantages": "advantages", "old_logp": "old_logp", "ref_logp": "ref_logp", "is_weight": "is_weight",
+               # Shape refusals name the tensor the size came from; the call's
+               # gradient scale is 1 / num_items_in_batch.
+               "shape.batch": "hidden", "shape.seq_len": "hidden", "shape.hidden": "hidden",
+               "shape.vocab": "weight", "grad_scale": "num_items_in_batch", "dhidden": "hidden",
+               "dweight": "weight"}
 
 
 def _renamed(error: Exception, names: dict[str, str]) -> Exception:
-    """The library's refusal, re-raised naming the caller's argument too."""
+    """The library's refusal, re-raised naming the caller's argument (as the caller spelled it)."""
     argument = getattr(error, "argument", "")
     caller = names.get(_CORE_NAMES.get(argument, ""), None)
-    if caller is None and argument.startswith("config."):
-        caller = names.get(argument[len("config."):], argument[len("config."):])
+    if caller is None:
+        caller = _fields.caller_name(argument, names)
     if caller is None or caller == argument:
         return error
     renamed = type(error)(f"{error} (argument '{caller}')")
@@ -457,8 +635,6 @@ _LIGER_NAMES = {
     "importance_sampling_level": "importance_sampling_level",
     "num_items_in_batch": "num_items_in_batch",
     "kl_bias_correction": "use_bias_correction_kl",
-    "sapo_tau_pos": "sapo_temperature_pos",
-    "sapo_tau_neg": "sapo_temperature_neg",
 }
 
 
@@ -472,10 +648,13 @@ class LmHeadGRPOLoss(torch.nn.Module):
     (default torch.get_num_threads()), temperature_on_logp, workspace_budget,
     plan_cache.
 
-    Not supported (NotImplementedError naming the argument): loss_type 'luspo'
-    and 'vespo'; computing reference log-probs from ref_input / ref_weight /
-    ref_bias (pass ref_per_token_logps); delta <= 1 + epsilon_high for the
-    clipped loss types. Differences from Liger are listed in README "Python".
+    Not supported (NotImplementedError naming the argument): computing
+    reference log-probs from ref_input / ref_weight / ref_bias (pass
+    ref_per_token_logps); delta <= 1 + epsilon_high for the clipped loss
+    types; luspo with a KL term or a per-token vllm_is_ratio, and vespo with
+    ratios != 1 on masked positions (where Liger 0.8.5 sums over masked
+    positions: _check_luspo, _vespo_is_weight). Differences from Liger are
+    listed in docs/python.md.
     """
 
     def __init__(
@@ -537,14 +716,12 @@ class LmHeadGRPOLoss(torch.nn.Module):
         self._check_settings()
 
     def _check_settings(self) -> None:
-        if self.loss_type in _DROP_IN_UNSUPPORTED_LOSS_TYPES:
-            raise _refuse("loss_type", f"'{self.loss_type}' is not implemented by grpo", NotImplementedError)
         if self.loss_type not in _LOSS_TYPES:
             raise ValueError(f"Unknown loss type: {self.loss_type}")
         if self.importance_sampling_level not in _IS_LEVELS:
             raise ValueError(f"Unknown importance sampling level: {self.importance_sampling_level}. "
                              "Possible values are 'token' and 'sequence'.")
-        if self.importance_sampling_level == "sequence" and self.loss_type in ("cispo", "sapo"):
+        if self.importance_sampling_level == "sequence" and self.loss_type in ("cispo", "sapo", "vespo"):
             raise ValueError(f"Sequence-level importance sampling is not supported for loss_type='{self.loss_type}'. "
                              "Use importance_sampling_level='token' instead.")
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
@@ -593,7 +770,11 @@ class LmHeadGRPOLoss(torch.nn.Module):
             raise _refuse("_input", "must be [B, T, H]")
 
         is_weight = vllm_is_ratio
-        if self.loss_type in ("dapo", "cispo"):
+        if self.loss_type == "luspo":
+            self._check_luspo(beta, vllm_is_ratio)
+        if self.loss_type == "vespo" and vllm_is_ratio is not None:
+            is_weight = self._vespo_is_weight(vllm_is_ratio, attention_mask)
+        if self.loss_type in ("dapo", "cispo", "vespo"):
             num_items = self._dapo_normalizer(attention_mask, num_items_in_batch)
         else:
             num_items = None
@@ -607,7 +788,9 @@ class LmHeadGRPOLoss(torch.nn.Module):
             kl_bias_correction=self.use_bias_correction_kl, temperature=self.temperature,
             temperature_on_logp=self.temperature_on_logp, max_completion_length=self.max_completion_length,
             num_items_in_batch=num_items, sapo_temperature_pos=self.sapo_temperature_pos,
-            sapo_temperature_neg=self.sapo_temperature_neg, num_threads=self.num_threads,
+            sapo_temperature_neg=self.sapo_temperature_neg, vespo_k_pos=self.vespo_k_pos,
+            vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
+            vespo_lambda_neg=self.vespo_lambda_neg, num_threads=self.num_threads,
             workspace_budget=self.workspace_budget, plan_cache=self.plan_cache, _names=_LIGER_NAMES)
 
         metrics = []
@@ -619,6 +802,41 @@ class LmHeadGRPOLoss(torch.nn.Module):
         metrics.append(torch.tensor(self._liger_clip_metric(result, attention_mask, advantages,
                                                             old_per_token_logps), dtype=torch.float32))
         return result.loss, tuple(metrics)
+
+    @staticmethod
+    def _check_luspo(beta: float, vllm_is_ratio) -> None:
+        """Liger's luspo is (1/(B T)) sum_{i,t} |o_i| l_t over every position, masked ones included, once its
+        per-token loss is [B, T] (a KL term, a per-token vllm_is_ratio); grpo computes TRL's (1/B) sum_i sum_t
+        m_t l_t, the same value only while the loss is one per sequence."""
+        if beta != 0.0:
+            raise _refuse("beta", "luspo with a KL term: Liger 0.8.5 then sums |o_i| l_t over masked positions "
+                          "too (its per-token loss becomes [B, T]); grpo computes TRL's masked sum. Use "
+                          "beta=0 or lm_head_grpo_loss", NotImplementedError)
+        if vllm_is_ratio is not None and vllm_is_ratio.dim() == 2 and vllm_is_ratio.shape[1] != 1:
+            raise _refuse("vllm_is_ratio", "luspo with a per-token [B, T] ratio: Liger 0.8.5 then sums over masked "
+                          "positions too; pass one ratio per sequence ([B] or [B, 1])", NotImplementedError)
+
+    @staticmethod
+    def _vespo_is_weight(vllm_is_ratio, attention_mask):
+        """Liger's vespo adds sum_t clamp(log r_t) over every position of vllm_is_ratio (masked ones too) to
+        log w; grpo adds it over valid tokens. [B] / [B, 1]: the ratio goes on each sequence's first valid
+        token (1 elsewhere), which adds its log once, as Liger does. [B, T]: refused unless every masked
+        position's ratio adds nothing (is 1)."""
+        if not isinstance(vllm_is_ratio, torch.Tensor) or not isinstance(attention_mask, torch.Tensor):
+            return vllm_is_ratio
+        mask = attention_mask.detach().to(torch.float32)
+        ratio = vllm_is_ratio.detach().to(torch.float32)
+        if ratio.dim() == 2 and ratio.shape == mask.shape and ratio.shape[1] != 1:
+            lower = math.log(1e-8)
+            masked_log = torch.clamp(torch.log(ratio), lower, 20.0) * (1.0 - mask)
+            if bool((masked_log != 0).any()):
+                raise _refuse("vllm_is_ratio", "vespo: masked positions carry ratios != 1, which Liger 0.8.5 adds "
+                              "to log w and grpo does not", NotImplementedError)
+            return vllm_is_ratio
+        if ratio.dim() in (1, 2) and ratio.shape[0] == mask.shape[0] and ratio.numel() == mask.shape[0]:
+            first = (mask.cumsum(-1) == 1) & (mask != 0)
+            return torch.where(first, ratio.reshape(-1, 1), torch.ones_like(mask))
+        return vllm_is_ratio  # a wrong shape: lm_head_grpo_loss names it
 
     @staticmethod
     def _dapo_normalizer(attention_mask, num_items_in_batch) -> float:
@@ -656,7 +874,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         # too: r > epsilon_high with A > 0). sapo: Liger reports 0. Sequence
         # level: grpo reports the fraction of sequences (as TRL logs it),
         # Liger the fraction of tokens whose sequence is clipped.
-        if self.loss_type == "sapo":
+        if self.loss_type in ("sapo", "vespo"):
             return 0.0
         if self.importance_sampling_level != "sequence":
             return result.metrics["clip_ratio_region"]
@@ -692,13 +910,13 @@ def _frozen_head(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
     return not weight.requires_grad and (bias is None or not bias.requires_grad)
 
 
-def _scratch(cache: grpo.PlanCache, shape: tuple[int, ...]) -> torch.Tensor:
-    """A float32 buffer of `shape` kept in the cache, for a gradient the C++ head must write but nobody wants.
+def _scratch(cache: grpo.PlanCache, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A buffer of `shape` kept in the cache, for a gradient the C++ head must write but nobody wants.
 
     Its contents are garbage; every backward of that cache that needs it
     writes into the same buffer (serialized by the cache's workspace lock).
     """
-    return cache.get("scratch", (shape, "f32"), lambda: torch.empty(shape, dtype=torch.float32))
+    return cache.get("scratch", (shape, str(dtype)), lambda: torch.empty(shape, dtype=dtype))
 
 
 class _FusedLogProbs(torch.autograd.Function):
@@ -711,7 +929,7 @@ class _FusedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, ids32, mask32, plan, cache, want_entropy):  # noqa: D401
+    def forward(ctx, hidden, weight, bias, rows, ids32, mask32, get_plan, cache, want_entropy):  # noqa: D401
         # An entropy computed for logging only gets no gradient: None, not zeros.
         ctx.set_materialize_grads(False)
         n = rows.shape[0]
@@ -719,11 +937,13 @@ class _FusedLogProbs(torch.autograd.Function):
         entropy = torch.empty(n, dtype=torch.float32) if want_entropy else None
         w, b = weight.detach(), None if bias is None else bias.detach()
         try:
-            plan.forward(cache.workspace, rows.detach(), w, b, ids32, mask32, logp, entropy)
+            get_plan().forward(cache.workspace, rows.detach(), w, b, ids32, mask32, logp, entropy)
         except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
             raise _renamed(error, _LOG_PROB_NAMES) from None
         ctx.save_for_backward(rows, weight, bias, ids32, mask32)
-        ctx.plan, ctx.cache = plan, cache
+        # The plan is looked up again in backward (a cache hit): the graph
+        # holds no nanobind object, so exiting with one alive reports no leak.
+        ctx.get_plan, ctx.cache = get_plan, cache
         ctx.meta = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return logp, entropy
 
@@ -746,20 +966,22 @@ class _FusedLogProbs(torch.autograd.Function):
         # The C++ head writes every gradient it has: an unwanted one goes to a
         # cached scratch buffer. A frozen head's plan (neither weight nor bias
         # wants a gradient: _frozen_head) has no dW / dbias at all.
+        # dhidden and dW are written in hidden's / weight's dtype (the plan's
+        # dhidden_dtype / dweight_dtype): no float32 [V, H] buffer, no cast.
         frozen = not (need_w or need_b)
-        dhidden = torch.empty(n, h, dtype=torch.float32) if need_h else _scratch(cache, (n, h))
+        dhidden = torch.empty(n, h, dtype=rows.dtype) if need_h else _scratch(cache, (n, h), rows.dtype)
         dweight = dbias = None
         if not frozen:
-            dweight = torch.empty(v, h, dtype=torch.float32) if need_w else _scratch(cache, (v, h))
+            dweight = torch.empty(v, h, dtype=weight.dtype) if need_w else _scratch(cache, (v, h), weight.dtype)
             if bias is not None:
                 dbias = torch.empty(v, dtype=torch.float32) if need_b else _scratch(cache, (v,))
         try:
-            ctx.plan.backward(cache.workspace, rows.detach(), weight.detach(), None if bias is None else bias.detach(),
+            ctx.get_plan().backward(cache.workspace, rows.detach(), weight.detach(), None if bias is None else bias.detach(),
                               ids32, mask32, dlogp, dent, dhidden, dweight, dbias)
         except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
             raise _renamed(error, _LOG_PROB_NAMES) from None
-        gh = dhidden.to(hidden_dtype).view(hidden_shape) if need_h else None
-        gw = dweight.to(weight_dtype) if need_w else None
+        gh = dhidden.view(hidden_shape) if need_h else None
+        gw = dweight if need_w else None
         gb = dbias.to(bias_dtype) if (need_b and bias is not None) else None
         return (gh, gw, gb) + (None,) * 6
 
@@ -883,21 +1105,26 @@ def fused_log_probs(
         config.temperature_on_logp = bool(temperature_on_logp)
         config.logit_softcap = None if logit_softcap is None else float(logit_softcap)
         config.logit_scale = float(logit_scale)
-        options = _head_options(threads, not needs_grad, frozen, workspace_budget)
+        options = _head_options(threads, not needs_grad, frozen, workspace_budget, dtype)
         return _core.LmHeadLogProbPlan(shape, config, options)
 
     cache = plan_cache if plan_cache is not None else grpo.default_plan_cache()
+
+    def get_plan():
+        return cache.get("lm_head_log_prob", key, build)
+
     try:
-        plan = cache.get("lm_head_log_prob", key, build)
+        get_plan()
     except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
         raise _renamed(error, _LOG_PROB_NAMES) from None
     want_entropy = "entropy" in outputs
     if needs_grad:
-        logp, entropy = _FusedLogProbs.apply(hidden, weight, bias, rows, ids32, mask32, plan, cache, want_entropy)
+        logp, entropy = _FusedLogProbs.apply(hidden, weight, bias, rows, ids32, mask32, get_plan, cache,
+                                             want_entropy)
     else:
         with torch.no_grad():
-            logp, entropy = _FusedLogProbs.forward(_NoCtx(), hidden, weight, bias, rows, ids32, mask32, plan, cache,
-                                                   want_entropy)
+            logp, entropy = _FusedLogProbs.forward(_NoCtx(), hidden, weight, bias, rows, ids32, mask32, get_plan,
+                                                   cache, want_entropy)
     return logp.view(out_shape), None if entropy is None else entropy.view(out_shape)
 
 

@@ -15,7 +15,9 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -29,6 +31,55 @@
 
 namespace nb = nanobind;
 using namespace nb::literals;
+
+// The one declared list of the C++ option structs' fields Python can set.
+// Each list drives the binding (def_rw per field) and is exported as
+// LossConfig.fields / LmHeadOptions.fields, from which grpo.torch builds its
+// configurations, its plan-cache keys and the names its refusals give
+// (python/grpo/_fields.py); python/tests/test_fields.py walks the C++ headers
+// and fails on a field that is in neither a list nor LmHeadOptions' unbound
+// ones below.
+// clang-format off
+#define GRPO_LOSS_CONFIG_FIELDS(X) \
+  X(loss_type)                     \
+  X(importance_sampling_level)     \
+  X(epsilon_low)                   \
+  X(epsilon_high)                  \
+  X(delta)                         \
+  X(beta)                          \
+  X(kl_bias_correction)            \
+  X(kl_estimator)                  \
+  X(kl_clamp)                      \
+  X(temperature)                   \
+  X(temperature_on_logp)           \
+  X(max_completion_length)         \
+  X(num_items_in_batch)            \
+  X(sapo_tau_pos)                  \
+  X(sapo_tau_neg)                  \
+  X(vespo_k_pos)                   \
+  X(vespo_lambda_pos)              \
+  X(vespo_k_neg)                   \
+  X(vespo_lambda_neg)              \
+  X(off_policy_mask_threshold)     \
+  X(clip_ratio_c)                  \
+  X(entropy_coef)                  \
+  X(top_entropy_quantile)          \
+  X(logit_softcap)                 \
+  X(logit_scale)
+#define GRPO_LM_HEAD_OPTIONS_FIELDS(X) \
+  X(token_block)                       \
+  X(vocab_tile)                        \
+  X(workspace_budget)                  \
+  X(max_threads)                       \
+  X(forward_only)                      \
+  X(dweight_dtype)                     \
+  X(dhidden_dtype)                     \
+  X(accumulate_weight_grads)           \
+  X(frozen_weight)
+// clang-format on
+// LmHeadOptions fields with no binding: Python plans use the default
+// allocator, and grpo::mpi (scale_out) has no Python binding.
+constexpr const char* kUnboundOptions[] = {"allocator", "scale_out"};
 
 namespace {
 
@@ -155,12 +206,31 @@ class Workspace {
   std::int64_t allocations_ = 0;
 };
 
+// What one execute / forward / backward did: the library's LmHeadStepStats
+// and the wall time of the C++ call (GIL released, validation included), so a
+// benchmark can print kernel time beside the Python call's time.
+struct StepStats {
+  grpo::LmHeadStepStats step;
+  double kernel_s = 0.0;
+};
+
+template <typename Call>
+void timed(StepStats* stats, Call&& call) {
+  const auto t0 = std::chrono::steady_clock::now();
+  call(stats != nullptr ? &stats->step : nullptr);
+  if (stats != nullptr) {
+    stats->kernel_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+}
+
 grpo::Metrics execute_lm_head(const grpo::LmHeadLossPlan& plan, Workspace* workspace, const Array& hidden,
                               const Array& weight, const OptArray& bias, const Array& ids, const Array& mask,
                               const Array& advantages, const OptArray& old_logp, const OptArray& ref_logp,
                               const OptArray& is_weight, const Array& logp, const OptArray& entropy, const OptArray& kl,
-                              const OptArray& dhidden, const OptArray& dweight, const OptArray& dbias) {
+                              const OptArray& dhidden, const OptArray& dweight, const OptArray& dbias,
+                              double grad_scale, StepStats* stats) {
   grpo::LmHeadInputs in;
+  in.grad_scale = grad_scale;
   in.hidden = in_matrix(hidden, "hidden");
   in.weight = in_matrix(weight, "weight");
   if (bias) {
@@ -187,12 +257,15 @@ grpo::Metrics execute_lm_head(const grpo::LmHeadLossPlan& plan, Workspace* works
   out.metrics = &metrics;
 
   nb::gil_scoped_release release;
-  if (workspace != nullptr) {
-    std::unique_lock<std::mutex> lock;
-    plan.execute(in, out, workspace->acquire(plan.workspace_size(), lock));
-  } else {
-    plan.execute(in, out);
-  }
+  timed(stats, [&](grpo::LmHeadStepStats* step) {
+    out.stats = step;
+    if (workspace != nullptr) {
+      std::unique_lock<std::mutex> lock;
+      plan.execute(in, out, workspace->acquire(plan.workspace_size(), lock));
+    } else {
+      plan.execute(in, out);
+    }
+  });
   return metrics;
 }
 
@@ -224,25 +297,27 @@ void with_workspace(Workspace* workspace, std::size_t bytes, Call&& call) {
   }
 }
 
-grpo::LmHeadStepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
-                                       const Array& weight, const OptArray& bias, const Array& ids,
-                                       const OptArray& mask, const Array& logp, const OptArray& entropy) {
+StepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
+                           const Array& weight, const OptArray& bias, const Array& ids, const OptArray& mask,
+                           const Array& logp, const OptArray& entropy) {
   const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
-  grpo::LmHeadStepStats stats;
+  StepStats stats;
   grpo::LogProbOutputs out;
   out.logp = flat<float>(logp, "logp");
   out.entropy = flat<float>(entropy, "entropy");
-  out.stats = &stats;
-  with_workspace(workspace, plan.workspace_size(), [&](std::span<std::byte> ws) { plan.forward(in, out, ws); });
+  out.stats = &stats.step;
+  with_workspace(workspace, plan.workspace_size(), [&](std::span<std::byte> ws) {
+    timed(&stats, [&](grpo::LmHeadStepStats*) { plan.forward(in, out, ws); });
+  });
   return stats;
 }
 
-grpo::LmHeadStepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
-                                        const Array& weight, const OptArray& bias, const Array& ids,
-                                        const OptArray& mask, const Array& dlogp, const OptArray& dentropy,
-                                        const Array& dhidden, const OptArray& dweight, const OptArray& dbias) {
+StepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
+                            const Array& weight, const OptArray& bias, const Array& ids, const OptArray& mask,
+                            const Array& dlogp, const OptArray& dentropy, const Array& dhidden, const OptArray& dweight,
+                            const OptArray& dbias) {
   const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
-  grpo::LmHeadStepStats stats;
+  StepStats stats;
   grpo::LogProbUpstream up;
   up.dlogp = flat<const float>(dlogp, "dlogp");
   up.dentropy = flat<const float>(dentropy, "dentropy");
@@ -250,8 +325,10 @@ grpo::LmHeadStepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Wor
   grads.dhidden = out_matrix(dhidden, "dhidden");
   grads.dweight = out_matrix(dweight, "dweight");
   grads.dbias = flat<float>(dbias, "dbias");
-  grads.stats = &stats;
-  with_workspace(workspace, plan.workspace_size(), [&](std::span<std::byte> ws) { plan.backward(in, up, grads, ws); });
+  grads.stats = &stats.step;
+  with_workspace(workspace, plan.workspace_size(), [&](std::span<std::byte> ws) {
+    timed(&stats, [&](grpo::LmHeadStepStats*) { plan.backward(in, up, grads, ws); });
+  });
   return stats;
 }
 
@@ -326,30 +403,26 @@ NB_MODULE(_core, m) {
       .value("vocab_major", grpo::WeightLayout::vocab_major)
       .value("hidden_major", grpo::WeightLayout::hidden_major);
 
-  nb::class_<grpo::LossConfig>(m, "LossConfig", "The GRPO loss configuration (grpo::LossConfig).")
-      .def(nb::init<>())
-      .def_rw("loss_type", &grpo::LossConfig::loss_type)
-      .def_rw("importance_sampling_level", &grpo::LossConfig::importance_sampling_level)
-      .def_rw("epsilon_low", &grpo::LossConfig::epsilon_low)
-      .def_rw("epsilon_high", &grpo::LossConfig::epsilon_high)
-      .def_rw("delta", &grpo::LossConfig::delta)
-      .def_rw("beta", &grpo::LossConfig::beta)
-      .def_rw("kl_bias_correction", &grpo::LossConfig::kl_bias_correction)
-      .def_rw("kl_clamp", &grpo::LossConfig::kl_clamp)
-      .def_rw("temperature", &grpo::LossConfig::temperature)
-      .def_rw("temperature_on_logp", &grpo::LossConfig::temperature_on_logp)
-      .def_rw("max_completion_length", &grpo::LossConfig::max_completion_length)
-      .def_rw("num_items_in_batch", &grpo::LossConfig::num_items_in_batch)
-      .def_rw("sapo_tau_pos", &grpo::LossConfig::sapo_tau_pos)
-      .def_rw("sapo_tau_neg", &grpo::LossConfig::sapo_tau_neg)
-      .def_rw("vespo_k_pos", &grpo::LossConfig::vespo_k_pos)
-      .def_rw("vespo_lambda_pos", &grpo::LossConfig::vespo_lambda_pos)
-      .def_rw("vespo_k_neg", &grpo::LossConfig::vespo_k_neg)
-      .def_rw("vespo_lambda_neg", &grpo::LossConfig::vespo_lambda_neg)
-      .def_rw("entropy_coef", &grpo::LossConfig::entropy_coef)
-      .def_rw("top_entropy_quantile", &grpo::LossConfig::top_entropy_quantile)
-      .def_rw("logit_softcap", &grpo::LossConfig::logit_softcap)
-      .def_rw("logit_scale", &grpo::LossConfig::logit_scale);
+  nb::enum_<grpo::KlEstimator>(m, "KlEstimator")
+      .value("k3", grpo::KlEstimator::k3)
+      .value("k1", grpo::KlEstimator::k1)
+      .value("abs", grpo::KlEstimator::abs)
+      .value("k2", grpo::KlEstimator::k2)
+      .value("k1_plus", grpo::KlEstimator::k1_plus)
+      .value("abs_plus", grpo::KlEstimator::abs_plus)
+      .value("k3_plus", grpo::KlEstimator::k3_plus);
+
+  {
+    auto config = nb::class_<grpo::LossConfig>(m, "LossConfig", "The GRPO loss configuration (grpo::LossConfig).");
+    config.def(nb::init<>());
+    nb::list names;
+#define GRPO_BIND_FIELD(name)                    \
+  config.def_rw(#name, &grpo::LossConfig::name); \
+  names.append(#name);
+    GRPO_LOSS_CONFIG_FIELDS(GRPO_BIND_FIELD)
+#undef GRPO_BIND_FIELD
+    config.attr("fields") = nb::tuple(names);
+  }
 
   nb::class_<grpo::LmHeadShape>(m, "LmHeadShape", "Shape, dtypes and strides of an LM-head plan (grpo::LmHeadShape).")
       .def(nb::init<>())
@@ -365,18 +438,21 @@ NB_MODULE(_core, m) {
       .def_rw("weight_ld", &grpo::LmHeadShape::weight_ld)
       .def_rw("dweight_ld", &grpo::LmHeadShape::dweight_ld);
 
-  // The allocator option is not exposed: Python plans use the default allocator.
-  nb::class_<grpo::LmHeadOptions>(m, "LmHeadOptions", "Schedule and output options (grpo::LmHeadOptions).")
-      .def(nb::init<>())
-      .def_rw("token_block", &grpo::LmHeadOptions::token_block)
-      .def_rw("vocab_tile", &grpo::LmHeadOptions::vocab_tile)
-      .def_rw("workspace_budget", &grpo::LmHeadOptions::workspace_budget)
-      .def_rw("max_threads", &grpo::LmHeadOptions::max_threads)
-      .def_rw("forward_only", &grpo::LmHeadOptions::forward_only)
-      .def_rw("dweight_dtype", &grpo::LmHeadOptions::dweight_dtype)
-      .def_rw("dhidden_dtype", &grpo::LmHeadOptions::dhidden_dtype)
-      .def_rw("accumulate_weight_grads", &grpo::LmHeadOptions::accumulate_weight_grads)
-      .def_rw("frozen_weight", &grpo::LmHeadOptions::frozen_weight);
+  {
+    auto options =
+        nb::class_<grpo::LmHeadOptions>(m, "LmHeadOptions", "Schedule and output options (grpo::LmHeadOptions).");
+    options.def(nb::init<>());
+    nb::list names;
+#define GRPO_BIND_FIELD(name)                        \
+  options.def_rw(#name, &grpo::LmHeadOptions::name); \
+  names.append(#name);
+    GRPO_LM_HEAD_OPTIONS_FIELDS(GRPO_BIND_FIELD)
+#undef GRPO_BIND_FIELD
+    options.attr("fields") = nb::tuple(names);
+    nb::list unbound;
+    for (const char* name : kUnboundOptions) unbound.append(name);
+    options.attr("unbound_fields") = nb::tuple(unbound);
+  }
 
   nb::class_<grpo::Metrics>(m, "Metrics", "Masked means over the valid rows of one execute (grpo::Metrics).")
       .def_ro("loss", &grpo::Metrics::loss)
@@ -409,17 +485,28 @@ NB_MODULE(_core, m) {
            "Validates, then computes (GIL released). Arrays are DLPack CPU arrays viewed in place: hidden [N, H] and "
            "weight (f32 or bf16, unit inner stride, the plan's row strides), bias [V], ids int32 [N], mask / "
            "advantages / old_logp / ref_logp / is_weight float32 (contiguous); outputs logp / entropy / kl float32 "
-           "[N], dhidden, dweight (the options' dtypes), dbias float32 [V]. Returns the Metrics; on a refusal no "
-           "output was written.",
+           "[N], dhidden, dweight (the options' dtypes), dbias float32 [V]. grad_scale multiplies every gradient "
+           "(grpo::LmHeadInputs::grad_scale); stats, a StepStats, receives what the step executed and its wall time. "
+           "Returns the Metrics; on a refusal no output was written.",
            "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a, "advantages"_a,
            "old_logp"_a.none(), "ref_logp"_a.none(), "is_weight"_a.none(), "logp"_a, "entropy"_a.none(), "kl"_a.none(),
-           "dhidden"_a.none(), "dweight"_a.none(), "dbias"_a.none());
+           "dhidden"_a.none(), "dweight"_a.none(), "dbias"_a.none(), "grad_scale"_a = 1.0,
+           "stats"_a.none() = nb::none());
 
-  nb::class_<grpo::LmHeadStepStats>(m, "LmHeadStepStats",
-                                    "Rows through the logits GEMM and through each backward GEMM (padding included).")
-      .def_ro("logits_gemm_rows", &grpo::LmHeadStepStats::logits_gemm_rows)
-      .def_ro("backward_gemm_rows", &grpo::LmHeadStepStats::backward_gemm_rows)
-      .def_ro("dweight_gemm_rows", &grpo::LmHeadStepStats::dweight_gemm_rows);
+  nb::class_<StepStats>(m, "StepStats",
+                        "What one C++ call executed (grpo::LmHeadStepStats: GEMM rows, padding included, active rows, "
+                        "per-phase thread-seconds) and kernel_s, its wall time (GIL released, validation included).")
+      .def(nb::init<>())
+      .def_prop_ro("logits_gemm_rows", [](const StepStats& s) { return s.step.logits_gemm_rows; })
+      .def_prop_ro("backward_gemm_rows", [](const StepStats& s) { return s.step.backward_gemm_rows; })
+      .def_prop_ro("dweight_gemm_rows", [](const StepStats& s) { return s.step.dweight_gemm_rows; })
+      .def_prop_ro("active_rows", [](const StepStats& s) { return s.step.active_rows; })
+      .def_prop_ro("forward_gemm_s", [](const StepStats& s) { return s.step.forward_gemm_s; })
+      .def_prop_ro("forward_stage_s", [](const StepStats& s) { return s.step.forward_stage_s; })
+      .def_prop_ro("dlogits_s", [](const StepStats& s) { return s.step.dlogits_s; })
+      .def_prop_ro("dweight_gemm_s", [](const StepStats& s) { return s.step.dweight_gemm_s; })
+      .def_prop_ro("dhidden_gemm_s", [](const StepStats& s) { return s.step.dhidden_gemm_s; })
+      .def_ro("kernel_s", &StepStats::kernel_s);
 
   nb::class_<grpo::LogProbConfig>(m, "LogProbConfig", "The log-prob head's configuration (grpo::LogProbConfig).")
       .def(nb::init<>())
@@ -445,14 +532,14 @@ NB_MODULE(_core, m) {
       .def("forward", &log_prob_forward,
            "Validates, then writes logp (and entropy) float32 [N] (GIL released). hidden [N, H], weight, bias [V] "
            "as LmHeadLossPlan.execute; ids int32 [N]; mask float32 [N] of 0 / 1 or None (every row valid). Returns "
-           "the LmHeadStepStats; on a refusal nothing was written.",
+           "the StepStats; on a refusal nothing was written.",
            "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a.none(), "logp"_a,
            "entropy"_a.none())
       .def("backward", &log_prob_backward,
            "Validates, then writes dhidden [N, H], dweight (weight's layout; the options' dtypes) and dbias float32 "
            "[V] (when the plan has a bias) from dlogp float32 [N] and dentropy float32 [N] or None (GIL released). "
            "Every gradient buffer the plan has is required (dweight and dbias are None with frozen_weight). Returns "
-           "the LmHeadStepStats.",
+           "the StepStats.",
            "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a.none(), "dlogp"_a,
            "dentropy"_a.none(), "dhidden"_a, "dweight"_a.none(), "dbias"_a.none());
 }

@@ -44,13 +44,25 @@ CASES = [
     ("vllm_is_ratio_b1", dict(loss_type="grpo"), {}, dict(is_weight=(2, 1))),
     ("vllm_is_ratio_b", dict(loss_type="bnpo"), {}, dict(is_weight=(2,))),
     ("no_bias", dict(loss_type="dapo"), {}, dict(bias=False)),
+    # luspo: Liger's (per_token_loss * |o_i|).sum() / (B * T') equals TRL's masked sum while the loss is one
+    # per sequence (sequence level, no KL, one ratio per sequence); the drop-in refuses the rest.
+    ("luspo", dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.0), {}, {}),
+    ("luspo_vllm_is_ratio_b", dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.0), {},
+     dict(is_weight=(2,))),
+    ("luspo_no_ref_model", dict(loss_type="luspo", importance_sampling_level="sequence", use_ref_model=False), {},
+     {}),
+    ("vespo", dict(loss_type="vespo"), {}, {}),
+    ("vespo_num_items", dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5),
+     dict(num_items_in_batch=19), {}),
+    ("vespo_vllm_is_ratio_b1", dict(loss_type="vespo", beta=0.0), {}, dict(is_weight=(2, 1))),
+    ("vespo_on_policy", dict(loss_type="vespo"), {}, dict(old=False)),
 ]
 
 
 def boundaries(kw):
     """Log-ratios where the loss changes branch (clip edges, cispo's cap, delta)."""
     lt = kw.get("loss_type", "dapo")
-    if lt == "sapo":
+    if lt in ("sapo", "vespo"):  # no branch: a smooth gate / a detached weight
         return []
     if lt == "cispo":
         return [math.log(kw.get("epsilon_high", 0.2))]

@@ -1,5 +1,8 @@
 """Refused arguments: an exception naming the argument, and nothing written."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -85,13 +88,88 @@ def test_cuda_tensor_refused(case):
 
 
 @pytest.mark.parametrize("argument,kwargs", [
-    ("loss_type", dict(loss_type="luspo")),
-    ("loss_type", dict(loss_type="vespo")),
     ("delta", dict(loss_type="grpo", delta=1.1, epsilon_high=0.2)),
 ])
 def test_unsupported_configuration(argument, kwargs):
     with pytest.raises(NotImplementedError, match=argument):
         gt.LmHeadGRPOLoss(**kwargs)
+
+
+def test_drop_in_luspo_where_liger_sums_masked_positions_is_refused(case):
+    """Liger 0.8.5's luspo with a KL term sums |o_i| l_t over masked positions too: refused, naming beta."""
+    module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="luspo", importance_sampling_level="sequence")
+    with pytest.raises(NotImplementedError) as info:
+        module(**liger_args(case))
+    assert info.value.argument == "beta"
+    args = liger_args(case)
+    args["vllm_is_ratio"] = torch.full(case.mask.shape, 2.0)
+    module = gt.LmHeadGRPOLoss(beta=0.0, loss_type="luspo", importance_sampling_level="sequence")
+    with pytest.raises(NotImplementedError) as info:
+        module(**args)
+    assert info.value.argument == "vllm_is_ratio"
+    module = gt.LmHeadGRPOLoss(beta=0.0, loss_type="vespo")
+    with pytest.raises(NotImplementedError) as info:
+        module(**args)  # ratios of 2 on masked positions: Liger adds their log to log w, grpo does not
+    assert info.value.argument == "vllm_is_ratio"
+
+
+def _drop_in_refusal(case, module_kwargs, **call):
+    module = gt.LmHeadGRPOLoss(**module_kwargs)
+    args = liger_args(case)
+    args.update(call)
+    with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
+        module(**args)
+    return info.value
+
+
+def test_refusals_name_the_callers_argument(case):
+    """The four refusals issue 19 lists, each naming the argument as the caller spelled it."""
+    error = _drop_in_refusal(case, dict(loss_type="sapo", sapo_temperature_neg=float("nan")))
+    assert error.argument == "sapo_temperature_neg" and "sapo_temperature_neg" in str(error)
+    b, t, h = case.hidden.shape
+    empty = torch.zeros(0, t, h, requires_grad=True)
+    error = _drop_in_refusal(case, dict(loss_type="grpo"), _input=empty, selected_token_ids=case.ids[:0],
+                             attention_mask=case.mask[:0], advantages=case.advantages[:0],
+                             ref_per_token_logps=case.ref_logp[:0], old_per_token_logps=case.old_logp[:0])
+    assert error.argument == "_input", str(error)
+    error = _drop_in_refusal(case, dict(loss_type="grpo", workspace_budget=-1))
+    assert isinstance(error, grpo.Error) and error.argument == "workspace_budget", str(error)
+    error = _drop_in_refusal(case, dict(loss_type="grpo", num_threads=-1))
+    assert isinstance(error, grpo.Error) and error.argument == "num_threads", str(error)
+    # The functional form names its own keywords.
+    with pytest.raises(grpo.Error) as info:
+        gt.lm_head_grpo_loss(case.hidden, case.weight, case.ids, case.mask, case.advantages, loss_type="sapo",
+                             sapo_temperature_pos=0.0)
+    assert info.value.argument == "sapo_temperature_pos"
+    with pytest.raises(grpo.Error) as info:
+        gt.lm_head_grpo_loss(case.hidden, case.weight, case.ids, case.mask, case.advantages, clip_ratio_c=0.5)
+    assert info.value.argument == "clip_ratio_c"
+    with pytest.raises(grpo.Error) as info:
+        gt.lm_head_grpo_loss(case.hidden, case.weight, case.ids, case.mask, case.advantages, kl_estimator="k4")
+    assert info.value.argument == "kl_estimator"
+    with pytest.raises(grpo.Error) as info:
+        gt.lm_head_grpo_loss(case.hidden, case.weight, case.ids, case.mask, case.advantages, token_block=-3)
+    assert info.value.argument == "token_block"
+
+
+_EXIT_WITH_PLANS = r"""
+import torch, grpo, grpo.torch as gt
+torch.manual_seed(0)
+x = torch.randn(2, 5, 16).requires_grad_()
+w = torch.randn(37, 16).requires_grad_()
+ids, mask, adv = torch.randint(0, 37, (2, 5)), torch.ones(2, 5), torch.randn(2)
+own = grpo.PlanCache()
+kept = gt.lm_head_grpo_loss(x, w, ids, mask, adv, beta=0.0)  # its graph is alive at exit
+gt.lm_head_grpo_loss(x, w, ids, mask, adv, plan_cache=own).loss.backward()
+logp, ent = gt.fused_log_probs(x, w, None, ids)  # a log-prob graph too
+print("ok")
+"""
+
+
+def test_interpreter_exit_reports_no_nanobind_leaks():
+    run = subprocess.run([sys.executable, "-c", _EXIT_WITH_PLANS], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+    assert "leaked" not in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("argument", ["ref_input", "ref_weight", "ref_bias"])

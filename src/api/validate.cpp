@@ -92,9 +92,12 @@ void validate_config(const LossConfig& c) {
     throw Error("config.num_items_in_batch",
                 "must be > 0 for dapo, cispo and vespo (the global valid-token count, passed by the caller)");
   }
-  if (c.loss_type == LossType::sapo && !(c.sapo_tau_pos > 0.0F && c.sapo_tau_neg > 0.0F &&
-                                         std::isfinite(c.sapo_tau_pos) && std::isfinite(c.sapo_tau_neg))) {
-    throw Error("config.sapo_tau_pos", "sapo temperatures must be finite and > 0");
+  // Each temperature named on its own: the refusal says which one the caller got wrong.
+  if (c.loss_type == LossType::sapo && !(c.sapo_tau_pos > 0.0F && std::isfinite(c.sapo_tau_pos))) {
+    throw Error("config.sapo_tau_pos", "must be finite and > 0, got " + std::to_string(c.sapo_tau_pos));
+  }
+  if (c.loss_type == LossType::sapo && !(c.sapo_tau_neg > 0.0F && std::isfinite(c.sapo_tau_neg))) {
+    throw Error("config.sapo_tau_neg", "must be finite and > 0, got " + std::to_string(c.sapo_tau_neg));
   }
   switch (c.loss_type) {
     case LossType::grpo:

@@ -228,11 +228,16 @@ struct LmHeadStep {
     const std::int64_t padded = (na + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
     const bool dweight = !p.options.frozen_weight;
     stats.backward_gemm_rows += padded;
+    stats.active_rows += na;
     if (dweight) stats.dweight_gemm_rows += padded;
     const int accumulate = *dweight_written ? 1 : 0;
     const kernels::Elem dl_type = elem_of(p.dlogits_dtype);
     const std::size_t dw_size = size_of(p.options.dweight_dtype);
     float* dbias = out.dbias.empty() ? nullptr : out.dbias.data();
+    // The call's gradient scale (LmHeadInputs::grad_scale) rides on the row coefficients.
+    const float call_scale = static_cast<float>(in.grad_scale);
+    const float logp_scale = temp.grad_scale * call_scale;
+    const float entropy_scale = temp.entropy_grad_scale * call_scale;
 
     for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
@@ -244,13 +249,13 @@ struct LmHeadStep {
           const std::int64_t row = b0 + r;
           // ids are global; outside this vocab shard, outside every tile (no one-hot).
           const std::int64_t tgt = valid(row) ? in.batch.ids[row] - p.shape.vocab_offset - c0 : -1;
-          const float a = logp_coef[r] * temp.grad_scale;
+          const float a = logp_coef[r] * logp_scale;
           // Row i <= s: the compacted output never overwrites a stored row not yet read.
           if (temp.capped()) {
             const bool ent = entropy_coef != nullptr;
             k.dlogits_softcap_row(
                 block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max, lse[s], a,
-                ent ? entropy_coef[r] * temp.entropy_grad_scale : 0.0F, ent ? lse[s] - entropy[s] : 0.0F, temp.cap_k,
+                ent ? entropy_coef[r] * entropy_scale : 0.0F, ent ? lse[s] - entropy[s] : 0.0F, temp.cap_k,
                 temp.softcap_scale, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
           } else if (entropy_coef == nullptr) {
             k.dlogits_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max,
@@ -258,7 +263,7 @@ struct LmHeadStep {
           } else {
             // E_p[x] = M + D/S = LSE - entropy (RowStats); dEnt/dx_v = -p_v (x_v - E_p[x]).
             k.dlogits_entropy_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F,
-                                  tile_stats[s * p.tiles + j].max, lse[s], a, entropy_coef[r] * temp.entropy_grad_scale,
+                                  tile_stats[s * p.tiles + j].max, lse[s], a, entropy_coef[r] * entropy_scale,
                                   lse[s] - entropy[s], tgt, block_at(i, c0, dl_size), dl_type,
                                   dbias != nullptr ? dbias + c0 : nullptr);
           }
