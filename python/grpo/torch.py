@@ -289,7 +289,12 @@ class _Step:
             if remaining > 0:
                 gw = None
             else:
+                # AccumulateGrad steals a gradient only when nothing else
+                # holds it: neither weight.grad nor this step (a user's own
+                # reference to the old .grad makes it copy instead: correct,
+                # with a [V, H] copy).
                 self.weight.grad = None
+                self.into = None
                 gw = into
         return gh, gw, gb
 

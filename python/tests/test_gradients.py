@@ -1,0 +1,288 @@
+"""The gradients of grpo.torch's fused loss: written by the kernel, scaled inside it, accumulated in place.
+
+Issue 19, items 2-4: no float32 [V, H] buffer, dW in the weight's dtype,
+num_items_in_batch as the call's gradient scale, gradient accumulation into an
+existing weight.grad with no [V, H] temporary while AccumulateGrad (and its
+hooks) still runs, grad_output != 1, a second backward, zero_grad between
+the forward and the backward.
+
+Bounds. Both sides of every comparison below are the same kernel on the same
+rows, so they differ only in where the results are rounded: each bf16
+rounding moves an element by at most half an ulp, ubf / 2 = 2^-9 relative
+(ubf = 2^-8, bf16's 8 significant bits), and each float32 one by 2^-25. A
+comparison of a sum done as "round(round(a) + b)" against "round(round(a) +
+round(b))" therefore differs by at most (|a| + |b|) u for u the unit
+roundoff: we allow 2 u (|a| + |b|) plus one ulp of the smallest normal.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import grpo
+import grpo.torch as gt
+from reference import UBF, U32, make_case
+
+UNIT = {torch.bfloat16: UBF, torch.float32: U32}
+
+
+def within(got, want, parts, dtype, what):
+    """|got - want| <= 2 u sum|parts| elementwise (see the module docstring)."""
+    got, want = got.double(), want.double()
+    scale = sum(p.double().abs() for p in parts)
+    bound = 2 * UNIT[dtype] * scale + 1e-30
+    excess = (got - want).abs() - bound
+    assert float(excess.max()) <= 0, f"{what}: max excess {float(excess.max()):.3g} over the rounding bound"
+
+
+def call(case, x, w, **kw):
+    kw.setdefault("loss_type", "dapo")
+    if kw["loss_type"] in ("dapo", "cispo", "vespo"):
+        kw.setdefault("num_items_in_batch", 13)
+    return gt.lm_head_grpo_loss(x, w, case.ids, case.mask, case.advantages, old_logp=case.old_logp,
+                                ref_logp=case.ref_logp, beta=0.04, **kw)
+
+
+def leaves(case):
+    return case.hidden.clone().requires_grad_(), case.weight.clone().requires_grad_()
+
+
+def single_grads(case, **kw):
+    x, w = leaves(case)
+    call(case, x, w, **kw).loss.backward()
+    return x.grad, w.grad
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+
+
+@DTYPES
+def test_gradients_are_in_the_parameters_dtype_and_match_the_grpo_plan(dtype):
+    """dapo's 1/num_items as the call's grad_scale: the same gradients as a plan built with the normalizer."""
+    case = make_case(seed=31, dtype=dtype)
+    dx, dw = single_grads(case, loss_type="dapo", num_items_in_batch=13)
+    assert dx.dtype == dw.dtype == dtype
+    # The plan with the real normalizer (entropy_coef != 0 forces it; a tiny
+    # coefficient changes the gradient by far less than the bound, checked by
+    # running it with 0 below as well).
+    x, w = leaves(case)
+    out = call(case, x, w, loss_type="dapo", num_items_in_batch=13, entropy_coef=1e-30)
+    out.loss.backward()
+    # c / 13 (the plan's normalizer, in double) and c * float(1/13) (the
+    # call's scale, in float) differ by a couple of float32 ulps per row; a
+    # gradient entry sums N such rows, so it moves by at most 4 u32 N max|g|,
+    # plus the two final roundings (2 u |g|).
+    n = case.mask.numel()
+    for got, want, what in ((w.grad, dw, "dW"), (x.grad, dx, "dhidden")):
+        diff = (got.double() - want.double()).abs()
+        bound = 2 * UNIT[dtype] * want.double().abs() + 4 * U32 * n * float(want.double().abs().max())
+        assert bool((diff <= bound).all()), f"{what} (grad_scale) vs (normalizer in the plan)"
+
+
+def test_core_grad_scale_scales_every_gradient_and_is_bitwise_at_one():
+    shape = grpo.LmHeadShape()
+    shape.batch, shape.seq_len, shape.hidden, shape.vocab = 2, 3, 8, 16
+    shape.has_bias = True
+    plan = grpo.LmHeadLossPlan(shape, grpo.LossConfig(), grpo.LmHeadOptions())
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((6, 8), dtype=np.float32)
+    w = rng.standard_normal((16, 8), dtype=np.float32)
+    bias = rng.standard_normal(16, dtype=np.float32)
+    ids = rng.integers(0, 16, 6).astype(np.int32)
+    mask = np.ones(6, np.float32)
+    adv = np.array([1.0, -0.5], np.float32)
+
+    def run(**kw):
+        out = [np.zeros(6, np.float32), np.zeros((6, 8), np.float32), np.zeros((16, 8), np.float32),
+               np.zeros(16, np.float32)]
+        stats = grpo.StepStats()
+        plan.execute(None, h, w, bias, ids, mask, adv, None, None, None, out[0], None, None, out[1], out[2], out[3],
+                     stats=stats, **kw)
+        return out, stats
+
+    base, stats = run()
+    same, _ = run(grad_scale=1.0)
+    quarter, _ = run(grad_scale=0.25)
+    for a, b in zip(base, same):
+        assert np.array_equal(a, b)
+    assert np.array_equal(quarter[0], base[0])  # logp is not scaled
+    for a, b in zip(base[1:], quarter[1:]):
+        # 0.25 is a power of two: the scaled coefficients, and so every
+        # product and sum downstream, are exactly a quarter.
+        assert np.array_equal(b, a * 0.25)
+    assert stats.active_rows == 6 and stats.backward_gemm_rows == 32 and stats.kernel_s > 0
+    with pytest.raises(grpo.Error) as info:
+        run(grad_scale=float("inf"))
+    assert info.value.argument == "grad_scale"
+
+
+@DTYPES
+def test_accumulation_into_grad_equals_the_sum_of_two_calls(dtype):
+    """Two calls into one .grad (the kernel adds into it) vs two separate calls summed; the hooks still fire."""
+    a = make_case(seed=32, dtype=dtype)
+    b = make_case(seed=33, dtype=dtype)
+    b.hidden, b.weight = b.hidden, a.weight  # one weight, two micro-batches
+    dx_a, dw_a = single_grads(a)
+    dx_b, dw_b = single_grads(b)
+
+    x, w = leaves(a)
+    post, node = [], []
+    w.register_post_accumulate_grad_hook(lambda p: post.append(p.grad.clone()))
+    accumulator = w.view_as(w).grad_fn.next_functions[0][0]  # w's AccumulateGrad node (DDP hooks it)
+    accumulator.register_hook(lambda grad_inputs, grad_outputs: node.append(1))
+    call(a, x, w).loss.backward()
+    assert torch.equal(w.grad, dw_a)
+    storage = w.grad.data_ptr()  # no reference held: AccumulateGrad may steal .grad back
+    xb = b.hidden.clone().requires_grad_()
+    out = call(b, xb, w)
+    assert out.stats["active_rows"] > 0
+    out.loss.backward()
+    assert w.grad.data_ptr() == storage  # added in place: the same memory, no [V, H] temporary swapped in
+    within(w.grad, dw_a.double() + dw_b.double(), [dw_a, dw_b], dtype, "accumulated dW")
+    assert torch.equal(xb.grad, dx_b)
+    assert len(post) == 2 and len(node) == 2  # AccumulateGrad and its hooks ran for both backwards
+    assert torch.equal(post[1], w.grad)
+
+
+@DTYPES
+def test_grad_output_other_than_one(dtype):
+    """(0.5 * loss).backward(): first call (fresh dW scaled in place) and an accumulating call (kernel reruns)."""
+    case = make_case(seed=34, dtype=dtype)
+    dx, dw = single_grads(case)
+    x, w = leaves(case)
+    (call(case, x, w).loss * 0.5).backward()
+    within(w.grad, dw.double() * 0.5, [dw], dtype, "dW at grad_output 0.5")
+    within(x.grad, dx.double() * 0.5, [dx], dtype, "dhidden at grad_output 0.5")
+    first = w.grad.clone()
+    x2 = case.hidden.clone().requires_grad_()
+    (call(case, x2, w).loss * 3.0).backward()
+    within(w.grad, first.double() + 3.0 * dw.double(), [first, dw, dw, dw], dtype, "accumulated dW at grad_output 3")
+    within(x2.grad, 3.0 * dx.double(), [dx, dx, dx], dtype, "dhidden at grad_output 3")
+
+
+@DTYPES
+def test_second_backward_with_retain_graph(dtype):
+    case = make_case(seed=35, dtype=dtype)
+    dx, dw = single_grads(case)
+    x, w = leaves(case)
+    loss = call(case, x, w).loss
+    loss.backward(retain_graph=True)
+    with pytest.warns(RuntimeWarning, match="kernel again"):
+        gt._RERUN_WARNED = False
+        loss.backward()
+    within(w.grad, 2.0 * dw.double(), [dw, dw], dtype, "dW after two backwards")
+    within(x.grad, 2.0 * dx.double(), [dx, dx], dtype, "dhidden after two backwards")
+
+
+@DTYPES
+@pytest.mark.parametrize("how", ["set_to_none", "zero_"])
+def test_zero_grad_between_forward_and_backward(dtype, how):
+    """The common loop `loss = f(); opt.zero_grad(); loss.backward()` with a .grad the forward added into."""
+    case = make_case(seed=36, dtype=dtype)
+    _, dw = single_grads(case)
+    x, w = leaves(case)
+    w.grad = torch.full_like(w, 7.0)
+    loss = call(case, x, w).loss
+    if how == "set_to_none":
+        w.grad = None
+    else:
+        w.grad.zero_()
+    gt._RERUN_WARNED = True  # the warning is tested above
+    loss.backward()
+    within(w.grad, dw, [dw], dtype, f"dW after zero_grad ({how}) between forward and backward")
+
+
+def test_two_pending_calls_one_backward_count_each_call_once():
+    """l1 and l2 both added into the same .grad in their forwards; (l1 + l2).backward() must not add it twice."""
+    a = make_case(seed=37)
+    b = make_case(seed=38)
+    b.weight = a.weight
+    _, dw_a = single_grads(a)
+    _, dw_b = single_grads(b)
+    x, w = leaves(a)
+    w.grad = torch.zeros_like(w)
+    l1 = call(a, x, w).loss
+    l2 = call(b, b.hidden.clone().requires_grad_(), w).loss
+    (l1 + l2).backward()
+    within(w.grad, dw_a.double() + dw_b.double(), [dw_a, dw_b], torch.float32, "dW of two pending calls")
+
+
+def test_grad_into_new_writes_nothing_before_backward():
+    case = make_case(seed=39)
+    x, w = leaves(case)
+    w.grad = torch.ones_like(w)
+    loss = call(case, x, w, grad_into="new").loss
+    assert torch.equal(w.grad, torch.ones_like(w))
+    loss.backward()
+    _, dw = single_grads(case)
+    within(w.grad, 1.0 + dw.double(), [dw, torch.ones_like(dw)], torch.float32, "dW with grad_into='new'")
+    loss2 = call(case, x, w).loss  # "auto": added in the forward already
+    assert not torch.equal(w.grad, 1.0 + dw)
+    loss2.backward()
+
+
+def test_tensor_hook_sees_this_calls_gradient_alone():
+    """A weight with a register_hook hook gets a fresh dW (the hook must see this call's gradient, not .grad)."""
+    case = make_case(seed=40)
+    _, dw = single_grads(case)
+    x, w = leaves(case)
+    w.grad = torch.ones_like(w)
+    seen = []
+    w.register_hook(lambda g: seen.append(g.clone()))
+    call(case, x, w).loss.backward()
+    assert torch.equal(seen[0], dw)
+    within(w.grad, 1.0 + dw.double(), [dw, torch.ones_like(dw)], torch.float32, "dW with a tensor hook")
+
+
+_PEAK = r"""
+import ctypes, json, sys
+import torch
+import grpo.torch as gt
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+def reset():
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM restarts from the current RSS
+    return kib("VmRSS")
+
+torch.manual_seed(0)
+v, h, n = int(sys.argv[1]), int(sys.argv[2]), 64
+x = torch.randn(1, n, h).bfloat16().requires_grad_()
+w = (torch.randn(v, h) * 0.02).bfloat16().requires_grad_()
+ids, mask, adv = torch.randint(0, v, (1, n)), torch.ones(1, n), torch.randn(1)
+rises = []
+for step in range(3):  # step 0: no .grad yet; steps 1, 2: gradient accumulation into it
+    x.grad = None
+    base = reset()
+    out = gt.lm_head_grpo_loss(x, w, ids, mask, adv, loss_type="dapo", num_items_in_batch=3 * n)
+    out.loss.backward()
+    del out
+    rises.append(kib("VmHWM") - base)
+print(json.dumps({"rises_kib": rises, "grad_dtype": str(w.grad.dtype)}))
+"""
+
+
+def test_step_peak_rise_has_no_float32_dweight_and_no_temporary_when_grad_exists():
+    """The whole step's own peak RSS rise (forward + backward), measured in a subprocess.
+
+    First step: the bf16 dW (V*H*2 bytes, it becomes .grad) and the plan's
+    workspace, never a float32 dW (V*H*4 bytes more). Accumulation steps:
+    the kernel adds into .grad, so the rise must stay below half the bf16 dW
+    (a [V, H] bf16 temporary would show as a whole one)."""
+    v, h = 32768, 2048
+    run = subprocess.run([sys.executable, "-c", _PEAK, str(v), str(h)], check=True, capture_output=True, text=True)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["grad_dtype"] == "torch.bfloat16"
+    first, *later = (r * 1024 for r in result["rises_kib"])
+    bf16_bytes, f32_bytes = v * h * 2, v * h * 4
+    assert 0.9 * bf16_bytes <= first < f32_bytes, f"first step rise {first / 2**20:.0f} MiB"
+    for rise in later:
+        assert rise < 0.5 * bf16_bytes, f"an accumulation step's rise {rise / 2**20:.0f} MiB holds a [V, H] temporary"
