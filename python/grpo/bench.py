@@ -1,33 +1,55 @@
-"""python -m grpo.bench: step time and peak RSS of five ways to get an LM head's GRPO loss and gradients.
+"""python -m grpo.bench: one named GRPO workload through PyTorch, beside the C++ step of the same workload.
 
-One invocation runs, one after another, each method in its own fresh
-subprocess (peak RSS needs one: ru_maxrss / VmHWM only grow), at each shape:
+One invocation runs, per shape, each method in its own fresh subprocess (peak
+RSS needs one: VmHWM only grows), then the C++ microbench
+(build/microbench/grpo-microbench) on the same workload in another, and
+prints each method's step time, its ratio to the C++ step, the kernel time
+grpo's methods report (step stats) and each one's own peak RSS rise.
+grpo_head's ratio is to the C++ generic log-prob head's step (cpp_head:
+configs/microbench/generic_head_T512_bf16.yaml, same overrides), every
+other method's to the fused C++ step (cpp):
 
+  grpo_loss   grpo.torch.lm_head_grpo_loss (the fused loss, functional form)
+  grpo_dropin grpo.torch.LmHeadGRPOLoss (the Liger drop-in; Liger's API)
+  grpo_head   grpo.torch.fused_log_probs + the workload's loss in torch
   eager       torch eager, unfused: logits = hidden W^T materialized, TRL's
-              selective_log_softmax (+ entropy_from_logits), TRL's GRPO loss
-              math (below), autograd backward
-  liger       Liger-Kernel's chunked LigerFusedLinearGRPOLoss (compiled=False)
-  trl_head    TRL 1.16's chunked log-prob head (ChunkedLogProbFunction) +
-              the same eager loss
-  grpo_loss   grpo's fused loss, grpo.torch.LmHeadGRPOLoss (Liger's API)
-  grpo_head   grpo's log-prob head, grpo.torch.fused_log_probs + the same
-              eager loss
+              selective_log_softmax (+ entropy_from_logits), the loss in torch
+  liger       Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss (compiled=False)
+  trl_head    TRL 1.16's chunked log-prob head (ChunkedLogProbFunction) + the
+              loss in torch
 
-The loss (for eager, trl_head, grpo_head) is TRL's GRPOTrainer math for
-loss_type "dapo", beta 0.04, epsilon 0.2 / 0.2: r = exp(logp - old),
-per_token = -min(r A, clip(r, 0.8, 1.2) A) + beta (e^(ref - logp) - (ref -
-logp) - 1), summed over valid tokens / their count; liger and grpo_loss
-compute the same loss. One step = forward + backward with gradients of
-hidden and lm_head.weight; reported: the median step time over --steps steps
-after one warm-up step, the worker's peak RSS (VmHWM) and its RSS after the
-inputs were built (so peak - base is the method's own memory).
+Workloads (--workload) are the C++ microbench configs' own recipes, so the
+C++ run is the same work (same loss type, beta, old / ref log-probs,
+advantages, so statistically the same active rows; each side draws its own
+values from the same distributions). Inputs: hidden ~ N(0, 1), W ~ N(0,
+3 / sqrt(H)) (logits of std ~3), ids uniform, per-token advantages ~ N(0, 1)
+(B = 1: both signs), logp from a forward-only run:
 
-Shapes: "quick" (B=1 T=512 H=4096 V=151936), "headline" (B=1 T=8192 H=4096
+  offpolicy  loss_type grpo, beta 0, old_logp = logp + N(0, 0.3): ratios on
+             both sides of both clip edges, clipped rows leave the backward
+             (configs/microbench/quick_fused_bf16_tile2048.yaml's inputs)
+  onpolicy   loss_type grpo, beta 0, no old_logp: every valid row in the
+             backward, the fused path's worst case
+             (configs/microbench/plain_onpolicy_T512_bf16.yaml)
+  dapo_kl    loss_type dapo, beta 0.04 (k3), old = logp + N(0, 0.3), ref =
+             logp + N(0, 0.1), num_items_in_batch = the valid tokens: the
+             KL keeps every row active
+
+The C++ run is `grpo-microbench --config <that config> --set shape.* --set
+dtype --set dweight_dtype / dhidden_dtype (the parameters' dtype, as the
+Python path writes them) --set threads --set steps`, and its step is the p50
+of its timed steps. One step = forward + backward with gradients of hidden
+and lm_head.weight, .grad reset to None before each (a fresh gradient each
+step, as Trainer's zero_grad(set_to_none=True)); reported: the median over
+--steps steps after one warm-up step.
+
+Run it from the repository (or set GRPO_REPO): the C++ configs are read
+from there. Shapes: "quick" (B=1 T=512 H=4096 V=151936), "headline" (B=1 T=8192 H=4096
 V=151936), or "B,T,H,V". Writes a JSON (--out) and a PNG next to it (needs
-matplotlib: the [bench] extra). The headline shape needs ~20 GB and minutes
-per method on 2 cores.
+matplotlib). The headline shape needs ~20 GB for eager and minutes per
+method on 2 cores: run it alone on the machine.
 
-    python -m grpo.bench                                # quick then headline, bf16
+    python -m grpo.bench --shape quick --shape headline          # the acceptance figures
     python -m grpo.bench --shape 1,64,256,4096 --steps 2 --out /tmp/bench.json
 """
 
@@ -36,15 +58,64 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-METHODS = ("eager", "liger", "trl_head", "grpo_loss", "grpo_head")
+METHODS = ("grpo_loss", "grpo_dropin", "grpo_head", "eager", "liger", "trl_head")
 SHAPES = {"quick": (1, 512, 4096, 151936), "headline": (1, 8192, 4096, 151936)}
-BETA, EPS = 0.04, 0.2
+LOGIT_STD, OLD_NOISE, REF_NOISE = 3.0, 0.3, 0.1
+EPS = 0.2
+# name -> (loss_type, beta, off-policy, C++ config, --set overrides of the config's loss / inputs)
+WORKLOADS = {
+    "offpolicy": ("grpo", 0.0, True, "configs/microbench/quick_fused_bf16_tile2048.yaml", []),
+    "onpolicy": ("grpo", 0.0, False, "configs/microbench/plain_onpolicy_T512_bf16.yaml", ["inputs.old_logp=none"]),
+    "dapo_kl": ("dapo", 0.04, True, "configs/microbench/quick_fused_bf16_tile2048.yaml",
+                ["loss.loss_type=dapo", "loss.beta=0.04", "loss.num_items_in_batch=auto"]),
+}
+# The C++ step grpo_head is compared with: the generic log-prob head driven
+# as a trainer drives it (forward, the loss outside, backward), same inputs.
+HEAD_CONFIG = "configs/microbench/generic_head_T512_bf16.yaml"
+
+
+def _find_repo() -> str:
+    """The grpo source tree (its configs/microbench): $GRPO_REPO, else the working directory or a parent of it."""
+    if os.environ.get("GRPO_REPO"):
+        return os.environ["GRPO_REPO"]
+    here = os.getcwd()
+    while True:
+        if os.path.isdir(os.path.join(here, "configs", "microbench")):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return os.getcwd()
+        here = parent
+
+
+REPO = _find_repo()
+
+
+def describe_workload(name: str) -> str:
+    loss_type, beta, off, config, _ = WORKLOADS[name]
+    return (f"{name}: loss_type {loss_type}, beta {beta}, "
+            + (f"old_logp = logp + N(0, {OLD_NOISE})" if off else "on-policy (no old_logp)")
+            + (f", ref_logp = logp + N(0, {REF_NOISE})" if beta else "")
+            + f", per-token advantages N(0, 1), logits std ~{LOGIT_STD:g}; C++: {config}")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def _rss_kib(field: str) -> int:
@@ -55,30 +126,54 @@ def _rss_kib(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
-def _eager_loss(logp, old, ref, adv, mask):
-    """TRL GRPOTrainer's per-token loss (dapo aggregation, token-level ratio, k3 KL)."""
+def _torch_loss(logp, old, ref, adv, mask, loss_type: str, beta: float):
+    """TRL GRPOTrainer's loss on per-token log-probs: token-level ratio, PPO clip, k3 KL, grpo / dapo aggregation."""
     import torch
 
+    old = logp.detach() if old is None else old
     coef_1 = torch.exp(logp - old)
     coef_2 = torch.clamp(coef_1, 1 - EPS, 1 + EPS)
-    per_token = -torch.min(coef_1 * adv[:, None], coef_2 * adv[:, None])
-    per_token = per_token + BETA * (torch.exp(ref - logp) - (ref - logp) - 1)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if beta:
+        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps: int, threads: int) -> dict:
+def make_inputs(b: int, t: int, h: int, v: int, dtype_name: str, workload: str, seed: int = 0):
+    """The workload's tensors (see the module docstring); logp from a forward-only grpo run."""
+    import torch
+
+    import grpo.torch as gt
+
+    loss_type, beta, off, _config, _ = WORKLOADS[workload]
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype_name]
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) * (LOGIT_STD / h**0.5)).to(dtype)
+    ids = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t)
+    adv = torch.randn(b, t, generator=g)
+    with torch.no_grad():
+        logp = gt.lm_head_grpo_loss(hidden, weight, ids, mask, adv).per_token_logps
+    old = logp + OLD_NOISE * torch.randn(b, t, generator=g) if off else None
+    ref = logp + REF_NOISE * torch.randn(b, t, generator=g) if beta else None
+    return dict(hidden=hidden.requires_grad_(), weight=weight.requires_grad_(), ids=ids, mask=mask, adv=adv,
+                old=old, ref=ref, loss_type=loss_type, beta=beta)
+
+
+def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps: int, threads: int,
+            workload: str) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype_name]
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(b, t, h, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype).requires_grad_()
-    ids = torch.randint(0, v, (b, t), generator=g)
-    mask = torch.ones(b, t)
-    adv = torch.randn(b, generator=g)
-    old = -torch.rand(b, t, generator=g) * 5 - 8  # about log(1/V)
-    ref = old + 0.1 * torch.randn(b, t, generator=g)
+    x = make_inputs(b, t, h, v, dtype_name, workload)
+    hidden, weight, ids, mask, adv, old, ref = (x[k] for k in ("hidden", "weight", "ids", "mask", "adv", "old",
+                                                               "ref"))
+    loss_type, beta = x["loss_type"], x["beta"]
+    num_items = float(mask.sum())
+    kernel = []  # per step: the grpo step stats of the call(s)
 
     if method == "eager":
         from trl.trainer.utils import entropy_from_logits, selective_log_softmax
@@ -88,27 +183,36 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
             logp = selective_log_softmax(logits, ids)
             with torch.no_grad():
                 entropy_from_logits(logits)  # TRL logs it
-            return _eager_loss(logp, old, ref, adv, mask)
+            return _torch_loss(logp, old, ref, adv, mask, loss_type, beta)
     elif method == "trl_head":
         from trl.kernels import ChunkedLogProbFunction
 
         def step():
             logp, _ent, *_ = ChunkedLogProbFunction.apply(hidden.view(-1, h), weight, None, ids.view(-1), 1.0,
                                                           32768, None, 1.0, ("log_probs", "entropy"))
-            return _eager_loss(logp.view(b, t), old, ref, adv, mask)
+            return _torch_loss(logp.view(b, t), old, ref, adv, mask, loss_type, beta)
     elif method == "grpo_head":
         import grpo.torch as gt
 
         def step():
             logp, _ent = gt.fused_log_probs(hidden, weight, None, ids)
-            return _eager_loss(logp, old, ref, adv, mask)
-    elif method in ("liger", "grpo_loss"):
+            return _torch_loss(logp, old, ref, adv, mask, loss_type, beta)
+    elif method == "grpo_loss":
+        import grpo.torch as gt
+
+        def step():
+            out = gt.lm_head_grpo_loss(hidden, weight, ids, mask, adv, old_logp=old, ref_logp=ref,
+                                       loss_type=loss_type, beta=beta, epsilon_low=EPS, epsilon_high=EPS,
+                                       num_items_in_batch=num_items if loss_type == "dapo" else None)
+            kernel.append(out.stats)
+            return out.loss
+    elif method in ("liger", "grpo_dropin"):
         if method == "liger":
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss as Loss
-            module = Loss(beta=BETA, loss_type="dapo", compiled=False)
+            module = Loss(beta=beta, loss_type=loss_type, compiled=False, use_ref_model=bool(beta))
         else:
             from grpo.torch import LmHeadGRPOLoss as Loss
-            module = Loss(beta=BETA, loss_type="dapo")
+            module = Loss(beta=beta, loss_type=loss_type, use_ref_model=bool(beta))
 
         def step():
             loss, _metrics = module(hidden, weight, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)
@@ -117,18 +221,65 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
         raise SystemExit(f"unknown method {method}")
 
     base_kib = _rss_kib("VmRSS")
-    times = []
+    times, kernel_s, stats = [], [], None
     for i in range(steps + 1):
         hidden.grad = weight.grad = None
+        kernel.clear()
         start = time.perf_counter()
         loss = step()
         loss.backward()
         elapsed = time.perf_counter() - start
         if i > 0:  # the first step is a warm-up (plans, oneDNN kernels, allocator)
             times.append(elapsed)
-    return {"method": method, "B": b, "T": t, "H": h, "V": v, "dtype": dtype_name, "threads": threads,
-            "step_s": statistics.median(times), "steps": steps, "loss": float(loss.detach()),
-            "peak_rss_mib": _rss_kib("VmHWM") / 1024, "base_rss_mib": base_kib / 1024}
+            if kernel:
+                kernel_s.append(sum(s["kernel_s"] for s in kernel))
+                stats = kernel[-1]
+    result = {"method": method, "B": b, "T": t, "H": h, "V": v, "dtype": dtype_name, "threads": threads,
+              "workload": workload, "step_s": statistics.median(times), "steps": steps,
+              "loss": float(loss.detach()), "peak_rss_mib": _rss_kib("VmHWM") / 1024, "base_rss_mib": base_kib / 1024}
+    if kernel_s:
+        result["kernel_s"] = statistics.median(kernel_s)
+        result["active_rows"] = stats["active_rows"]
+        result["executed_gflop"] = stats["executed_flops"] / 1e9
+    return result
+
+
+def _microbench_path(given: str | None) -> str | None:
+    if given == "none":
+        return None
+    path = given or os.environ.get("GRPO_MICROBENCH") or os.path.join(REPO, "build", "microbench", "grpo-microbench")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+
+
+def run_cpp(binary: str, b: int, t: int, h: int, v: int, dtype: str, steps: int, threads: int,
+            workload: str, head: bool = False) -> dict:
+    """The C++ microbench on the workload's config at this shape (head: the generic head's); its p50 step and
+    own peak."""
+    _lt, _beta, _off, config, loss_sets = WORKLOADS[workload]
+    if head:
+        config = HEAD_CONFIG
+    sets = [f"shape.batch={b}", f"shape.seq_len={t}", f"shape.hidden={h}", f"shape.vocab={v}", f"dtype={dtype}",
+            f"dweight_dtype={dtype}", f"dhidden_dtype={dtype}", f"threads={threads}", f"steps={steps}",
+            "warmup=1", "measure_unfused_gemms=false"] + loss_sets
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cpp.json")
+        cmd = [binary, "--config", os.path.join(REPO, config), "--quiet"]
+        for s in sets:
+            cmd += ["--set", s]
+        cmd += [f"--benchmark_out={out}", "--benchmark_out_format=json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"method": "cpp_head" if head else "cpp", "B": b, "T": t, "H": h, "V": v, "dtype": dtype, "workload": workload,
+                    "error": f"exit {proc.returncode}: {tail[0]}", "command": " ".join(cmd)}
+        with open(out) as f:
+            data = json.load(f)
+    bench = data["benchmarks"][0]
+    return {"method": "cpp_head" if head else "cpp", "B": b, "T": t, "H": h, "V": v, "dtype": dtype,
+            "workload": workload, "threads": threads, "step_s": bench["step_s_p50"], "steps": steps, "loss": bench["loss"],
+            "peak_rise_mib": bench["peak_rss_delta_bytes"] / 2**20, "library_peak_mib": bench["peak_bytes"] / 2**20,
+            "executed_gflop": bench["executed_gflops"] * bench["step_s_p50"],
+            "cpu_model": data["context"].get("cpu_model", ""), "config": config, "sets": sets}
 
 
 def _parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -149,20 +300,31 @@ def _plot(results: list, png: str) -> bool:
     except ImportError:
         return False
     shapes = sorted({(r["B"], r["T"], r["H"], r["V"]) for r in results if "step_s" in r}, key=lambda s: s[1])
+    if not shapes:
+        return False
     fig, axes = plt.subplots(len(shapes), 2, figsize=(10, 3 * len(shapes)), squeeze=False)
     for row, shape in enumerate(shapes):
         rs = [r for r in results if (r["B"], r["T"], r["H"], r["V"]) == shape and "step_s" in r]
         names = [r["method"] for r in rs]
         axes[row][0].barh(names, [r["step_s"] for r in rs])
         axes[row][0].set_xlabel("step time (s, forward + backward)")
-        axes[row][1].barh(names, [r["peak_rss_mib"] for r in rs], label="peak RSS")
-        axes[row][1].barh(names, [r["base_rss_mib"] for r in rs], label="RSS after inputs")
-        axes[row][1].set_xlabel("MiB")
-        axes[row][1].legend(fontsize=7)
-        axes[row][0].set_title("B=%d T=%d H=%d V=%d %s" % (*shape, rs[0]["dtype"]), fontsize=9)
+        axes[row][1].barh(names, [r.get("peak_rise_mib", 0.0) for r in rs])
+        axes[row][1].set_xlabel("own peak RSS rise (MiB)")
+        axes[row][0].set_title("B=%d T=%d H=%d V=%d %s %s" % (*shape, rs[0]["dtype"], rs[0]["workload"]), fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     return True
+
+
+def _line(r: dict, cpp: dict | None) -> str:
+    if "error" in r:
+        return f"  {r['method']:12s} FAILED {r['error']}"
+    ratio = f"{r['step_s'] / cpp['step_s']:6.3f}" if cpp and "step_s" in cpp else "     -"
+    kernel = f"{r['kernel_s']:9.3f}" if "kernel_s" in r else "        -"
+    active = str(r.get("active_rows", "-"))
+    gflop = f"{r['executed_gflop']:9.1f}" if "executed_gflop" in r else "        -"
+    return (f"  {r['method']:12s} {r['step_s']:9.3f} {ratio} {kernel} {r['peak_rise_mib']:10.1f} "
+            f"{active:>7s} {gflop} {r['loss']:12.6g}")
 
 
 def main(argv=None) -> int:
@@ -170,16 +332,20 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", action="append", type=_parse_shape,
                         help="quick, headline or B,T,H,V (repeatable; default: quick then headline)")
     parser.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="offpolicy")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per method (after one warm-up)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--microbench", default=None,
+                        help="grpo-microbench binary (default $GRPO_MICROBENCH or build/microbench/grpo-microbench); "
+                             "'none' skips the C++ run")
     parser.add_argument("--out", default="grpo_bench.json", help="JSON path; the PNG goes next to it")
-    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.worker:
-        method, b, t, h, v, dtype, steps = args.worker
-        result = _worker(method, int(b), int(t), int(h), int(v), dtype, int(steps), args.threads)
+        method, b, t, h, v, dtype, steps, workload = args.worker
+        result = _worker(method, int(b), int(t), int(h), int(v), dtype, int(steps), args.threads, workload)
         print("GRPO_BENCH_RESULT " + json.dumps(result), flush=True)
         return 0
 
@@ -188,26 +354,52 @@ def main(argv=None) -> int:
     for m in methods:
         if m not in METHODS:
             parser.error(f"unknown method {m!r}")
+    binary = _microbench_path(args.microbench)
+    if args.microbench not in (None, "none") and binary is None:
+        parser.error(f"--microbench {args.microbench!r} is not an executable")
+    cpu = cpu_model()
+    print(f"CPU: {cpu}, {args.threads} threads; workload {describe_workload(args.workload)}; dtype {args.dtype}",
+          flush=True)
+    if binary is None:
+        print("C++ microbench: not found (build/microbench/grpo-microbench or --microbench PATH): no ratios",
+              flush=True)
     results = []
     for b, t, h, v in shapes:
+        print(f"B={b} T={t} H={h} V={v} {args.dtype}", flush=True)
+        # peak MiB: the method's own peak RSS rise over its inputs; active: rows
+        # in the backward GEMMs; exec GF: the GFLOP the step's GEMMs executed.
+        print(f"  {'method':12s} {'step s':>9s} {'/C++':>6s} {'kernel s':>9s} {'peak MiB':>10s} {'active':>7s} "
+              f"{'exec GF':>9s} {'loss':>12s}", flush=True)
+        cpp = cpp_head = None
+        if binary is not None:
+            cpp = run_cpp(binary, b, t, h, v, args.dtype, args.steps, args.threads, args.workload)
+            print(_line(cpp, None), flush=True)
+            results.append(cpp)
+            if "grpo_head" in methods:
+                cpp_head = run_cpp(binary, b, t, h, v, args.dtype, args.steps, args.threads, args.workload, head=True)
+                print(_line(cpp_head, None), flush=True)
+                results.append(cpp_head)
         for method in methods:
             cmd = [sys.executable, "-m", "grpo.bench", "--threads", str(args.threads), "--worker", method,
-                   str(b), str(t), str(h), str(v), args.dtype, str(args.steps)]
+                   str(b), str(t), str(h), str(v), args.dtype, str(args.steps), args.workload]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_BENCH_RESULT ")]
             if proc.returncode == 0 and lines:
                 r = json.loads(lines[-1].split(" ", 1)[1])
-                print(f"B={b} T={t} H={h} V={v} {args.dtype:4s} {method:10s} step {r['step_s'] * 1e3:10.1f} ms  "
-                      f"peak RSS {r['peak_rss_mib']:9.1f} MiB (after inputs {r['base_rss_mib']:.1f})  "
-                      f"loss {r['loss']:.6g}", flush=True)
+                r["peak_rise_mib"] = r["peak_rss_mib"] - r["base_rss_mib"]
+                # grpo_head against the C++ generic head; every other method against the fused C++ step.
+                ref = cpp_head if method == "grpo_head" else cpp
+                if ref is not None and "step_s" in ref:
+                    r["ratio_vs_cpp"] = r["step_s"] / ref["step_s"]
             else:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                r = {"method": method, "B": b, "T": t, "H": h, "V": v, "dtype": args.dtype,
+                r = {"method": method, "B": b, "T": t, "H": h, "V": v, "dtype": args.dtype, "workload": args.workload,
                      "error": f"exit {proc.returncode}: {tail[0]}"}
-                print(f"B={b} T={t} H={h} V={v} {args.dtype:4s} {method:10s} FAILED {r['error']}", flush=True)
+            print(_line(r, cpp_head if method == "grpo_head" else cpp), flush=True)
             results.append(r)
     with open(args.out, "w") as f:
-        json.dump({"results": results, "threads": args.threads}, f, indent=1)
+        json.dump({"results": results, "threads": args.threads, "cpu_model": cpu, "workload": args.workload,
+                   "workload_description": describe_workload(args.workload), "dtype": args.dtype}, f, indent=1)
     png = os.path.splitext(args.out)[0] + ".png"
     print(f"wrote {args.out}" + (f" and {png}" if _plot(results, png) else " (no PNG: matplotlib not installed)"))
     return 0 if all("error" not in r for r in results) else 1

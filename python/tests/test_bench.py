@@ -1,6 +1,7 @@
-"""python -m grpo.bench runs end to end (a tiny shape, two methods, one step each)."""
+"""python -m grpo.bench runs end to end: a tiny shape, the C++ microbench of the same workload beside it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -8,15 +9,39 @@ import pytest
 
 pytest.importorskip("trl")
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MICROBENCH = os.environ.get("GRPO_MICROBENCH", os.path.join(REPO, "build", "microbench", "grpo-microbench"))
 
-def test_bench_runs(tmp_path):
+
+def run_bench(tmp_path, *args):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "grpo.bench", "--shape", "1,8,16,64", "--steps", "1",
-                           "--methods", "eager,grpo_head", "--out", str(out)], capture_output=True, text=True,
-                          cwd=tmp_path)
+                           "--out", str(out), *args], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = json.loads(out.read_text())["results"]
-    assert [r["method"] for r in results] == ["eager", "grpo_head"]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_runs(tmp_path):
+    data, stdout = run_bench(tmp_path, "--methods", "eager,grpo_head,grpo_loss", "--microbench", "none")
+    results = data["results"]
+    assert [r["method"] for r in results] == ["eager", "grpo_head", "grpo_loss"]
     assert all(r["peak_rss_mib"] >= r["base_rss_mib"] > 0 and r["step_s"] > 0 for r in results)
     # Same loss from the materialized logits and from grpo's head (bf16 inputs: TRL's eager logits are bf16).
     assert abs(results[0]["loss"] - results[1]["loss"]) < 0.05
+    # The fused loss and the head + torch loss compute the same workload.
+    assert abs(results[2]["loss"] - results[1]["loss"]) < 1e-3
+    grpo_loss = results[2]
+    assert grpo_loss["active_rows"] > 0 and 0 < grpo_loss["kernel_s"] <= grpo_loss["step_s"]
+    assert data["cpu_model"] and "workload offpolicy: loss_type grpo" in stdout
+
+
+@pytest.mark.skipif(not os.access(MICROBENCH, os.X_OK), reason="build/microbench/grpo-microbench not built")
+def test_bench_runs_the_cpp_step_of_the_same_workload(tmp_path):
+    data, stdout = run_bench(tmp_path, "--methods", "grpo_loss", "--workload", "dapo_kl", "--microbench", MICROBENCH)
+    cpp, ours = data["results"]
+    assert cpp["method"] == "cpp" and ours["method"] == "grpo_loss"
+    assert "loss.loss_type=dapo" in cpp["sets"] and "dweight_dtype=bf16" in cpp["sets"]
+    assert cpp["step_s"] > 0 and ours["ratio_vs_cpp"] == pytest.approx(ours["step_s"] / cpp["step_s"])
+    # dapo with a KL term keeps every row active on both sides: the same executed GEMM work.
+    assert ours["active_rows"] == 8
+    assert cpp["executed_gflop"] == pytest.approx(ours["executed_gflop"], rel=0.05)
