@@ -126,7 +126,7 @@ bool run_on(GemmBackendKind kind, const GemmEngine& engine, const GemmSpec& spec
   }
   const std::unique_ptr<GemmBackend> be = make_backend(kind, spec);
   if (be == nullptr) return false;
-  be->run(a, b, c, bias, aligned(be->scratchpad_bytes()));
+  be->run(a, b, c, bias, aligned(be->scratchpad_bytes()), nullptr);
   return true;
 }
 
@@ -248,7 +248,8 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
         std::vector<std::byte> scratch(be->scratchpad_bytes() + 64);
         auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
         std::vector<float> c(static_cast<std::size_t>(rows * n));
-        be->run(a.b16.data() + r0 * k, b.data(), c.data(), nullptr, reinterpret_cast<void*>((p + 63) / 64 * 64));
+        be->run(a.b16.data() + r0 * k, b.data(), c.data(), nullptr, reinterpret_cast<void*>((p + 63) / 64 * 64),
+                nullptr);
         return c;
       };
       const std::vector<float> all = run_rows(0, 160);
@@ -256,6 +257,49 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
       const std::vector<float> mid = run_rows(100, 7);
       EXPECT_EQ(0, std::memcmp(all.data(), head.data(), head.size() * sizeof(float))) << "b_t " << b_t;
       EXPECT_EQ(0, std::memcmp(all.data() + 100 * n, mid.data(), mid.size() * sizeof(float))) << "b_t " << b_t;
+    }
+  }
+}
+
+// A shared operand packed once (Gemm::pack_shared) and handed to run() gives
+// bitwise the result of the call that packs it itself, for either operand,
+// both layouts, and shapes that split K and N into blocks.
+TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
+  if (!amx_usable()) GTEST_SKIP() << "amx backend not tested on this CPU: " << amx_unusable_reason();
+  const GemmEngine engine;
+  std::mt19937 rng(91);
+  struct Shape {
+    std::int64_t m, n, k;
+  };
+  for (const Shape sh : {Shape{160, 300, 256}, Shape{40, 1100, 640}, Shape{33, 256, 3000}, Shape{17, 5, 33}}) {
+    for (const SharedOperand shared : {SharedOperand::a, SharedOperand::b}) {
+      for (const bool t : {false, true}) {
+        Buffer a = make(DType::bf16, sh.m, sh.k, t, 1, rng);
+        Buffer b = make(DType::bf16, sh.k, sh.n, !t, 2, rng);
+        GemmSpec spec;
+        spec.a = a.op;
+        spec.b = b.op;
+        spec.c = {DType::f32, sh.m, sh.n, sh.n, 1};
+        spec.shared = shared;
+        const Gemm g(engine, spec, GemmBackendKind::amx);
+        ASSERT_GT(g.shared_packed_bytes(), 0U);
+        std::vector<std::byte> scratch(g.scratchpad_bytes() + 64);
+        std::vector<std::byte> packed(g.shared_packed_bytes() + 64);
+        const auto align = [](std::vector<std::byte>& v) {
+          return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) / 64 * 64);
+        };
+        std::vector<float> plain(static_cast<std::size_t>(sh.m * sh.n));
+        std::vector<float> reused(plain.size());
+        g.run(a.data(), b.data(), plain.data(), nullptr, align(scratch));
+        g.pack_shared(shared == SharedOperand::a ? a.data() : b.data(), align(packed));
+        const GemmBinding binding(g);
+        // The shared operand's own pointer is not needed once packed.
+        binding.run(shared == SharedOperand::a ? nullptr : a.data(), shared == SharedOperand::b ? nullptr : b.data(),
+                    reused.data(), nullptr, align(scratch), align(packed));
+        EXPECT_EQ(0, std::memcmp(plain.data(), reused.data(), plain.size() * sizeof(float)))
+            << "M" << sh.m << " N" << sh.n << " K" << sh.k << " shared " << (shared == SharedOperand::a ? "a" : "b")
+            << " transposed " << t;
+      }
     }
   }
 }

@@ -63,6 +63,9 @@ struct WorkspaceLayout {
   std::size_t rows = 0;         // per block row: target x, lse, logp, entropy, coef, kl (floats), active index (int64)
   std::size_t hidden_act = 0;   // [block_rows_alloc, hidden_ld] active hidden rows (input dtype)
   std::size_t dhidden_act = 0;  // [block_rows_alloc, H] f32
+  // The block's hidden rows as a GEMM backend packed them once for all vocab
+  // tiles (Gemm::pack_shared): the forward's chunks, then the active rows for dW.
+  std::size_t packed_hidden = 0;
   std::size_t coef_all = 0;   // [N] coefficients, entropies, logp, kl (+ entropy coefficients): two-pass schedule only
   std::size_t ent_coef = 0;   // [block_rows_alloc] dLoss/dEnt per block row: entropy bonus only
   std::size_t quantile = 0;   // [N] floats: the top-entropy quantile's scratch, only when it is used
@@ -144,6 +147,9 @@ struct LmHeadPlanData {
   // dhidden chunk: [chunk kind].
   std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden;
   std::size_t max_scratchpad = 0;
+  // Bytes of the packed hidden rows: every forward chunk of a block, or the
+  // block's active rows for dW, whichever is more (0: the backend packs nothing).
+  std::size_t packed_hidden_bytes = 0;
   // Several processes (grpo/communicator.hpp); null = this process alone.
   std::shared_ptr<const ScaleOutPlan> scale_out;
   // Every GEMM above, by Gemm::index(); bindings for them, per concurrent call.

@@ -35,6 +35,7 @@ GemmSpec forward_spec(const LmHeadShape& s, std::int64_t rows, std::int64_t cols
   g.c = {DType::f32, rows, cols, tile_ld, 1};
   g.has_bias = s.has_bias;
   g.bias_dtype = s.bias_dtype;
+  g.shared = kernels::SharedOperand::a;  // the block's hidden rows, for every vocab tile
   return g;
 }
 
@@ -54,6 +55,8 @@ GemmSpec dweight_spec(const LmHeadShape& s, DType dl_dtype, DType dw_dtype, std:
     g.c = {dw_dtype, s.hidden, cols, s.dweight_ld, 1};
   }
   g.accumulate = accumulate;
+  // The active hidden rows, for every vocab tile of the block.
+  g.shared = vocab_major(s) ? kernels::SharedOperand::b : kernels::SharedOperand::a;
   return g;
 }
 
@@ -82,6 +85,8 @@ std::size_t bytes_per_row(const LmHeadPlanData& p) {
   std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 6 * sizeof(float) + 8 +
                   (p.entropy_bonus ? sizeof(float) : 0);
   if (p.scale_out) b += p.scale_out->bytes_per_row();
+  // The packed hidden rows (Gemm::pack_shared), about one bf16 row each.
+  if (s.dtype == DType::bf16) b += static_cast<std::size_t>(s.hidden) * 2;
   if (!p.options.forward_only) {
     b += static_cast<std::size_t>(s.vocab) * store_bytes(p) + static_cast<std::size_t>(s.hidden_ld) * size_of(s.dtype) +
          static_cast<std::size_t>(s.hidden) * sizeof(float);
@@ -116,6 +121,7 @@ WorkspaceLayout lay_out(const LmHeadPlanData& p) {
   l.rows = take(rows * (6 * sizeof(float) + sizeof(std::int64_t)));
   l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden_ld) * in_size : 0);
   l.dhidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
+  l.packed_hidden = take(p.packed_hidden_bytes);
   l.coef_all =
       take(p.sequence_spans_blocks ? coef_all_arrays(p) * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
   l.ent_coef = take(p.entropy_bonus ? rows * sizeof(float) : 0);
@@ -144,6 +150,9 @@ void create_gemms(LmHeadPlanData& p) {
   };
   p.forward.full = make(forward_spec(s, p.forward_rows, vt, vt));
   p.forward.last = make(forward_spec(s, p.forward_rows, last_tile, last_tile));
+  // Full and last tiles pack the shared hidden rows alike (only W's side differs).
+  std::size_t packed =
+      static_cast<std::size_t>(p.block_rows_alloc / p.forward_rows) * p.forward.full->shared_packed_bytes();
   p.dweight.clear();
   p.dhidden.clear();
   if (!p.options.forward_only) {
@@ -155,12 +164,14 @@ void create_gemms(LmHeadPlanData& p) {
         dw.full[acc] = make(dweight_spec(s, p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
         dw.last[acc] = make(dweight_spec(s, p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
       }
+      if (!p.options.frozen_weight) packed = std::max(packed, dw.full[0]->shared_packed_bytes());
       auto& dh = p.dhidden.emplace_back();
       dh.full = make(dhidden_spec(s, p.dlogits_dtype, k, chunk));
       dh.last = make(dhidden_spec(s, p.dlogits_dtype, k, last_chunk));
     }
   }
   p.max_scratchpad = scratch;
+  p.packed_hidden_bytes = packed;
 }
 
 std::string budget_error(std::size_t budget, std::size_t need) {

@@ -69,6 +69,7 @@ struct LmHeadStep {
   std::byte* stage;
   std::byte* hidden_act;
   float* dhidden_act;
+  std::byte* packed_hidden;  // the hidden rows as the GEMM backend packed them (Gemm::pack_shared)
   float* coef_all;
   float* ent_coef;        // [block] dLoss/dEnt (entropy bonus only)
   float* quantile_space;  // [N] (top-entropy mask only)
@@ -109,6 +110,7 @@ struct LmHeadStep {
     stage = ws + l.stage;
     hidden_act = ws + l.hidden_act;
     dhidden_act = reinterpret_cast<float*>(ws + l.dhidden_act);
+    packed_hidden = ws + l.packed_hidden;
     coef_all = reinterpret_cast<float*>(ws + l.coef_all);
     ent_coef = plan.entropy_bonus ? reinterpret_cast<float*>(ws + l.ent_coef) : nullptr;
     quantile_space = reinterpret_cast<float*>(ws + l.quantile);
@@ -234,6 +236,16 @@ struct LmHeadStep {
     const kernels::Elem dl_type = elem_of(p.dlogits_dtype);
     const std::size_t dw_size = size_of(p.options.dweight_dtype);
     float* dbias = out.dbias.empty() ? nullptr : out.dbias.data();
+    // The active hidden rows packed once for every vocab tile's dW GEMM (all
+    // of this block's dW GEMMs pack them alike: only the dlogits side differs).
+    const void* packed_act = nullptr;
+    if (dweight) {
+      const kernels::Gemm& any = *p.dweight[padded / kRowQuantum - 1].full[0];
+      if (any.shared_packed_bytes() > 0) {
+        any.pack_shared(hidden_act, packed_hidden);
+        packed_act = packed_hidden;
+      }
+    }
     // The call's gradient scale (LmHeadInputs::grad_scale) rides on the row coefficients.
     const float call_scale = static_cast<float>(in.grad_scale);
     const float logp_scale = temp.grad_scale * call_scale;
@@ -276,9 +288,11 @@ struct LmHeadStep {
                  static_cast<std::size_t>(vocab_major ? c0 * p.shape.dweight_ld : c0) * dw_size;
       dweight_clock.time([&] {
         if (vocab_major) {
-          bindings.at(gemm, slot).run(block_at(0, c0, dl_size), hidden_act, dw, nullptr, slot_scratch(slot));
+          bindings.at(gemm, slot)
+              .run(block_at(0, c0, dl_size), hidden_act, dw, nullptr, slot_scratch(slot), packed_act);
         } else {
-          bindings.at(gemm, slot).run(hidden_act, block_at(0, c0, dl_size), dw, nullptr, slot_scratch(slot));
+          bindings.at(gemm, slot)
+              .run(hidden_act, block_at(0, c0, dl_size), dw, nullptr, slot_scratch(slot), packed_act);
         }
       });
     });
@@ -336,6 +350,17 @@ struct LmHeadStep {
     const std::int64_t chunks = (nb + fr - 1) / fr;
     stats.logits_gemm_rows += chunks * fr;
     const std::size_t bias_size = in.bias.empty() ? 0 : size_of(in.bias.dtype);
+    // Each chunk's hidden rows packed once for every vocab tile (full and last
+    // tiles pack them alike), the chunks in parallel.
+    const std::size_t chunk_packed = p.forward.full->shared_packed_bytes();
+    if (chunk_packed > 0) {
+      for_each_item(chunks, p.schedule.threads, [&](std::int64_t c, int /*slot*/) {
+        p.forward.full->pack_shared(chunk_source(c), packed_hidden + static_cast<std::size_t>(c) * chunk_packed);
+      });
+    }
+    const auto packed_chunk = [&](std::int64_t c) -> const void* {
+      return chunk_packed > 0 ? packed_hidden + static_cast<std::size_t>(c) * chunk_packed : nullptr;
+    };
     for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
@@ -344,8 +369,10 @@ struct LmHeadStep {
       const void* bias = in.bias.empty() ? nullptr : static_cast<const std::byte*>(in.bias.data) + c0 * bias_size;
       for (std::int64_t c = 0; c < chunks; ++c) {
         const std::int64_t r0 = c * fr;
-        forward_gemm_clock.time(
-            [&] { bindings.at(gemm, slot).run(chunk_source(c), weight_at_vocab(c0), tile, bias, slot_scratch(slot)); });
+        forward_gemm_clock.time([&] {
+          bindings.at(gemm, slot)
+              .run(chunk_source(c), weight_at_vocab(c0), tile, bias, slot_scratch(slot), packed_chunk(c));
+        });
         forward_stage_clock.time([&] {
           for (std::int64_t r = r0; r < std::min(nb, r0 + fr); ++r) {
             float* z = tile + (r - r0) * cols;

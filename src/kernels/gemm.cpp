@@ -134,12 +134,16 @@ std::size_t Gemm::scratchpad_bytes() const {
 const char* Gemm::implementation() const {
   return own_ != nullptr ? own_->implementation() : impl_->pd.impl_info_str();
 }
+std::size_t Gemm::shared_packed_bytes() const { return own_ != nullptr ? own_->shared_packed_bytes() : 0; }
+void Gemm::pack_shared(const void* operand, void* packed) const {
+  if (own_ != nullptr) own_->pack_shared(operand, packed);
+}
 GemmBackendKind Gemm::backend() const { return own_ != nullptr ? own_->kind() : GemmBackendKind::onednn; }
 GemmTraits Gemm::traits() const { return own_ != nullptr ? own_->traits() : GemmTraits{.m_independent = false}; }
 
 void Gemm::run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const {
   if (own_ != nullptr) {
-    own_->run(a, b, c, bias, scratchpad);
+    own_->run(a, b, c, bias, scratchpad, nullptr);
     return;
   }
   OmpThreadsScope scope(impl_->spec.threads);
@@ -183,9 +187,10 @@ GemmBinding::~GemmBinding() = default;
 GemmBinding::GemmBinding(GemmBinding&&) noexcept = default;
 GemmBinding& GemmBinding::operator=(GemmBinding&&) noexcept = default;
 
-void GemmBinding::run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const {
+void GemmBinding::run(const void* a, const void* b, void* c, const void* bias, void* scratchpad,
+                      const void* packed) const {
   if (impl_->own != nullptr) {
-    impl_->own->run(a, b, c, bias, scratchpad);
+    impl_->own->run(a, b, c, bias, scratchpad, packed);
     return;
   }
   const Gemm::Impl& g = *impl_->gemm;

@@ -36,6 +36,12 @@ struct GemmOperand {
   std::int64_t col_stride = 1;
 };
 
+// An operand the driver passes unchanged to many calls in a row (the token
+// block's hidden rows: the forward's A for every vocab tile, dW's B): a
+// backend that rearranges operands may pack it once (Gemm::pack_shared) and
+// take the packed copy in every call.
+enum class SharedOperand : std::uint8_t { none, a, b };
+
 struct GemmSpec {
   GemmOperand a;            // [M, K]
   GemmOperand b;            // [K, N]
@@ -44,6 +50,7 @@ struct GemmSpec {
   bool has_bias = false;    // c += bias[j], bias is [1, N] contiguous
   DType bias_dtype = DType::f32;
   int threads = 1;  // OpenMP threads oneDNN may use inside the call
+  SharedOperand shared = SharedOperand::none;
 };
 
 // The CPU engine; plans own one each (no process-wide engine).
@@ -82,6 +89,14 @@ class Gemm {
   // baselines and tools; hot paths run through a GemmBinding.
   void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const;
 
+  // Bytes of spec.shared packed by pack_shared(); 0 when the backend takes
+  // the operand as it is (oneDNN, reference, or no shared operand).
+  std::size_t shared_packed_bytes() const;
+  // Packs the shared operand (its data as run() would get it) into packed
+  // (shared_packed_bytes(), 64-byte aligned); every run() given that packed
+  // copy then reads it instead of the operand.
+  void pack_shared(const void* operand, void* packed) const;
+
   // The position of this GEMM in its plan's list (GemmBindings are indexed by it).
   std::size_t index() const { return index_; }
   void set_index(std::size_t index) { index_ = index; }
@@ -117,7 +132,9 @@ class GemmBinding {
   GemmBinding(GemmBinding&&) noexcept;
   GemmBinding& operator=(GemmBinding&&) noexcept;
 
-  void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const;
+  // packed: null, or the shared operand as Gemm::pack_shared() left it.
+  void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad,
+           const void* packed = nullptr) const;
 
  private:
   struct Impl;

@@ -3,12 +3,14 @@
 //
 // Scheme (BLIS-like, sized for one core's 2 MiB L2 and 48 KiB L1):
 //   The product is computed as X Y with X [Mx, K] and Y [K, Ny], either
-//   X = A, Y = B or (swapped) X = B^T, Y = A^T, whichever packs fewer
-//   elements: X is read in place when its rows are K-contiguous (the forward's
-//   W tile, the backward's dlogits), otherwise copied into row panels; Y is
-//   always packed into AMX's VNNI layout (pairs of k interleaved), one block
-//   of kc x nc at a time (<= kYBlockBytes, so it stays in L2 while every X
-//   panel streams past it).
+//   X = A, Y = B or (swapped) X = B^T, Y = A^T, whichever is cheaper to pack
+//   (a K-contiguous X, like the forward's W tile or the backward's dlogits,
+//   is a plain copy; Y is always rearranged). Y is packed into AMX's VNNI
+//   layout (pairs of k interleaved), one block of kc x nc at a time
+//   (<= kYBlockBytes, so it stays in L2 while every X panel streams past
+//   it). X is copied into panels of 32 rows whose every 16 x 32 tile is 1 KiB
+//   of contiguous memory: read in place, rows of a power-of-two stride (the
+//   W rows, 8 KiB apart) all fall in one L1 set and evict each other.
 //   Register blocking: 2 x 2 accumulator tiles (32 x 32 f32 of C), 2 X tiles
 //   (16 rows x 32 k), 2 Y tiles (32 k x 16 columns) = the 8 tiles of palette 1.
 //   Each element's reduction runs over k in steps of 32 in ascending order
@@ -46,11 +48,16 @@ constexpr std::uint64_t kXcr0Avx512 = (1U << 1) | (1U << 2) | (1U << 5) | (1U <<
 // The packed Y block's size: half of a 2 MiB L2 plus room, so the block and
 // the X panel passing by (32 rows x kc bf16, <= 160 KiB at kc = 2560) stay in
 // L2 together.
-constexpr std::size_t kYBlockBytes = std::size_t{1280} << 10;
+constexpr std::size_t kYBlockBytes = std::size_t{640} << 10;
 constexpr std::int64_t kTile = 16;   // rows of a tile; f32 columns of an accumulator tile
 constexpr std::int64_t kKStep = 32;  // bf16 k per tile row (64 bytes)
 constexpr std::int64_t kPanel = 32;  // rows (or columns) of a 2 x 2 accumulator block
 constexpr std::size_t kAlignBytes = 64;
+// Two sets of four finished accumulator tiles (4 KiB each): a block's tiles
+// are stored to one set and converted into C while the next block's
+// tdpbf16ps run, so the vector loads never wait on the tile stores just made
+// (a tile store forwards to a load only through L1, hundreds of cycles).
+constexpr std::int64_t kStaged = 2 * 4 * kTile * kTile;
 
 std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
 std::size_t align_up(std::size_t v) { return (v + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
@@ -137,10 +144,14 @@ class AmxGemm final : public GemmBackend {
     n_ = b.cols;
     // Orientation: the one that packs fewer elements (X read in place when
     // its rows are K-contiguous and K is a whole number of tile rows).
-    const auto x_packs = [&](std::int64_t cs) { return !(cs == 1 && k_ % kKStep == 0); };
-    const std::int64_t cost_plain = (x_packs(a.col_stride) ? m_ : 0) * k_ + k_ * n_;
-    const std::int64_t cost_swapped = (x_packs(b.row_stride) ? n_ : 0) * k_ + k_ * m_;
-    swapped_ = cost_swapped < cost_plain;
+    // A transposing pack of X costs about what Y's does; a copy, little.
+    const auto x_cost = [&](std::int64_t cs, std::int64_t rows) { return cs == 1 ? rows * k_ / 4 : rows * k_; };
+    const std::int64_t cost_plain = x_cost(a.col_stride, m_) + k_ * n_;
+    const std::int64_t cost_swapped = x_cost(b.row_stride, n_) + k_ * m_;
+    // A shared operand (packed once for many calls) takes Y's place.
+    swapped_ = spec.shared == SharedOperand::a   ? true
+               : spec.shared == SharedOperand::b ? false
+                                                 : cost_swapped < cost_plain;
     if (!swapped_) {
       mx_ = m_;
       ny_ = n_;
@@ -152,7 +163,7 @@ class AmxGemm final : public GemmBackend {
       x_ = {b.col_stride, b.row_stride};  // X = B^T
       y_ = {a.col_stride, a.row_stride};  // Y = A^T
     }
-    x_direct_ = !x_packs(x_.cs);
+    x_kcontig_ = x_.cs == 1;
     // Blocking of Y: nc columns by kc rows within kYBlockBytes; kc as long as
     // possible first (fewer partial-sum round trips), then nc grows into it.
     const std::int64_t k32 = round_up(k_, kKStep);
@@ -165,26 +176,48 @@ class AmxGemm final : public GemmBackend {
     const std::int64_t mx32 = round_up(mx_, kPanel);
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
     y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * 2);
-    x_bytes_ = align_up(static_cast<std::size_t>((x_direct_ ? kPanel : mx32) * kc_) * 2);
+    // X: one panel at a time when Y is a single column block (each panel is
+    // used once per k block), else the whole k block, packed once.
+    x_whole_ = nc_ < ny32;
+    x_bytes_ = align_up(static_cast<std::size_t>((x_whole_ ? mx32 : kPanel) * kc_) * 2);
     acc_bytes_ = kc_ < k_ ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
     acc_ld_ = ny32;
-    scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + 2 * kTile * kTile * sizeof(float) + sizeof(TileConfig);
+    scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + kStaged * sizeof(float) + sizeof(TileConfig);
   }
 
   GemmBackendKind kind() const override { return GemmBackendKind::amx; }
+
+  // Y whole: every (k block, column block) of pack_y in run()'s order.
+  std::size_t shared_packed_bytes() const override {
+    if (spec_.shared == SharedOperand::none) return 0;
+    return static_cast<std::size_t>(k_blocks() * n_blocks()) * y_bytes_;
+  }
+  void pack_shared(const void* operand, void* packed) const override {
+    const auto* y = static_cast<const std::uint16_t*>(operand);
+    auto* out = static_cast<std::byte*>(packed);
+    for (std::int64_t k0 = 0; k0 < k_; k0 += kc_) {
+      const std::int64_t kb = std::min(kc_, k_ - k0);
+      for (std::int64_t n0 = 0; n0 < ny_; n0 += nc_) {
+        const std::int64_t nb = std::min(nc_, ny_ - n0);
+        pack_y(y, k0, kb, round_up(kb, kKStep), n0, nb, round_up(nb, kPanel), reinterpret_cast<std::uint16_t*>(out));
+        out += y_bytes_;
+      }
+    }
+  }
   const char* implementation() const override { return swapped_ ? "grpo:amx_bf16 (swapped)" : "grpo:amx_bf16"; }
   GemmTraits traits() const override { return {.m_independent = true}; }
   std::size_t scratchpad_bytes() const override { return scratch_bytes_; }
 
-  void run(const void* a, const void* b, void* c, const void* bias, void* scratch) const override {
+  void run(const void* a, const void* b, void* c, const void* bias, void* scratch, const void* packed) const override {
     const auto* xs = static_cast<const std::uint16_t*>(swapped_ ? b : a);
     const auto* ys = static_cast<const std::uint16_t*>(swapped_ ? a : b);
     auto* s = static_cast<std::byte*>(scratch);
-    auto* ypack = reinterpret_cast<std::uint16_t*>(s);
+    auto* yscratch = reinterpret_cast<std::uint16_t*>(s);
+    const std::uint16_t* ypack = yscratch;
     auto* xpack = reinterpret_cast<std::uint16_t*>(s + y_bytes_);
     auto* acc = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_);
     auto* tmp = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_ + acc_bytes_);
-    auto* cfg = reinterpret_cast<TileConfig*>(tmp + 2 * kTile * kTile);
+    auto* cfg = reinterpret_cast<TileConfig*>(tmp + kStaged);
     *cfg = TileConfig{};
     for (int t = 0; t < 8; ++t) {
       cfg->colsb[t] = 64;
@@ -193,29 +226,41 @@ class AmxGemm final : public GemmBackend {
     _tile_loadconfig(cfg);
 
     const std::int64_t mx32 = round_up(mx_, kPanel);
+    // The staged block whose tiles wait for store(): X row, Y column, set.
+    std::int64_t pending_m = -1;
+    std::int64_t pending_n = 0;
+    int set = 0;
+    const auto flush = [&] {
+      if (pending_m < 0) return;
+      float* t = tmp + (1 - set) * 4 * kTile * kTile;
+      store(t, pending_m, pending_n, c, bias);
+      store(t + kTile * kTile, pending_m, pending_n + kTile, c, bias);
+      store(t + 2 * kTile * kTile, pending_m + kTile, pending_n, c, bias);
+      store(t + 3 * kTile * kTile, pending_m + kTile, pending_n + kTile, c, bias);
+      pending_m = -1;
+    };
     for (std::int64_t k0 = 0; k0 < k_; k0 += kc_) {
       const std::int64_t kb = std::min(kc_, k_ - k0);
       const std::int64_t kb32 = round_up(kb, kKStep);
       const bool first = k0 == 0;
       const bool last = k0 + kb >= k_;
-      if (!x_direct_) pack_x(xs, 0, mx_, k0, kb, kb32, xpack);
+      if (x_whole_) pack_x(xs, 0, mx_, k0, kb, kb32, xpack);
       for (std::int64_t n0 = 0; n0 < ny_; n0 += nc_) {
         const std::int64_t nb = std::min(nc_, ny_ - n0);
         const std::int64_t nb32 = round_up(nb, kPanel);
-        pack_y(ys, k0, kb, kb32, n0, nb, nb32, ypack);
+        if (packed != nullptr) {
+          ypack = reinterpret_cast<const std::uint16_t*>(static_cast<const std::byte*>(packed) +
+                                                         static_cast<std::size_t>((k0 / kc_) * n_blocks() + n0 / nc_) *
+                                                             y_bytes_);
+        } else {
+          ypack = yscratch;
+          pack_y(ys, k0, kb, kb32, n0, nb, nb32, yscratch);
+        }
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
-          const std::uint16_t* xp = nullptr;
-          std::int64_t xld = 0;  // elements
-          if (!x_direct_) {
-            xp = xpack + m0 * kb32;
-            xld = kb32;
-          } else if (m0 + kPanel <= mx_) {
-            xp = xs + m0 * x_.rs + k0;
-            xld = x_.rs;
-          } else {
-            pack_x(xs, m0, mx_ - m0, k0, kb, kb32, xpack);  // the partial last panel, zero-padded
+          const std::uint16_t* xp = xpack + m0 * kb32;  // [k step][2 tiles][16][32]
+          if (!x_whole_) {
             xp = xpack;
-            xld = kb32;
+            pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xpack);
           }
           for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
             const std::int64_t ncol = n0 + nn;  // Y column of the block
@@ -234,10 +279,12 @@ class AmxGemm final : public GemmBackend {
             }
             const std::uint16_t* y0 = ypack + (nn / kTile) * (kb32 / 2) * 32;
             const std::uint16_t* y1 = y0 + (kb32 / 2) * 32;
-            const auto xstride = static_cast<long>(xld * 2);
+            // The previous block's tiles go to C while this block's
+            // tdpbf16ps run (their tile stores are long done).
+            flush();
             for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
-              _tile_loadd(4, xp + kk, xstride);
-              _tile_loadd(5, xp + kTile * xld + kk, xstride);
+              _tile_loadd(4, xp + kk * kPanel, 64);
+              _tile_loadd(5, xp + kk * kPanel + kTile * kKStep, 64);
               _tile_loadd(6, y0 + kk * 16, 64);
               _tile_loadd(7, y1 + kk * 16, 64);
               _tile_dpbf16ps(0, 4, 6);
@@ -252,34 +299,41 @@ class AmxGemm final : public GemmBackend {
               _tile_stored(3, acc_at + kTile * acc_ld_ + kTile, acc_stride);
               continue;
             }
-            _tile_stored(0, tmp, 64);
-            store(tmp, m0, ncol, c, bias);
-            _tile_stored(1, tmp, 64);
-            store(tmp, m0, ncol + kTile, c, bias);
-            _tile_stored(2, tmp, 64);
-            store(tmp, m0 + kTile, ncol, c, bias);
-            _tile_stored(3, tmp, 64);
-            store(tmp, m0 + kTile, ncol + kTile, c, bias);
+            // This block's tiles wait in one set while the next block runs.
+            float* t = tmp + set * 4 * kTile * kTile;
+            _tile_stored(0, t, 64);
+            _tile_stored(1, t + kTile * kTile, 64);
+            _tile_stored(2, t + 2 * kTile * kTile, 64);
+            _tile_stored(3, t + 3 * kTile * kTile, 64);
+            pending_m = m0;
+            pending_n = ncol;
+            set = 1 - set;
           }
         }
       }
     }
+    flush();
     _tile_release();
   }
 
  private:
-  // X rows [m0, m0 + rows) x k [k0, k0 + kb) -> out [round_up(rows, 32)][kb32]
-  // bf16, zero-padded in both directions.
+  std::int64_t k_blocks() const { return (k_ + kc_ - 1) / kc_; }
+  std::int64_t n_blocks() const { return (ny_ + nc_ - 1) / nc_; }
+
+  // X rows [m0, m0 + rows) x k [k0, k0 + kb) -> panels of 32 rows, each
+  // [kb32 / 32 k steps][2 tiles][16 rows][32 k] bf16, zero-padded.
+  static std::int64_t panel_at(std::int64_t r, std::int64_t kk, std::int64_t kb32) {
+    return (r / kPanel) * kPanel * kb32 + kk * kPanel + (r % kPanel) * kKStep;
+  }
   void pack_x(const std::uint16_t* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb,
               std::int64_t kb32, std::uint16_t* out) const {
     const std::int64_t rows32 = round_up(rows, kPanel);
-    if (x_.cs == 1) {  // rows K-contiguous: copy
+    if (x_kcontig_) {  // rows K-contiguous: copy
       for (std::int64_t r = 0; r < rows32; ++r) {
-        std::uint16_t* o = out + r * kb32;
         for (std::int64_t kk = 0; kk < kb32; kk += 32) {
           const __m512i v = r < rows ? _mm512_maskz_loadu_epi16(mask32(kb - kk), x + (m0 + r) * x_.rs + k0 + kk)
                                      : _mm512_setzero_si512();
-          _mm512_storeu_si512(o + kk, v);
+          _mm512_store_si512(out + panel_at(r, kk, kb32), v);
         }
       }
       return;
@@ -305,7 +359,7 @@ class AmxGemm final : public GemmBackend {
         for (std::int64_t r = 0; r < kTile; ++r) {
           const __m512i row =
               _mm512_i32gather_epi32(_mm512_add_epi32(cols, _mm512_set1_epi32(static_cast<int>(r))), pairs, 4);
-          _mm512_storeu_si512(out + (r0 + r) * kb32 + kk, row);
+          _mm512_store_si512(out + panel_at(r0 + r, kk, kb32), row);
         }
       }
     }
@@ -425,7 +479,8 @@ class AmxGemm final : public GemmBackend {
   bool swapped_ = false;
   std::int64_t mx_ = 0, ny_ = 0;
   View x_, y_;
-  bool x_direct_ = false;
+  bool x_kcontig_ = false;  // X's rows are K-contiguous: packing is a copy
+  bool x_whole_ = false;    // X packed a whole k block at a time (Y spans several column blocks)
   std::int64_t kc_ = 0, nc_ = 0;
   std::int64_t acc_ld_ = 0;
   std::size_t y_bytes_ = 0, x_bytes_ = 0, acc_bytes_ = 0, scratch_bytes_ = 0;

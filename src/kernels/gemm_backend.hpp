@@ -41,7 +41,13 @@ class GemmBackend {
   virtual GemmTraits traits() const = 0;
   virtual std::size_t scratchpad_bytes() const = 0;
   // scratch: scratchpad_bytes() bytes, 64-byte aligned. Single-threaded.
-  virtual void run(const void* a, const void* b, void* c, const void* bias, void* scratch) const = 0;
+  // packed: null, or the spec's shared operand as pack_shared() left it.
+  virtual void run(const void* a, const void* b, void* c, const void* bias, void* scratch,
+                   const void* packed) const = 0;
+  // The shared operand (GemmSpec::shared) packed once for many calls; 0
+  // bytes: the backend reads it as it is.
+  virtual std::size_t shared_packed_bytes() const { return 0; }
+  virtual void pack_shared(const void* /*operand*/, void* /*packed*/) const {}
 };
 
 // Null when the CPU (or the OS) lacks what the backend needs, or the spec is

@@ -35,7 +35,8 @@ class ReferenceGemm final : public GemmBackend {
   GemmTraits traits() const override { return {.m_independent = true}; }
   std::size_t scratchpad_bytes() const override { return 0; }
 
-  void run(const void* a, const void* b, void* c, const void* bias, void* /*scratch*/) const override {
+  void run(const void* a, const void* b, void* c, const void* bias, void* /*scratch*/,
+           const void* /*packed*/) const override {
     const GemmOperand& ao = spec_.a;
     const GemmOperand& bo = spec_.b;
     const GemmOperand& co = spec_.c;
