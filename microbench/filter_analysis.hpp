@@ -26,7 +26,9 @@ namespace grpo::bench {
 struct FilterAnalysisOptions {
   int segments = 2;  // row segments of kFilterSegmentRows rows each, spread over the batch
   std::vector<std::int64_t> block_rows = {32, 64, 160};
-  std::vector<std::int64_t> tile_cols = {64, 128, 256, 2048};
+  // 1 column: a filter that gathers each row block's significant columns
+  // (the FLOPs a per-block compaction would leave); 2048: the driver's tile.
+  std::vector<std::int64_t> tile_cols = {1, 16, 64, 256, 2048};
   double eps = kFilterEpsBf16;
 };
 
