@@ -42,8 +42,8 @@ constexpr const char* kUsage =
     "--machine-peak measures the arithmetic peak of each unit (f32 FMA, avx512 bf16, AMX bf16) on\n"
     "  1 thread and on every allowed CPU, as the LM-head runs do for machine_peak_gflops.\n"
     "--analyze-filter prints, for FILE's inputs, the entropy and the fraction of (row block x vocab tile)\n"
-    "  blocks a 2^-12 gradient filter could skip, in natural and sorted vocabulary orders\n"
-    "  (filter_analysis.hpp), on N segments of 320 rows (default 2). Nothing is timed.\n";
+    "  blocks a 2^-12 gradient filter could skip, in natural and two sorted vocabulary orders\n"
+    "  (filter_analysis.hpp), on N segments of 320 rows (default 2; 0 = every row). Nothing is timed.\n";
 
 struct Args {
   std::vector<std::string> configs;

@@ -21,7 +21,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 // Segments of kFilterSegmentRows consecutive rows, evenly spread (fewer rows:
 // one segment of all of them).
 std::vector<std::int64_t> segment_starts(std::int64_t n, int segments) {
-  if (n <= kFilterSegmentRows) return {0};
+  if (n <= kFilterSegmentRows || segments == 0) return {0};
   std::vector<std::int64_t> starts;
   for (int i = 0; i < segments; ++i) {
     const std::int64_t mid = (2 * i + 1) * n / (2 * segments);
@@ -77,7 +77,9 @@ FilterAnalysis analyze_filter(const BenchConfig& config, const FilterAnalysisOpt
 
   // Significant ids of every analysed row (empty for masked rows).
   const std::vector<std::int64_t> starts = segment_starts(n, o.segments);
-  const std::int64_t seg_rows = std::min(n, kFilterSegmentRows);
+  const std::int64_t seg_rows = o.segments == 0 ? n : std::min(n, kFilterSegmentRows);
+  if (seg_rows * v > (std::int64_t{1} << 29))
+    throw std::invalid_argument("--analyze-segments 0 at this shape needs more than 2 GiB of logits");
   std::vector<std::vector<std::vector<std::int32_t>>> sig(starts.size());
   std::vector<double> counts(static_cast<std::size_t>(v), 0.0);
   double above = 0.0, logp = 0.0;
@@ -117,8 +119,9 @@ FilterAnalysis analyze_filter(const BenchConfig& config, const FilterAnalysisOpt
 
   std::vector<double> natural_key(static_cast<std::size_t>(v));
   for (std::int64_t t = 0; t < v; ++t) natural_key[t] = -static_cast<double>(t);
-  const std::pair<const char*, std::vector<std::int64_t>> orders[] = {
-      {"natural", positions_by(natural_key)}, {"avg_logit", positions_by(avg_logit)}, {"oracle", positions_by(counts)}};
+  const std::pair<const char*, std::vector<std::int64_t>> orders[] = {{"natural", positions_by(natural_key)},
+                                                                      {"avg_logit", positions_by(avg_logit)},
+                                                                      {"sig_count", positions_by(counts)}};
   for (const auto& [name, pos] : orders) {
     for (const std::int64_t br : o.block_rows) {
       for (const std::int64_t tc : o.tile_cols) {

@@ -7,9 +7,12 @@
 //   natural    vocabulary ids in order
 //   avg_logit  descending average forward logit (CCE's order; the average over
 //              the valid rows of z = W h is W times the average h, one GEMV)
-//   oracle     descending count of significant entries per column on the
-//              sampled rows themselves (optimistic: the order is fitted to the
-//              rows it is scored on; a bound on what a static order can do)
+//   sig_count  descending count of significant entries per column over the
+//              analysed rows. The forward pass computes every p, so it could
+//              count them over the whole batch and hand the backward this
+//              order; with --analyze-segments 0 (every row) this is that
+//              order; on sampled segments it is optimistic (fewer rows, fewer
+//              distinct significant columns to pack).
 // Every valid row counts as active (a zero advantage would skip its row in
 // the exact path already); masked rows have no significant entries.
 #pragma once
@@ -24,7 +27,9 @@
 namespace grpo::bench {
 
 struct FilterAnalysisOptions {
-  int segments = 2;  // row segments of kFilterSegmentRows rows each, spread over the batch
+  // Row segments of kFilterSegmentRows rows each, spread over the batch;
+  // 0: every row, one segment (refused above 2^29 logits, 2 GiB of floats).
+  int segments = 2;
   std::vector<std::int64_t> block_rows = {32, 64, 160};
   // 1 column: a filter that gathers each row block's significant columns
   // (the FLOPs a per-block compaction would leave); 2048: the driver's tile.
@@ -36,7 +41,7 @@ struct FilterAnalysisOptions {
 inline constexpr std::int64_t kFilterSegmentRows = 320;
 
 struct FilterBlockResult {
-  std::string order;  // natural | avg_logit | oracle
+  std::string order;  // natural | avg_logit | sig_count
   std::int64_t block_rows = 0, tile_cols = 0;
   double skip_frac = 0.0;  // FLOP-weighted fraction of blocks with no significant entry
 };

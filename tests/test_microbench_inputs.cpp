@@ -192,11 +192,11 @@ TEST(FilterAnalysis, TrainedLikeSkipsMostSmallBlocks) {
   for (std::size_t i = 0; i < kPerOrder; ++i) {
     const FilterBlockResult& natural = a.blocks[i];
     const FilterBlockResult& sorted = a.blocks[i + kPerOrder];
-    const FilterBlockResult& oracle = a.blocks[i + 2 * kPerOrder];
+    const FilterBlockResult& sig_count = a.blocks[i + 2 * kPerOrder];
     ASSERT_EQ(natural.order, "natural");
-    ASSERT_EQ(oracle.order, "oracle");
+    ASSERT_EQ(sig_count.order, "sig_count");
     ASSERT_EQ(sorted.tile_cols, natural.tile_cols);
-    for (const FilterBlockResult* b : {&natural, &sorted, &oracle}) {
+    for (const FilterBlockResult* b : {&natural, &sorted, &sig_count}) {
       EXPECT_GE(b->skip_frac, 0.0);
       EXPECT_LE(b->skip_frac, 1.0);
     }
