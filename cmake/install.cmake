@@ -4,7 +4,8 @@
 # What a consumer gets after `cmake --install`:
 #   <prefix>/include/grpo/*.hpp          public headers, plus the generated version.hpp
 #   <prefix>/lib/libgrpo.{a,so*}         static or shared, as BUILD_SHARED_LIBS chose
-#   <prefix>/lib/cmake/grpo/             grpoConfig.cmake, grpoConfigVersion.cmake, grpoTargets*.cmake
+#   <prefix>/lib/libgrpo_baseline.*      the unfused comparison paths (grpo::baseline), apart
+#   <prefix>/lib/cmake/grpo/             grpoConfig.cmake, grpoConfigVersion.cmake, grpo*Targets*.cmake
 #   <prefix>/lib/pkgconfig/grpo.pc
 # and uses it with find_package(grpo) + target_link_libraries(app grpo::grpo).
 
@@ -45,6 +46,20 @@ install(FILES ${PROJECT_BINARY_DIR}/include/grpo/version.hpp
 install(EXPORT grpoTargets
   NAMESPACE grpo::
   FILE grpoTargets.cmake
+  DESTINATION ${GRPO_INSTALL_CMAKEDIR} COMPONENT grpo_development)
+
+# grpo::baseline (grpo/baseline.hpp): the unfused comparison paths, in their
+# own library and export set so that linking grpo::grpo never pulls them in;
+# a consumer who wants to measure against them links grpo::baseline.
+target_compile_features(grpo_baseline PUBLIC cxx_std_20)
+install(TARGETS grpo_baseline
+  EXPORT grpoBaselineTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT grpo_development
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT grpo_runtime NAMELINK_COMPONENT grpo_development
+  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT grpo_runtime)
+install(EXPORT grpoBaselineTargets
+  NAMESPACE grpo::
+  FILE grpoBaselineTargets.cmake
   DESTINATION ${GRPO_INSTALL_CMAKEDIR} COMPONENT grpo_development)
 
 # grpo::mpi, when built: its own export set (grpoMpiTargets.cmake), which the

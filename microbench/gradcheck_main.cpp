@@ -15,6 +15,7 @@
 
 #include "gradcheck_config.hpp"
 #include "gradcheck_reference.hpp"
+#include "grpo/baseline.hpp"
 
 namespace {
 

@@ -142,35 +142,16 @@ BenchResult run_mpi_bench(const MpiBenchConfig& mc, MPI_Comm world, bool show_pr
                              : g.is_weight.subspan(static_cast<std::size_t>(s0), static_cast<std::size_t>(b));
   }
 
-  // Outputs: this rank's, touched before anything is timed.
-  HostBuffer dhidden(static_cast<std::size_t>(n * h) * size_of(c.dhidden_dtype));
-  HostBuffer dweight(c.forward_only ? 0 : static_cast<std::size_t>(v * h) * size_of(c.dweight_dtype));
-  dhidden.fill_zero();
-  dweight.fill_zero();
-  std::vector<float> logp(static_cast<std::size_t>(n)), dbias(c.bias && !c.forward_only ? v : 0);
+  // Outputs: this rank's rows and shard, touched before anything is timed.
+  HeadOutputs outputs(c, c.forward_only, n, v);
   Metrics metrics;
-  LmHeadOutputs out;
-  out.tokens.logp = logp;
-  out.metrics = &metrics;
-  if (!c.forward_only) {
-    out.dhidden = {dhidden.data(), c.dhidden_dtype, n, h, h};
-    out.dweight = vm ? MutMatrixView{dweight.data(), c.dweight_dtype, v, h, h}
-                     : MutMatrixView{dweight.data(), c.dweight_dtype, h, v, v};
-    if (!vm) shape.dweight_ld = v;
-    out.dbias = dbias;
-  }
+  const LmHeadOutputs out = outputs.view(c, &metrics);
+  if (!vm && !c.forward_only) shape.dweight_ld = v;
 
   const MpiCommunicator mpi(world);
   const CountingCommunicator counted(mpi);
   LossConfig config = problem.config;
-  LmHeadOptions o;
-  o.token_block = c.token_block;
-  o.vocab_tile = c.vocab_tile;
-  o.workspace_budget = c.workspace_budget;
-  o.max_threads = c.threads;
-  o.forward_only = c.forward_only;
-  o.dweight_dtype = c.dweight_dtype;
-  o.dhidden_dtype = c.dhidden_dtype;
+  LmHeadOptions o = plan_options(c, default_allocator());  // the tracker below replaces the allocator
   if (mc.mode == ScaleOutMode::vocab) {
     o.scale_out.vocab_group = &counted;
   } else {

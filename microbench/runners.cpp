@@ -13,41 +13,53 @@
 #include "unfused_gemms.hpp"
 
 namespace grpo::bench {
+
+HeadOutputs::HeadOutputs(const BenchConfig& c, bool forward_only)
+    : HeadOutputs(c, forward_only, c.shape.rows(), c.shape.vocab) {}
+
+HeadOutputs::HeadOutputs(const BenchConfig& c, bool forward_only, std::int64_t n_rows, std::int64_t n_vocab)
+    : rows(n_rows), vocab(n_vocab), logp(static_cast<std::size_t>(n_rows)) {
+  if (forward_only) return;
+  const auto n = static_cast<std::size_t>(rows), h = static_cast<std::size_t>(c.shape.hidden),
+             v = static_cast<std::size_t>(vocab);
+  dhidden = HostBuffer(n * h * size_of(c.dhidden_dtype));
+  dhidden.fill_zero();
+  if (c.frozen_weight) return;
+  dweight = HostBuffer(v * h * size_of(c.dweight_dtype));
+  dweight.fill_zero();
+  if (c.bias) dbias.assign(v, 0.0F);
+}
+
+LmHeadOutputs HeadOutputs::view(const BenchConfig& c, Metrics* metrics, LmHeadStepStats* stats) {
+  const std::int64_t n = rows, h = c.shape.hidden, v = vocab;
+  LmHeadOutputs o;
+  o.tokens.logp = logp;
+  o.metrics = metrics;
+  o.stats = stats;
+  if (dhidden.empty()) return o;
+  o.dhidden = {dhidden.data(), c.dhidden_dtype, n, h, h};
+  if (dweight.empty()) return o;  // frozen_weight
+  o.dweight = c.layout == WeightLayout::vocab_major ? MutMatrixView{dweight.data(), c.dweight_dtype, v, h, h}
+                                                    : MutMatrixView{dweight.data(), c.dweight_dtype, h, v, v};
+  o.dbias = dbias;
+  return o;
+}
+
+LmHeadOptions plan_options(const BenchConfig& c, Allocator& a) {
+  LmHeadOptions o;
+  o.token_block = c.token_block;
+  o.vocab_tile = c.vocab_tile;
+  o.workspace_budget = c.workspace_budget;
+  o.max_threads = c.threads;
+  o.forward_only = c.forward_only;
+  o.frozen_weight = c.frozen_weight;
+  o.dweight_dtype = c.dweight_dtype;
+  o.dhidden_dtype = c.dhidden_dtype;
+  o.allocator = &a;
+  return o;
+}
+
 namespace {
-
-// Per-token outputs and the LM-head gradients, allocated and touched once.
-struct HeadOutputs {
-  std::vector<float> logp;
-  HostBuffer dhidden, dweight;
-  std::vector<float> dbias;
-
-  HeadOutputs(const BenchConfig& c, bool forward_only) : logp(static_cast<std::size_t>(c.shape.rows())) {
-    if (forward_only) return;
-    const auto n = static_cast<std::size_t>(c.shape.rows()), h = static_cast<std::size_t>(c.shape.hidden),
-               v = static_cast<std::size_t>(c.shape.vocab);
-    dhidden = HostBuffer(n * h * size_of(c.dhidden_dtype));
-    dhidden.fill_zero();
-    if (c.frozen_weight) return;
-    dweight = HostBuffer(v * h * size_of(c.dweight_dtype));
-    dweight.fill_zero();
-    if (c.bias) dbias.assign(v, 0.0F);
-  }
-
-  LmHeadOutputs view(const BenchConfig& c, Metrics* metrics, LmHeadStepStats* stats = nullptr) {
-    const std::int64_t n = c.shape.rows(), h = c.shape.hidden, v = c.shape.vocab;
-    LmHeadOutputs o;
-    o.tokens.logp = logp;
-    o.metrics = metrics;
-    o.stats = stats;
-    if (dhidden.empty()) return o;
-    o.dhidden = {dhidden.data(), c.dhidden_dtype, n, h, h};
-    if (dweight.empty()) return o;  // frozen_weight
-    o.dweight = c.layout == WeightLayout::vocab_major ? MutMatrixView{dweight.data(), c.dweight_dtype, v, h, h}
-                                                      : MutMatrixView{dweight.data(), c.dweight_dtype, h, v, v};
-    o.dbias = dbias;
-    return o;
-  }
-};
 
 LmHeadBaselineOptions baseline_options(const BenchConfig& c, DType logits_dtype, Allocator* allocator) {
   LmHeadBaselineOptions o;
@@ -72,21 +84,6 @@ double best_unfused_gemms(const BenchConfig& c, const Problem& p, DType logits_d
     best = i == 0 ? t : std::min(best, t);
   }
   return best;
-}
-
-// The plan options a config asks for (fused loss and generic head alike).
-LmHeadOptions plan_options(const BenchConfig& c, Allocator& a) {
-  LmHeadOptions o;
-  o.token_block = c.token_block;
-  o.vocab_tile = c.vocab_tile;
-  o.workspace_budget = c.workspace_budget;
-  o.max_threads = c.threads;
-  o.forward_only = c.forward_only;
-  o.frozen_weight = c.frozen_weight;
-  o.dweight_dtype = c.dweight_dtype;
-  o.dhidden_dtype = c.dhidden_dtype;
-  o.allocator = &a;
-  return o;
 }
 
 class FusedRunner final : public Runner {

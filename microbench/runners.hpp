@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bench_config.hpp"
 #include "synth.hpp"
@@ -37,6 +38,26 @@ class Runner {
  protected:
   Metrics metrics_;
 };
+
+// Per-token outputs and the LM-head gradients of one run, allocated and
+// touched once, outside the library's allocator. The config gives the hidden
+// size, dtypes, layout, bias and frozen weight; the rows and vocabulary are
+// the config's shape, or a scale-out rank's own (its rows, its shard).
+struct HeadOutputs {
+  HeadOutputs(const BenchConfig& c, bool forward_only);
+  HeadOutputs(const BenchConfig& c, bool forward_only, std::int64_t n_rows, std::int64_t n_vocab);
+  // Views of the buffers: dhidden / dweight / dbias only when they exist
+  // (forward-only: none; frozen_weight: no dweight, no dbias).
+  LmHeadOutputs view(const BenchConfig& c, Metrics* metrics, LmHeadStepStats* stats = nullptr);
+
+  std::int64_t rows = 0, vocab = 0;
+  std::vector<float> logp;
+  HostBuffer dhidden, dweight;
+  std::vector<float> dbias;
+};
+
+// The plan options a config asks for (fused loss, generic head, scale-out).
+LmHeadOptions plan_options(const BenchConfig& c, Allocator& allocator);
 
 // Builds the runner and its outputs; call create() before the first step.
 // allocator: what the library's options get (the tracker).

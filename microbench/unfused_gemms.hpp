@@ -12,6 +12,7 @@
 
 #include <memory>
 
+#include "grpo/baseline.hpp"
 #include "grpo/grpo.hpp"
 
 namespace grpo::detail {

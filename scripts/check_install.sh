@@ -46,6 +46,12 @@ for kind in "${kinds[@]}"; do
   cmake --build "$build" -j "$jobs"
   cmake --install "$build" --prefix "$prefix" >/dev/null
   echo "installed:"; (cd "$prefix" && find . -type f -o -type l | sort | sed 's/^/  /')
+  # grpo::grpo carries no comparison path: the unfused baselines are grpo::baseline's own library.
+  lib=$(find "$prefix" -name 'libgrpo.a' -o -name 'libgrpo.so' | head -n1)
+  if nm -C --defined-only "$lib" | grep -q 'LmHeadBaseline\|LogitsBaseline\|run_unfused_logits'; then
+    echo "check_install: $lib defines baseline symbols (they belong to grpo::baseline)" >&2
+    exit 1
+  fi
 
   # The consumer sees the prefix and the system, nothing of grpo's trees: no
   # package registry, and a fresh build dir each time.

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "grpo/baseline.hpp"
 #include "grpo/grpo.hpp"
 
 namespace grpo {

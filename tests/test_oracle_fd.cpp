@@ -49,37 +49,80 @@ std::string shape_of(const Problem& p) {
   return " B=" + std::to_string(p.batch) + " T=" + std::to_string(p.seq_len) + " V=" + std::to_string(p.vocab);
 }
 
+std::string where_of(const CaseOptions& o, const Problem& p, unsigned seed) {
+  return o.describe() + shape_of(p) + " seed=" + std::to_string(seed);
+}
+
+// Case o's random problem from seed. Redraws come from the same stream, so the
+// seed still reproduces the case. Called under ASSERT_NO_FATAL_FAILURE.
+void draw_clear_of_kinks(const CaseOptions& o, unsigned seed, int max_redraws, Problem& p) {
+  std::mt19937 rng(seed);
+  p = fd::random_problem(o, rng);
+  for (int redraw = 0; fd::near_kink(p, kKinkMargin); ++redraw) {
+    ASSERT_LT(redraw, max_redraws) << o.describe() << " seed=" << seed;
+    p = fd::random_problem(o, rng);
+  }
+}
+
+enum class MaskedEntries : std::uint8_t { must_be_zero, skipped };
+
+// Every valid row's dlogits against the central difference of the surrogate
+// loss (kFdTolerance); worst keeps the largest gap. Called under
+// ASSERT_NO_FATAL_FAILURE.
+void check_dlogits_against_fd(const Problem& p, const Result& res, const std::string& where, MaskedEntries masked,
+                              double& worst) {
+  for (std::size_t k = 0; k < res.dlogits.size(); ++k) {
+    if (p.mask[k / p.vocab] == 0.0) {
+      if (masked == MaskedEntries::must_be_zero) ASSERT_EQ(res.dlogits[k], 0.0) << where << " masked entry " << k;
+      continue;
+    }
+    const double fd = fd::surrogate_derivative(p, k, kStep);
+    worst = std::max(worst, std::abs(fd - res.dlogits[k]));
+    ASSERT_NEAR(res.dlogits[k], fd, kFdTolerance) << where << " entry " << k;
+  }
+}
+
+// What a sweep of FD cases found: the largest |oracle - central difference|
+// and how many cases passed.
+struct FdTally {
+  double worst = 0.0;
+  std::int64_t cases = 0;
+};
+
+// One FD case: the problem drawn clear of kinks, the oracle's result (its loss
+// finite) and its dlogits checked against central differences. Called under
+// ASSERT_NO_FATAL_FAILURE.
+struct FdCase {
+  Problem p;
+  Result res;
+  std::string where;
+};
+
+void run_fd_case(const CaseOptions& o, unsigned seed, int max_redraws, MaskedEntries masked, FdTally& tally,
+                 FdCase& out) {
+  ASSERT_NO_FATAL_FAILURE(draw_clear_of_kinks(o, seed, max_redraws, out.p));
+  out.where = where_of(o, out.p, seed);
+  out.res = evaluate(out.p);
+  ASSERT_TRUE(std::isfinite(out.res.loss)) << out.where;
+  ASSERT_NO_FATAL_FAILURE(check_dlogits_against_fd(out.p, out.res, out.where, masked, tally.worst));
+  ++tally.cases;
+}
+
 class OracleFd : public ::testing::TestWithParam<std::tuple<LossType, IsLevel>> {};
 
 TEST_P(OracleFd, DlogitsMatchCentralDifferences) {
   const auto [type, level] = GetParam();
   const std::vector<CaseOptions> cases = fd::sweep(type, level);
   const auto seed_base = 10000U * (2U * static_cast<unsigned>(type) + static_cast<unsigned>(level));
-  double worst = 0.0;
+  FdTally tally;
   std::int64_t valid_rows = 0, clipped_rows = 0, above_delta = 0;
   for (std::size_t c = 0; c < cases.size(); ++c) {
     const CaseOptions& o = cases[c];
     const unsigned seed = seed_base + static_cast<unsigned>(c);
-    std::mt19937 rng(seed);
-    Problem p = fd::random_problem(o, rng);
-    // Redraws come from the same stream, so the seed still reproduces the case.
-    for (int redraw = 0; fd::near_kink(p, kKinkMargin); ++redraw) {
-      ASSERT_LT(redraw, 100) << o.describe() << " seed=" << seed;
-      p = fd::random_problem(o, rng);
-    }
-    const std::string where = o.describe() + shape_of(p) + " seed=" + std::to_string(seed);
-    const Result res = evaluate(p);
+    FdCase fc;
+    ASSERT_NO_FATAL_FAILURE(run_fd_case(o, seed, 100, MaskedEntries::must_be_zero, tally, fc));
+    const auto& [p, res, where] = fc;
     ASSERT_EQ(loss_only(p), res.loss) << where;
-    ASSERT_TRUE(std::isfinite(res.loss)) << where;
-    for (std::size_t k = 0; k < res.dlogits.size(); ++k) {
-      if (p.mask[k / p.vocab] == 0.0) {
-        ASSERT_EQ(res.dlogits[k], 0.0) << where << " masked entry " << k;
-        continue;
-      }
-      const double fd = fd::surrogate_derivative(p, k, kStep);
-      worst = std::max(worst, std::abs(fd - res.dlogits[k]));
-      ASSERT_NEAR(res.dlogits[k], fd, kFdTolerance) << where << " entry " << k;
-    }
     if (!o.with_old) {
       // On-policy equals "old = the current logp, as a constant", bit for bit.
       Problem frozen = p;
@@ -96,7 +139,7 @@ TEST_P(OracleFd, DlogitsMatchCentralDifferences) {
     clipped_rows += std::llround(res.clip_ratio_region * static_cast<double>(res.num_valid));
   }
   std::ostringstream worst_text;
-  worst_text << std::scientific << worst;
+  worst_text << std::scientific << tally.worst;
   RecordProperty("worst_abs_error", worst_text.str());
   EXPECT_GT(clipped_rows, valid_rows / 20) << "too few clipped tokens to exercise clipping";
   EXPECT_LT(clipped_rows, valid_rows / 2) << "too few unclipped tokens";
@@ -124,6 +167,13 @@ struct TrainerBase {
   KlEstimator kl;
   bool opsm;
   bool dual;
+
+  CaseOptions on(CaseOptions o) const {
+    o.kl_estimator = kl;
+    o.off_policy_mask = opsm;
+    o.dual_clip = dual;
+    return o;
+  }
 };
 
 TEST(OracleFdTrainerOptions, DlogitsMatchCentralDifferences) {
@@ -141,35 +191,19 @@ TEST(OracleFdTrainerOptions, DlogitsMatchCentralDifferences) {
       {LossType::dapo, IsLevel::token, K::k2, false, true},
       {LossType::bnpo, IsLevel::sequence, K::k1, false, true},
   };
-  double worst = 0.0;
-  std::int64_t dropped = 0, kept_negative = 0, dual_clipped = 0, cases = 0;
+  FdTally tally;
+  std::int64_t dropped = 0, kept_negative = 0, dual_clipped = 0;
   for (std::size_t b = 0; b < std::size(bases); ++b) {
     const TrainerBase& base = bases[b];
     std::vector<CaseOptions> sweep = fd::sweep(base.type, base.level);
     for (std::size_t c = 0; c < sweep.size(); ++c) {
-      CaseOptions o = sweep[c];
+      const CaseOptions o = base.on(sweep[c]);
       if (o.tau == 1.0 && c % 2 == 0) continue;  // half of the tau = 1 points: the sweep is 11 bases wide
       if (base.type == LossType::vespo && o.is_weight == IsWeightKind::per_sequence) continue;  // refused
-      o.kl_estimator = base.kl;
-      o.off_policy_mask = base.opsm;
-      o.dual_clip = base.dual;
       const unsigned seed = 500000U + 1000U * static_cast<unsigned>(b) + static_cast<unsigned>(c);
-      std::mt19937 rng(seed);
-      Problem p = fd::random_problem(o, rng);
-      for (int redraw = 0; fd::near_kink(p, kKinkMargin); ++redraw) {
-        ASSERT_LT(redraw, 100) << o.describe() << " seed=" << seed;
-        p = fd::random_problem(o, rng);
-      }
-      const std::string where = o.describe() + shape_of(p) + " seed=" + std::to_string(seed);
-      const Result res = evaluate(p);
-      ASSERT_TRUE(std::isfinite(res.loss)) << where;
-      for (std::size_t k = 0; k < res.dlogits.size(); ++k) {
-        if (p.mask[k / p.vocab] == 0.0) continue;
-        const double fd = fd::surrogate_derivative(p, k, kStep);
-        worst = std::max(worst, std::abs(fd - res.dlogits[k]));
-        ASSERT_NEAR(res.dlogits[k], fd, kFdTolerance) << where << " entry " << k;
-      }
-      ++cases;
+      FdCase fc;
+      ASSERT_NO_FATAL_FAILURE(run_fd_case(o, seed, 100, MaskedEntries::skipped, tally, fc));
+      const auto& [p, res, where] = fc;
       // Coverage: sequences the mask drops and keeps, tokens on the -A c branch.
       const std::vector<double> lr = fd::raw_log_ratios(p, res.logp);
       for (std::int64_t i = 0; i < p.batch; ++i) {
@@ -190,8 +224,8 @@ TEST(OracleFdTrainerOptions, DlogitsMatchCentralDifferences) {
     }
   }
   std::printf("trainer options FD: %lld cases, worst |oracle - central difference| = %.3g\n",
-              static_cast<long long>(cases), worst);
-  RecordProperty("worst_abs_error", std::to_string(worst));
+              static_cast<long long>(tally.cases), tally.worst);
+  RecordProperty("worst_abs_error", std::to_string(tally.worst));
   EXPECT_GT(dropped, 0) << "the off-policy mask never dropped a sequence";
   EXPECT_GT(kept_negative, 0) << "the off-policy mask never kept a negative sequence";
   EXPECT_GT(dual_clipped, 0) << "no token reached the dual-clip cap";
@@ -206,6 +240,14 @@ TEST(OracleFdTrainerOptions, EntropyBonusMaskAndSoftcapMatchCentralDifferences) 
     LossType type;
     IsLevel level;
     double entropy_coef, rho, softcap, scale;
+
+    CaseOptions on(CaseOptions o) const {
+      o.entropy_coef = entropy_coef;
+      o.top_entropy_quantile = rho;
+      o.logit_softcap = softcap;
+      o.logit_scale = scale;
+      return o;
+    }
   };
   const Base bases[] = {
       {LossType::grpo, IsLevel::token, 0.05, 1.0, 0.0, 1.0},   {LossType::dapo, IsLevel::token, -0.3, 0.45, 0.0, 1.0},
@@ -213,35 +255,18 @@ TEST(OracleFdTrainerOptions, EntropyBonusMaskAndSoftcapMatchCentralDifferences) 
       {LossType::bnpo, IsLevel::token, 0.0, 1.0, 2.0, 1.7},    {LossType::luspo, IsLevel::sequence, 0.0, 0.5, 0.0, 0.6},
       {LossType::vespo, IsLevel::token, 0.15, 0.8, 1.5, 1.3},  {LossType::sapo, IsLevel::token, 0.0, 1.0, 0.0, 1.3},
   };
-  double worst = 0.0;
-  std::int64_t cases = 0, masked_out = 0;
+  FdTally tally;
+  std::int64_t masked_out = 0;
   for (std::size_t b = 0; b < std::size(bases); ++b) {
     const Base& base = bases[b];
     std::vector<CaseOptions> sweep = fd::sweep(base.type, base.level);
     for (std::size_t c = 0; c < sweep.size(); c += 5) {  // every 5th point: 8 bases x ~150 cases
-      CaseOptions o = sweep[c];
+      const CaseOptions o = base.on(sweep[c]);
       if (base.type == LossType::vespo && o.is_weight == IsWeightKind::per_sequence) continue;  // refused
-      o.entropy_coef = base.entropy_coef;
-      o.top_entropy_quantile = base.rho;
-      o.logit_softcap = base.softcap;
-      o.logit_scale = base.scale;
       const unsigned seed = 700000U + 1000U * static_cast<unsigned>(b) + static_cast<unsigned>(c);
-      std::mt19937 rng(seed);
-      Problem p = fd::random_problem(o, rng);
-      for (int redraw = 0; fd::near_kink(p, kKinkMargin); ++redraw) {
-        ASSERT_LT(redraw, 200) << o.describe() << " seed=" << seed;
-        p = fd::random_problem(o, rng);
-      }
-      const std::string where = o.describe() + shape_of(p) + " seed=" + std::to_string(seed);
-      const Result res = evaluate(p);
-      ASSERT_TRUE(std::isfinite(res.loss)) << where;
-      for (std::size_t k = 0; k < res.dlogits.size(); ++k) {
-        if (p.mask[k / p.vocab] == 0.0) continue;
-        const double fd = fd::surrogate_derivative(p, k, kStep);
-        worst = std::max(worst, std::abs(fd - res.dlogits[k]));
-        ASSERT_NEAR(res.dlogits[k], fd, kFdTolerance) << where << " entry " << k;
-      }
-      ++cases;
+      FdCase fc;
+      ASSERT_NO_FATAL_FAILURE(run_fd_case(o, seed, 200, MaskedEntries::skipped, tally, fc));
+      const auto& [p, res, where] = fc;
       // Coverage: the mask removed some valid row's policy term.
       if (base.rho < 1.0) {
         std::vector<long double> valid;
@@ -256,8 +281,8 @@ TEST(OracleFdTrainerOptions, EntropyBonusMaskAndSoftcapMatchCentralDifferences) 
     }
   }
   std::printf("entropy bonus / mask / softcap FD: %lld cases, worst |oracle - central difference| = %.3g\n",
-              static_cast<long long>(cases), worst);
-  RecordProperty("worst_abs_error", std::to_string(worst));
+              static_cast<long long>(tally.cases), tally.worst);
+  RecordProperty("worst_abs_error", std::to_string(tally.worst));
   EXPECT_GT(masked_out, 0) << "the top-entropy mask never masked a token";
 }
 

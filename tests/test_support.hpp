@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "grpo/baseline.hpp"
 #include "grpo/grpo.hpp"
 #include "kernels/stage_kernels.hpp"
 #include "oracle/oracle.hpp"

@@ -12,6 +12,7 @@
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
+#include "grpo/baseline.hpp"
 #include "grpo/grpo.hpp"
 
 namespace {

@@ -25,9 +25,11 @@
 // concurrently on distinct outputs and workspaces.
 // Errors: invalid arguments throw grpo::Error (argument() names the argument)
 // before any output is written.
+//
+// The unfused comparison paths (grpo/baseline.hpp) are not part of this
+// header or of grpo::grpo: they are the grpo::baseline library.
 #pragma once
 
-#include "grpo/baseline.hpp"
 #include "grpo/lm_head_loss.hpp"
 #include "grpo/log_prob_head.hpp"
 #include "grpo/logits_loss.hpp"

@@ -13,11 +13,9 @@
 #include "api/lm_head_validate.hpp"
 #include "api/scale_out_plan.hpp"
 #include "api/validate.hpp"
-#include "baseline/unfused_lm_head.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
-#include "grpo/baseline.hpp"
 
 namespace grpo {
 
@@ -145,19 +143,7 @@ void LmHeadLossPlan::execute(const LmHeadInputs& inputs, const LmHeadOutputs& ou
   std::exception_ptr refused;  // with groups, exchanged before it is thrown
   try {
     max_abs_coef = detail::validate_lm_head_call(impl_->call, inputs, outputs);
-    const std::size_t need = workspace_size();
-    if (workspace.empty()) {
-      owned = detail::Buffer(detail::resolve(impl_->data->options.allocator), need);
-      ws = owned.as();
-    } else {
-      if (workspace.size() < need) {
-        throw Error("workspace",
-                    "has " + std::to_string(workspace.size()) + " bytes, the plan needs " + std::to_string(need));
-      }
-      if (reinterpret_cast<std::uintptr_t>(workspace.data()) % detail::kAlignment != 0) {
-        throw Error("workspace", "must be 64-byte aligned");
-      }
-    }
+    ws = detail::call_workspace(workspace, workspace_size(), impl_->data->options.allocator, owned);
   } catch (...) {
     if (so == nullptr) throw;
     refused = std::current_exception();
@@ -177,42 +163,6 @@ void LmHeadLossPlan::execute(const LmHeadInputs& inputs, const LmHeadOutputs& ou
     if (!so->step_finishing) detail::finish_data_parallel(*impl_->data, outputs, nullptr, ws, std::current_exception());
     throw;
   }
-}
-
-struct LmHeadBaseline::Impl {
-  std::unique_ptr<detail::LmHeadBaselineData> data;
-  detail::LmHeadCallSpec call;
-};
-
-LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& config,
-                               const LmHeadBaselineOptions& options) {
-  detail::validate_lm_head_shape(shape);
-  detail::validate_config(config);
-  detail::refuse_baseline_features(config);
-  detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
-  if (options.dhidden_dtype == DType::bf16 && shape.dtype != DType::bf16) {
-    throw Error("options.dhidden_dtype", "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)",
-                ErrorKind::unsupported);
-  }
-  if (options.logits_dtype == DType::bf16 && shape.dtype != DType::bf16) {
-    throw Error("options.logits_dtype", "bf16 logits need bf16 inputs", ErrorKind::unsupported);
-  }
-  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
-  detail::refuse_scale_out(shape, nullptr, "the baseline");
-  auto impl = std::make_unique<Impl>();
-  impl->data = detail::build_lm_head_baseline(detail::resolve_lds(shape), config, options);
-  impl->call = {impl->data->shape, config, options.forward_only, options.dweight_dtype, options.dhidden_dtype,
-                shape.bias_dtype,  true,   impl->data->threads};
-  impl_ = std::move(impl);
-}
-
-LmHeadBaseline::~LmHeadBaseline() = default;
-LmHeadBaseline::LmHeadBaseline(LmHeadBaseline&&) noexcept = default;
-LmHeadBaseline& LmHeadBaseline::operator=(LmHeadBaseline&&) noexcept = default;
-
-void LmHeadBaseline::execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const {
-  const double max_abs_coef = detail::validate_lm_head_call(impl_->call, inputs, outputs);
-  detail::run_lm_head_baseline(*impl_->data, inputs, outputs, max_abs_coef);
 }
 
 }  // namespace grpo

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 
@@ -204,65 +205,60 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
   return {hidden.max_abs, weight.max_abs, x_bound};
 }
 
+std::array<NamedRange, 3> operand_ranges(const LmHeadInputs& in) {
+  const std::size_t bias_bytes =
+      static_cast<std::size_t>(in.bias.size) * (in.bias.empty() ? 0 : size_of(in.bias.dtype));
+  return {{{byte_range(in.hidden), "hidden"},
+           {byte_range(in.weight), "weight"},
+           {byte_range(in.bias.data, bias_bytes), "bias"}}};
+}
+
+std::byte* call_workspace(std::span<std::byte> given, std::size_t need, Allocator* allocator, Buffer& owned) {
+  if (given.empty()) {
+    owned = Buffer(resolve(allocator), need);
+    return owned.as();
+  }
+  if (given.size() < need) {
+    throw Error("workspace", "has " + std::to_string(given.size()) + " bytes, the plan needs " + std::to_string(need));
+  }
+  if (reinterpret_cast<std::uintptr_t>(given.data()) % kAlignment != 0) {
+    throw Error("workspace", "must be 64-byte aligned");
+  }
+  return given.data();
+}
+
 double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in, const LmHeadOutputs& out) {
   const LmHeadShape& s = spec.shape;
   const std::int64_t rows = s.batch * s.seq_len;
   validate_lm_head_operands(spec, in);
-  if (!std::isfinite(in.grad_scale)) throw Error("grad_scale", "must be finite, got " + std::to_string(in.grad_scale));
-  if (spec.dhidden_dense && in.grad_scale != 1.0) {
-    throw Error("grad_scale", "the unfused baseline takes no gradient scale", ErrorKind::unsupported);
-  }
   const BatchMagnitudes magnitudes = validate_batch(spec.config, s.batch, s.seq_len, global_vocab_of(s), in.batch);
   validate_token_outputs(out.tokens, rows);
   validate_lm_head_gradients(spec, out);
 
-  const ByteRange inputs[] = {byte_range(in.hidden), byte_range(in.weight),
-                              byte_range(in.bias.data, static_cast<std::size_t>(in.bias.size) *
-                                                           (in.bias.empty() ? 0 : size_of(in.bias.dtype)))};
-  const char* input_names[] = {"hidden", "weight", "bias"};
+  const std::array<NamedRange, 3> inputs = operand_ranges(in);
   // Every output with its bytes (a fixed array: validation allocates nothing).
-  std::pair<ByteRange, const char*> outputs[6] = {{span_range(out.tokens.logp), "logp"},
-                                                  {span_range(out.tokens.entropy), "entropy"},
-                                                  {span_range(out.tokens.kl), "kl"}};
+  std::array<NamedRange, 6> outputs = {{{span_range(out.tokens.logp), "logp"},
+                                        {span_range(out.tokens.entropy), "entropy"},
+                                        {span_range(out.tokens.kl), "kl"}}};
   std::size_t num_outputs = 3;
   if (!spec.forward_only) {
     outputs[num_outputs++] = {byte_range(out.dhidden.as_const()), "dhidden"};
     outputs[num_outputs++] = {byte_range(out.dweight.as_const()), "dweight"};
     outputs[num_outputs++] = {span_range(out.dbias), "dbias"};
   }
-  for (std::size_t a = 0; a < num_outputs; ++a) {
-    for (std::size_t i = 0; i < 3; ++i)
-      check_no_overlap(outputs[a].first, outputs[a].second, inputs[i], input_names[i]);
-    for (std::size_t b = a + 1; b < num_outputs; ++b) {
-      check_no_overlap(outputs[b].first, outputs[b].second, outputs[a].first, outputs[a].second);
-    }
+  check_outputs_apart(std::span<const NamedRange>(outputs.data(), num_outputs), inputs, [&](std::size_t a) {
     check_output_vs_batch(outputs[a].first, outputs[a].second, in.batch, a == 0);
-  }
+  });
 
   const OperandBounds bounds = validate_lm_head_values(spec, in);
   if (spec.forward_only) return std::numeric_limits<double>::infinity();
   // dweight and dbias sum dlogits over the valid rows (times h for dW); a
   // dhidden row sums |onehot - p| <= 2 times max |W|.
-  const double n_valid = static_cast<double>(magnitudes.num_valid);
-  const double fan_in = std::max(n_valid, 2.0);
-  const double operand_max =
-      std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)});
-  const double limit = check_coefficient_bound(spec.config, s.batch, magnitudes, fan_in, operand_max,
-                                               2.0 * static_cast<double>(bounds.x_bound));
-  // grad_scale multiplies every coefficient: above 1 it shrinks the room. The
-  // policy part is linear in the advantages, so the same check with them
-  // scaled by |grad_scale| bounds it; the KL part is met by the returned limit.
-  const double g = std::fabs(in.grad_scale);
-  if (g <= 1.0) return limit;
-  BatchMagnitudes scaled = magnitudes;
-  scaled.max_abs_advantage *= g;
-  try {
-    check_coefficient_bound(spec.config, s.batch, scaled, fan_in, operand_max,
-                            2.0 * static_cast<double>(bounds.x_bound) * g);
-  } catch (const Error& e) {
-    throw Error("grad_scale", "grad_scale " + std::to_string(in.grad_scale) + " with " + e.what());
-  }
-  return limit / g;
+  const auto n_valid = static_cast<double>(magnitudes.num_valid);
+  return check_coefficient_bound(
+      spec.config, s.batch, magnitudes, std::max(n_valid, 2.0),
+      std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)}),
+      2.0 * static_cast<double>(bounds.x_bound));
 }
 
 }  // namespace grpo::detail

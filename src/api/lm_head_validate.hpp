@@ -1,6 +1,13 @@
 // Validation of one LM-head call, shared by the fused plan and the baseline.
 #pragma once
 
+#include <array>
+#include <cstddef>
+#include <span>
+#include <utility>
+
+#include "api/buffer.hpp"
+#include "api/validate.hpp"
 #include "grpo/lm_head_loss.hpp"
 
 namespace grpo::detail {
@@ -46,5 +53,31 @@ LmHeadShape resolve_lds(LmHeadShape shape);
 // the option fields both fused heads take (threads, block, tile, frozen weight).
 void validate_grad_dtypes(const LmHeadShape& shape, DType dweight, DType dhidden);
 void validate_head_options(const LmHeadShape& shape, const LmHeadOptions& options);
+
+// The alias and workspace checks of both fused heads' calls (LmHeadLossPlan,
+// LmHeadLogProbPlan), written once so both refuse alike and name the same argument.
+using NamedRange = std::pair<ByteRange, const char*>;
+
+// hidden, weight, bias: the bytes an LM-head call's operands span.
+std::array<NamedRange, 3> operand_ranges(const LmHeadInputs& inputs);
+
+// Every output against every input and every later output (the later one is
+// named), output by output; after output a's checks, each(a) runs (the loss
+// plan checks it against the per-token batch there).
+template <class Each>
+void check_outputs_apart(std::span<const NamedRange> outputs, std::span<const NamedRange> inputs, Each&& each) {
+  for (std::size_t a = 0; a < outputs.size(); ++a) {
+    for (const auto& [range, name] : inputs) check_no_overlap(outputs[a].first, outputs[a].second, range, name);
+    for (std::size_t b = a + 1; b < outputs.size(); ++b) {
+      check_no_overlap(outputs[b].first, outputs[b].second, outputs[a].first, outputs[a].second);
+    }
+    each(a);
+  }
+}
+
+// The call's workspace: the caller's (at least `need` bytes, 64-byte aligned;
+// Error("workspace") otherwise) or, when the caller passed none, `need` bytes
+// from the plan's allocator held by `owned` for the call.
+std::byte* call_workspace(std::span<std::byte> given, std::size_t need, Allocator* allocator, Buffer& owned);
 
 }  // namespace grpo::detail

@@ -4,8 +4,10 @@
 #include "grpo/log_prob_head.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <span>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -65,18 +67,6 @@ LmHeadInputs as_lm_head_inputs(const LogProbInputs& in) {
   return out;
 }
 
-// Every output range against every input range and the outputs before it.
-template <std::size_t NO, std::size_t NI>
-void check_aliasing(const std::pair<detail::ByteRange, const char*> (&outputs)[NO], std::size_t num_outputs,
-                    const std::pair<detail::ByteRange, const char*> (&inputs)[NI]) {
-  for (std::size_t a = 0; a < num_outputs; ++a) {
-    for (const auto& [range, name] : inputs) detail::check_no_overlap(outputs[a].first, outputs[a].second, range, name);
-    for (std::size_t b = 0; b < a; ++b) {
-      detail::check_no_overlap(outputs[a].first, outputs[a].second, outputs[b].first, outputs[b].second);
-    }
-  }
-}
-
 }  // namespace
 
 struct LmHeadLogProbPlan::Impl {
@@ -92,33 +82,16 @@ struct LmHeadLogProbPlan::Impl {
     validate_ids_mask(in, rows(), call.shape.vocab);
   }
 
-  std::pair<detail::ByteRange, const char*> input_range(int which, const LogProbInputs& in) const {
-    switch (which) {
-      case 0: return {detail::byte_range(in.hidden), "hidden"};
-      case 1: return {detail::byte_range(in.weight), "weight"};
-      case 2:
-        return {detail::byte_range(in.bias.data, static_cast<std::size_t>(in.bias.size) *
-                                                     (in.bias.empty() ? 0 : size_of(in.bias.dtype))),
-                "bias"};
-      case 3: return {detail::byte_range(in.ids.data(), in.ids.size_bytes()), "ids"};
-      default: return {float_range(in.mask), "mask"};
-    }
+  // hidden, weight, bias, ids, mask, and room for the backward's dlogp, dentropy.
+  static std::array<detail::NamedRange, 7> input_ranges(const LogProbInputs& in) {
+    const std::array<detail::NamedRange, 3> operands = detail::operand_ranges(as_lm_head_inputs(in));
+    return {operands[0], operands[1], operands[2],
+            detail::NamedRange{detail::byte_range(in.ids.data(), in.ids.size_bytes()), "ids"},
+            detail::NamedRange{float_range(in.mask), "mask"}};
   }
 
   std::byte* workspace(std::span<std::byte> given, detail::Buffer& owned) const {
-    const std::size_t need = data->layout.total;
-    if (given.empty()) {
-      owned = detail::Buffer(detail::resolve(data->options.allocator), need);
-      return owned.as();
-    }
-    if (given.size() < need) {
-      throw Error("workspace",
-                  "has " + std::to_string(given.size()) + " bytes, the plan needs " + std::to_string(need));
-    }
-    if (reinterpret_cast<std::uintptr_t>(given.data()) % detail::kAlignment != 0) {
-      throw Error("workspace", "must be 64-byte aligned");
-    }
-    return given.data();
+    return detail::call_workspace(given, data->layout.total, data->options.allocator, owned);
   }
 };
 
@@ -167,11 +140,10 @@ void LmHeadLogProbPlan::forward(const LogProbInputs& inputs, const LogProbOutput
   m.validate_inputs(inputs);
   check_rows(outputs.logp.size(), m.rows(), "logp");
   if (!outputs.entropy.empty()) check_rows(outputs.entropy.size(), m.rows(), "entropy");
-  std::pair<detail::ByteRange, const char*> ins[5];
-  for (int i = 0; i < 5; ++i) ins[i] = m.input_range(i, inputs);
-  const std::pair<detail::ByteRange, const char*> outs[2] = {{float_range(outputs.logp), "logp"},
-                                                             {float_range(outputs.entropy), "entropy"}};
-  check_aliasing(outs, 2, ins);
+  const std::array<detail::NamedRange, 7> ins = Impl::input_ranges(inputs);
+  const std::array<detail::NamedRange, 2> outs = {
+      {{float_range(outputs.logp), "logp"}, {float_range(outputs.entropy), "entropy"}}};
+  detail::check_outputs_apart(outs, std::span(ins).first(5), [](std::size_t) {});
   const LmHeadInputs in = as_lm_head_inputs(inputs);
   detail::validate_lm_head_values(m.call, in);
   detail::Buffer owned;
@@ -199,15 +171,14 @@ void LmHeadLogProbPlan::backward(const LogProbInputs& inputs, const LogProbUpstr
   out.dbias = gradients.dbias;
   out.stats = gradients.stats;
   detail::validate_lm_head_gradients(m.call, out);
-  std::pair<detail::ByteRange, const char*> ins[7];
-  for (int i = 0; i < 5; ++i) ins[i] = m.input_range(i, inputs);
+  std::array<detail::NamedRange, 7> ins = Impl::input_ranges(inputs);
   ins[5] = {float_range(upstream.dlogp), "dlogp"};
   ins[6] = {float_range(upstream.dentropy), "dentropy"};
-  const std::pair<detail::ByteRange, const char*> outs[3] = {
-      {detail::byte_range(gradients.dhidden.as_const()), "dhidden"},
-      {detail::byte_range(gradients.dweight.as_const()), "dweight"},
-      {detail::byte_range(gradients.dbias.data(), gradients.dbias.size_bytes()), "dbias"}};
-  check_aliasing(outs, 3, ins);
+  const std::array<detail::NamedRange, 3> outs = {
+      {{detail::byte_range(gradients.dhidden.as_const()), "dhidden"},
+       {detail::byte_range(gradients.dweight.as_const()), "dweight"},
+       {detail::byte_range(gradients.dbias.data(), gradients.dbias.size_bytes()), "dbias"}}};
+  detail::check_outputs_apart(outs, ins, [](std::size_t) {});
 
   // Upstream values: finite everywhere (masked rows' are ignored, not exempt).
   const auto finite_all = [](std::span<const float> v, const char* name) {

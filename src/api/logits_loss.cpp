@@ -1,5 +1,5 @@
-// The logits-level entry points: validate, then hand over to the driver
-// (fused) or the unfused baseline.
+// The logits-level entry point: validate, then hand over to the driver. The
+// unfused baseline (src/baseline/unfused_logits.cpp) shares the validation.
 #include "grpo/logits_loss.hpp"
 
 #include <algorithm>
@@ -7,12 +7,11 @@
 #include <limits>
 
 #include "api/buffer.hpp"
+#include "api/logits_validate.hpp"
 #include "api/validate.hpp"
-#include "baseline/unfused_logits.hpp"
 #include "driver/logits_driver.hpp"
 #include "driver/parallel.hpp"
 #include "driver/row_math.hpp"
-#include "grpo/baseline.hpp"
 #include "kernels/stage_kernels.hpp"
 
 namespace grpo {
@@ -23,15 +22,9 @@ struct LogitsLossPlan::Impl {
   ExecOptions options;
 };
 
-struct LogitsBaseline::Impl {
-  LogitsShape shape;
-  LossConfig config;
-  ExecOptions options;
-};
+namespace detail {
 
-namespace {
-
-void validate_shape(const LogitsShape& shape) {
+void validate_logits_shape(const LogitsShape& shape) {
   detail::validate_positive(shape.batch, "shape.batch");
   detail::validate_positive(shape.seq_len, "shape.seq_len");
   detail::validate_positive(shape.vocab, "shape.vocab");
@@ -43,6 +36,10 @@ void validate_shape(const LogitsShape& shape) {
     throw Error("shape.logits_dtype", "must be f32 or bf16");
   }
 }
+
+}  // namespace detail
+
+namespace {
 
 // A bound on |x| = |z'| * scale over the finite logits: from the cap, or a
 // scan (only the entropy bonus needs it). Non-finite entries are skipped here
@@ -69,9 +66,12 @@ double x_bound(const LossConfig& config, const MatrixView& logits) {
   return max_abs * static_cast<double>(config.logit_scale) * scale;
 }
 
-// Returns the largest |c_t| whose dlogits stay finite (see check_coefficient_bound).
-double validate_call(const LogitsShape& shape, const LossConfig& config, const MatrixView& logits,
-                     const BatchInputs& batch, const LogitsOutputs& outputs) {
+}  // namespace
+
+namespace detail {
+
+double validate_logits_call(const LogitsShape& shape, const LossConfig& config, const MatrixView& logits,
+                            const BatchInputs& batch, const LogitsOutputs& outputs) {
   const std::int64_t rows = shape.batch * shape.seq_len;
   detail::validate_matrix(logits, "logits", rows, shape.vocab, shape.logits_dtype);
   const detail::BatchMagnitudes magnitudes =
@@ -98,10 +98,10 @@ double validate_call(const LogitsShape& shape, const LossConfig& config, const M
                                          config.entropy_coef != 0.0F ? 2.0 * x_bound(config, logits) : 0.0);
 }
 
-}  // namespace
+}  // namespace detail
 
 LogitsLossPlan::LogitsLossPlan(const LogitsShape& shape, const LossConfig& config, const ExecOptions& options) {
-  validate_shape(shape);
+  detail::validate_logits_shape(shape);
   detail::validate_config(config);
   if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
   impl_ = std::make_unique<Impl>(Impl{shape, config, options});
@@ -115,27 +115,9 @@ const LogitsShape& LogitsLossPlan::shape() const { return impl_->shape; }
 const LossConfig& LogitsLossPlan::config() const { return impl_->config; }
 
 void LogitsLossPlan::execute(const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) const {
-  const double max_abs_coef = validate_call(impl_->shape, impl_->config, logits, batch, outputs);
+  const double max_abs_coef = detail::validate_logits_call(impl_->shape, impl_->config, logits, batch, outputs);
   detail::run_logits_loss(impl_->shape, impl_->config, detail::resolve_threads(impl_->options.max_threads),
                           detail::resolve(impl_->options.allocator), logits, batch, outputs, max_abs_coef);
-}
-
-LogitsBaseline::LogitsBaseline(const LogitsShape& shape, const LossConfig& config, const ExecOptions& options) {
-  validate_shape(shape);
-  detail::validate_config(config);
-  detail::refuse_baseline_features(config);
-  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
-  impl_ = std::make_unique<Impl>(Impl{shape, config, options});
-}
-
-LogitsBaseline::~LogitsBaseline() = default;
-LogitsBaseline::LogitsBaseline(LogitsBaseline&&) noexcept = default;
-LogitsBaseline& LogitsBaseline::operator=(LogitsBaseline&&) noexcept = default;
-
-void LogitsBaseline::execute(const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) const {
-  const double max_abs_coef = validate_call(impl_->shape, impl_->config, logits, batch, outputs);
-  detail::run_unfused_logits(impl_->shape, impl_->config, detail::resolve_threads(impl_->options.max_threads),
-                             detail::resolve(impl_->options.allocator), logits, batch, outputs, max_abs_coef);
 }
 
 }  // namespace grpo

@@ -122,6 +122,20 @@ Status check_same(const Group& g, const std::vector<Record<PlanFacts>>& all, Get
   return {};
 }
 
+// The loss configuration (same_loss's fields), shared by every rank of a
+// vocab group and of a data group alike.
+Status check_same_loss(const Group& g, const std::vector<Record<PlanFacts>>& all) {
+  for (int q = 1; q < g.size; ++q) {
+    if (!same_loss(all[q].facts, all[0].facts)) {
+      return refusal(g, q, "config",
+                     "differs from rank 0's (loss_type, importance_sampling_level, temperature, temperature_on_logp, "
+                     "beta, num_items_in_batch, max_completion_length, entropy_coef, top_entropy_quantile, "
+                     "logit_softcap or logit_scale)");
+    }
+  }
+  return {};
+}
+
 Status check_vocab_group(const Group& g, const std::vector<Record<PlanFacts>>& all) {
   constexpr const char* kRows = "under vocabulary parallelism every rank of the vocab group holds every row";
   constexpr const char* kHead = "the ranks of a vocab group hold shards of one LM head";
@@ -145,14 +159,7 @@ Status check_vocab_group(const Group& g, const std::vector<Record<PlanFacts>>& a
     const Status s = check_same(g, all, field.get, field.argument, field.why);
     if (s.failed != 0) return s;
   }
-  for (int q = 1; q < g.size; ++q) {
-    if (!same_loss(all[q].facts, all[0].facts)) {
-      return refusal(g, q, "config",
-                     "differs from rank 0's (loss_type, importance_sampling_level, temperature, temperature_on_logp, "
-                     "beta, num_items_in_batch, max_completion_length, entropy_coef, top_entropy_quantile, "
-                     "logit_softcap or logit_scale)");
-    }
-  }
+  if (const Status s = check_same_loss(g, all); s.failed != 0) return s;
   // The shards tile [0, global_vocab) in rank order.
   std::int64_t next = 0;
   for (int q = 0; q < g.size; ++q) {
@@ -197,14 +204,7 @@ Status check_data_group(const Group& g, const std::vector<Record<PlanFacts>>& al
     const Status s = check_same(g, all, field.get, field.argument, kW);
     if (s.failed != 0) return s;
   }
-  for (int q = 1; q < g.size; ++q) {
-    if (!same_loss(all[q].facts, all[0].facts)) {
-      return refusal(g, q, "config",
-                     "differs from rank 0's (loss_type, importance_sampling_level, temperature, temperature_on_logp, "
-                     "beta, num_items_in_batch, max_completion_length, entropy_coef, top_entropy_quantile, "
-                     "logit_softcap or logit_scale)");
-    }
-  }
+  if (const Status s = check_same_loss(g, all); s.failed != 0) return s;
   return {};
 }
 

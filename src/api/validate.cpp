@@ -348,7 +348,7 @@ void validate_matrix(const MutMatrixView& v, const char* name, std::int64_t rows
 ByteRange byte_range(const MatrixView& v) {
   if (v.data == nullptr || v.rows == 0 || v.cols == 0) return {};
   const auto* first = static_cast<const std::byte*>(v.data);
-  const std::size_t elems = static_cast<std::size_t>((v.rows - 1) * v.ld + v.cols);
+  const auto elems = static_cast<std::size_t>((v.rows - 1) * v.ld + v.cols);
   return {first, first + elems * size_of(v.dtype)};
 }
 

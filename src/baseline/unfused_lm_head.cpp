@@ -1,8 +1,13 @@
 #include "baseline/unfused_lm_head.hpp"
 
 #include <algorithm>
+#include <memory>
+#include <utility>
 
 #include "api/buffer.hpp"
+#include "api/lm_head_validate.hpp"
+#include "api/scale_out_plan.hpp"
+#include "api/validate.hpp"
 #include "baseline/unfused_logits.hpp"
 #include "driver/parallel.hpp"
 #include "kernels/stage_kernels.hpp"
@@ -114,7 +119,7 @@ void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, c
     if (!d.options.accumulate_weight_grads) std::fill(out.dbias.begin(), out.dbias.end(), 0.0F);
     for (std::int64_t r = 0; r < n; ++r) {
       for (std::int64_t v = 0; v < s.vocab; ++v) {
-        const std::size_t at = static_cast<std::size_t>(r * s.vocab + v);
+        const auto at = static_cast<std::size_t>(r * s.vocab + v);
         out.dbias[v] += d.dlogits_dtype == DType::f32 ? b.dlogits.as<float>()[at]
                                                       : kernels::bf16_to_float(b.dlogits.as<std::uint16_t>()[at]);
       }
@@ -123,3 +128,45 @@ void run_lm_head_baseline(const LmHeadBaselineData& d, const LmHeadInputs& in, c
 }
 
 }  // namespace grpo::detail
+
+namespace grpo {
+
+// The public class: the LM-head plan's shape and call validation
+// (api/lm_head_validate.hpp), then build / run above.
+struct LmHeadBaseline::Impl {
+  std::unique_ptr<detail::LmHeadBaselineData> data;
+  detail::LmHeadCallSpec call;
+};
+
+LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& config,
+                               const LmHeadBaselineOptions& options) {
+  detail::validate_lm_head_shape(shape);
+  detail::validate_config(config);
+  detail::refuse_baseline_features(config);
+  detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);
+  if (options.dhidden_dtype == DType::bf16 && shape.dtype != DType::bf16) {
+    throw Error("options.dhidden_dtype", "the baseline's bf16 dhidden needs bf16 inputs (one f32 x f32 -> bf16 matmul)",
+                ErrorKind::unsupported);
+  }
+  if (options.logits_dtype == DType::bf16 && shape.dtype != DType::bf16) {
+    throw Error("options.logits_dtype", "bf16 logits need bf16 inputs", ErrorKind::unsupported);
+  }
+  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  detail::refuse_scale_out(shape, nullptr, "the baseline");
+  auto impl = std::make_unique<Impl>();
+  impl->data = detail::build_lm_head_baseline(detail::resolve_lds(shape), config, options);
+  impl->call = {impl->data->shape, config, options.forward_only, options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype,  true,   impl->data->threads};
+  impl_ = std::move(impl);
+}
+
+LmHeadBaseline::~LmHeadBaseline() = default;
+LmHeadBaseline::LmHeadBaseline(LmHeadBaseline&&) noexcept = default;
+LmHeadBaseline& LmHeadBaseline::operator=(LmHeadBaseline&&) noexcept = default;
+
+void LmHeadBaseline::execute(const LmHeadInputs& inputs, const LmHeadOutputs& outputs) const {
+  const double max_abs_coef = detail::validate_lm_head_call(impl_->call, inputs, outputs);
+  detail::run_lm_head_baseline(*impl_->data, inputs, outputs, max_abs_coef);
+}
+
+}  // namespace grpo

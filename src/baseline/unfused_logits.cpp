@@ -2,8 +2,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "api/buffer.hpp"
+#include "api/logits_validate.hpp"
+#include "api/validate.hpp"
 #include "driver/logits_driver.hpp"
 #include "driver/parallel.hpp"
 #include "driver/row_math.hpp"
@@ -28,7 +31,7 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
   Buffer log_softmax(allocator, full * sizeof(float));
   Buffer softmax(allocator, full * sizeof(float));
   Buffer per_row(allocator, static_cast<std::size_t>(rows) * 3 * sizeof(float));
-  float* lse = per_row.as<float>();
+  auto* lse = per_row.as<float>();
   float* logp = lse + rows;
   float* entropy = logp + rows;
   auto full_row = [&](const Buffer& b, std::int64_t r) { return b.as<float>() + r * vocab; };
@@ -51,7 +54,7 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
     logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * temp.post : 0.0F;
   }
   Buffer coef_buffer(allocator, static_cast<std::size_t>(rows) * 2 * sizeof(float));
-  float* coef = coef_buffer.as<float>();
+  auto* coef = coef_buffer.as<float>();
   float* kl = coef + rows;
   logits_loss_stage(shape, config, batch, lse, logp, entropy, coef, kl, outputs, max_abs_coef);
   if (outputs.dlogits.empty()) return;
@@ -69,3 +72,33 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
 }
 
 }  // namespace grpo::detail
+
+namespace grpo {
+
+// The public class: the same validation as LogitsLossPlan (api/logits_validate.hpp),
+// then run_unfused_logits above.
+struct LogitsBaseline::Impl {
+  LogitsShape shape;
+  LossConfig config;
+  ExecOptions options;
+};
+
+LogitsBaseline::LogitsBaseline(const LogitsShape& shape, const LossConfig& config, const ExecOptions& options) {
+  detail::validate_logits_shape(shape);
+  detail::validate_config(config);
+  detail::refuse_baseline_features(config);
+  if (options.max_threads < 0) throw Error("options.max_threads", "must be >= 0");
+  impl_ = std::make_unique<Impl>(Impl{shape, config, options});
+}
+
+LogitsBaseline::~LogitsBaseline() = default;
+LogitsBaseline::LogitsBaseline(LogitsBaseline&&) noexcept = default;
+LogitsBaseline& LogitsBaseline::operator=(LogitsBaseline&&) noexcept = default;
+
+void LogitsBaseline::execute(const MatrixView& logits, const BatchInputs& batch, const LogitsOutputs& outputs) const {
+  const double max_abs_coef = detail::validate_logits_call(impl_->shape, impl_->config, logits, batch, outputs);
+  detail::run_unfused_logits(impl_->shape, impl_->config, detail::resolve_threads(impl_->options.max_threads),
+                             detail::resolve(impl_->options.allocator), logits, batch, outputs, max_abs_coef);
+}
+
+}  // namespace grpo

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "grpo/baseline.hpp"
 #include "grpo/grpo.hpp"
 
 namespace {
