@@ -231,6 +231,10 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
   const LmHeadShape& s = spec.shape;
   const std::int64_t rows = s.batch * s.seq_len;
   validate_lm_head_operands(spec, in);
+  if (!std::isfinite(in.grad_scale)) throw Error("grad_scale", "must be finite, got " + std::to_string(in.grad_scale));
+  if (spec.dhidden_dense && in.grad_scale != 1.0) {
+    throw Error("grad_scale", "the unfused baseline takes no gradient scale", ErrorKind::unsupported);
+  }
   const BatchMagnitudes magnitudes = validate_batch(spec.config, s.batch, s.seq_len, global_vocab_of(s), in.batch);
   validate_token_outputs(out.tokens, rows);
   validate_lm_head_gradients(spec, out);
@@ -255,10 +259,25 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
   // dweight and dbias sum dlogits over the valid rows (times h for dW); a
   // dhidden row sums |onehot - p| <= 2 times max |W|.
   const auto n_valid = static_cast<double>(magnitudes.num_valid);
-  return check_coefficient_bound(
-      spec.config, s.batch, magnitudes, std::max(n_valid, 2.0),
-      std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)}),
-      2.0 * static_cast<double>(bounds.x_bound));
+  const double fan_in = std::max(n_valid, 2.0);
+  const double operand_max =
+      std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)});
+  const double limit = check_coefficient_bound(spec.config, s.batch, magnitudes, fan_in, operand_max,
+                                               2.0 * static_cast<double>(bounds.x_bound));
+  // grad_scale multiplies every coefficient: above 1 it shrinks the room. The
+  // policy part is linear in the advantages, so the same check with them
+  // scaled by |grad_scale| bounds it; the KL part is met by the returned limit.
+  const double g = std::fabs(in.grad_scale);
+  if (g <= 1.0) return limit;
+  BatchMagnitudes scaled = magnitudes;
+  scaled.max_abs_advantage *= g;
+  try {
+    check_coefficient_bound(spec.config, s.batch, scaled, fan_in, operand_max,
+                            2.0 * static_cast<double>(bounds.x_bound) * g);
+  } catch (const Error& e) {
+    throw Error("grad_scale", "grad_scale " + std::to_string(in.grad_scale) + " with " + e.what());
+  }
+  return limit / g;
 }
 
 }  // namespace grpo::detail
