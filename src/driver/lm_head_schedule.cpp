@@ -259,6 +259,13 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     nb = forced->token_block;
   }
 
+  // A backend whose rows do not depend on the batch (GemmTraits) takes the
+  // whole block in one forward call per vocab tile: W is read once per block,
+  // not once per kForwardRows rows.
+  const bool whole_block =
+      forced == nullptr &&
+      kernels::gemm_traits(forward_spec(shape, p->forward_rows, p->schedule.vocab_tile, p->schedule.vocab_tile))
+          .m_independent;
   const int threads = resolve_threads(options.max_threads);
   for (;;) {
     std::int64_t block = std::min(nb, p->rows);
@@ -279,6 +286,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
       p->schedule.recompute_logits = !options.forward_only;
     }
     p->schedule.token_block = block;
+    if (whole_block) p->forward_rows = round_up(block, kRowQuantum);
     p->block_rows_alloc = round_up(block, p->forward_rows);
     p->schedule.threads = 1;
     create_gemms(*p);
@@ -292,8 +300,9 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     p->layout = lay_out(*p);
     p->schedule.workspace_bytes = p->layout.total;
     if (p->layout.total <= budget || options.token_block > 0 || forced != nullptr) break;
-    if (nb <= p->forward_rows) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));
-    nb -= p->forward_rows;
+    const std::int64_t step = whole_block ? kRowQuantum : p->forward_rows;
+    if (nb <= step) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));
+    nb -= step;
   }
   p->bindings.reset(p->gemms, p->schedule.threads);
   if (p->layout.total > budget) {

@@ -73,6 +73,11 @@ std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
 
 }  // namespace
 
+GemmTraits gemm_traits(const GemmSpec& spec) {
+  const std::unique_ptr<GemmBackend> own = pick_own_backend(spec);  // ours are cheap to build
+  return own != nullptr ? own->traits() : GemmTraits{.m_independent = false};
+}
+
 Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec) : Gemm(engine, spec, pick_own_backend(spec)) {}
 
 Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, GemmBackendKind backend)

@@ -114,6 +114,10 @@ class Gemm {
   std::size_t index_ = 0;
 };
 
+// The traits of the backend a Gemm of this spec would get, without building
+// it (a plan sizes its schedule by them before creating its GEMMs).
+GemmTraits gemm_traits(const GemmSpec& spec);
+
 // The backend GRPO_GEMM names (amx, onednn, reference), or the default list.
 // Read once per process.
 const char* forced_gemm_backend();

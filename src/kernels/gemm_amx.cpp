@@ -329,7 +329,14 @@ class AmxGemm final : public GemmBackend {
               std::int64_t kb32, std::uint16_t* out) const {
     const std::int64_t rows32 = round_up(rows, kPanel);
     if (x_kcontig_) {  // rows K-contiguous: copy
+      // The rows are short runs (kb elements) of rows far apart (W's 8 KiB):
+      // the hardware prefetchers do not follow; ask for kPrefetchRows ahead.
+      constexpr std::int64_t kPrefetchRows = 4;
       for (std::int64_t r = 0; r < rows32; ++r) {
+        if (r + kPrefetchRows < rows) {
+          const auto* ahead = reinterpret_cast<const char*>(x + (m0 + r + kPrefetchRows) * x_.rs + k0);
+          for (std::int64_t b = 0; b < kb * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
         for (std::int64_t kk = 0; kk < kb32; kk += 32) {
           const __m512i v = r < rows ? _mm512_maskz_loadu_epi16(mask32(kb - kk), x + (m0 + r) * x_.rs + k0 + kk)
                                      : _mm512_setzero_si512();
