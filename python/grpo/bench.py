@@ -155,8 +155,12 @@ def make_inputs(b: int, t: int, h: int, v: int, dtype_name: str, workload: str, 
     ids = torch.randint(0, v, (b, t), generator=g)
     mask = torch.ones(b, t)
     adv = torch.randn(b, t, generator=g)
+    import grpo
+
     with torch.no_grad():
-        logp = gt.lm_head_grpo_loss(hidden, weight, ids, mask, adv).per_token_logps
+        # Its own plan cache, dropped here: the loss step's workspace must count in the step's peak, not
+        # in the inputs' memory.
+        logp = gt.lm_head_grpo_loss(hidden, weight, ids, mask, adv, plan_cache=grpo.PlanCache()).per_token_logps
     old = logp + OLD_NOISE * torch.randn(b, t, generator=g) if off else None
     ref = logp + REF_NOISE * torch.randn(b, t, generator=g) if beta else None
     return dict(hidden=hidden.requires_grad_(), weight=weight.requires_grad_(), ids=ids, mask=mask, adv=adv,

@@ -36,7 +36,8 @@ import torch
 import grpo
 from grpo import _core, _fields
 
-__all__ = ["LmHeadGRPOLoss", "LmHeadLossResult", "fused_log_probs", "lm_head_grpo_loss"]
+__all__ = ["LmHeadGRPOLoss", "LmHeadLossResult", "fused_log_probs", "lm_head_grpo_loss", "release_gradient_memory",
+           "set_gradient_memory_reuse"]
 
 _LOSS_TYPES = _fields.LOSS_TYPES
 _IS_LEVELS = _fields.IS_LEVELS
@@ -149,6 +150,59 @@ def _head_options(threads: int, forward_only: bool, frozen: bool, workspace_budg
 _PENDING: dict[int, list] = {}
 _PENDING_LOCK = threading.Lock()
 _RERUN_WARNED = False
+
+
+# --------------------------------------------------------------------------
+# Fresh gradient memory, reused across steps.
+# --------------------------------------------------------------------------
+
+_POOL: dict[tuple, torch.Tensor] = {}
+_POOL_LOCK = threading.Lock()
+_POOL_ENABLED = hasattr(torch._C, "_storage_Use_Count")
+
+
+def _storage_free(base: torch.Tensor) -> bool:
+    """Whether nothing but `base` (and this call's temporary storage handle) refers to base's memory."""
+    return torch._C._storage_Use_Count(base.untyped_storage()._cdata) <= 2
+
+
+def _fresh(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized gradient buffer, like torch.empty, from memory an earlier step's gradient left.
+
+    A step hands its fresh dW (and dhidden) to autograd, which makes it
+    weight.grad; a trainer drops it at zero_grad(set_to_none=True) and the
+    next step would map 1.2 GB (Qwen's bf16 head) of fresh pages and fault
+    every one in (~0.5-1 s per GB here), which the C++ step, writing into
+    reused outputs, does not pay. So the last buffer of each (shape, dtype)
+    is kept, as a caching allocator would, and reused once nothing refers to
+    its memory any more (not .grad, not a view, not a user's reference):
+    callers get a view of it, which AccumulateGrad still steals (it counts
+    references to the tensor, not to its memory). release_gradient_memory()
+    returns it; set_gradient_memory_reuse(False) turns it off.
+    """
+    if not _POOL_ENABLED:
+        return torch.empty(shape, dtype=dtype)
+    key = (tuple(shape), dtype)
+    with _POOL_LOCK:
+        base = _POOL.get(key)
+        if base is None or not _storage_free(base):
+            base = torch.empty(shape, dtype=dtype)
+            _POOL[key] = base
+        return base.view(shape)
+
+
+def release_gradient_memory() -> None:
+    """Drops the gradient buffers kept for reuse (their memory is freed once no gradient uses it)."""
+    with _POOL_LOCK:
+        _POOL.clear()
+
+
+def set_gradient_memory_reuse(enabled: bool) -> None:
+    """Turns the reuse of gradient memory across steps (_fresh) on or off; off also releases it."""
+    global _POOL_ENABLED
+    _POOL_ENABLED = bool(enabled) and hasattr(torch._C, "_storage_Use_Count")
+    if not _POOL_ENABLED:
+        release_gradient_memory()
 
 
 def _grad_target(weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -540,7 +594,7 @@ def lm_head_grpo_loss(
 
     def gradient_buffers(target, need_w):
         """(dhidden, dweight, dbias, accumulate, dweight dtype, dweight_ld) for one run."""
-        dhidden = torch.empty(n, h, dtype=hidden.dtype)
+        dhidden = _fresh((n, h), hidden.dtype)
         dweight = dbias = None
         accumulate = False
         grad_dtype, dweight_ld = dtype, h
@@ -549,7 +603,7 @@ def lm_head_grpo_loss(
                 dweight, accumulate = target, True
                 grad_dtype, dweight_ld = _FLOAT_DTYPES[target.dtype], _row_stride(target)
             elif need_w:
-                dweight = torch.empty(v, h, dtype=weight.dtype)
+                dweight = _fresh((v, h), weight.dtype)
             else:  # the bias alone is trained: the kernel still writes a dW, discarded
                 dweight = _scratch(cache, (v, h), weight.dtype)
             if bias is not None:
@@ -974,10 +1028,10 @@ class _FusedLogProbs(torch.autograd.Function):
         # dhidden and dW are written in hidden's / weight's dtype (the plan's
         # dhidden_dtype / dweight_dtype): no float32 [V, H] buffer, no cast.
         frozen = not (need_w or need_b)
-        dhidden = torch.empty(n, h, dtype=rows.dtype) if need_h else _scratch(cache, (n, h), rows.dtype)
+        dhidden = _fresh((n, h), rows.dtype) if need_h else _scratch(cache, (n, h), rows.dtype)
         dweight = dbias = None
         if not frozen:
-            dweight = torch.empty(v, h, dtype=weight.dtype) if need_w else _scratch(cache, (v, h), weight.dtype)
+            dweight = _fresh((v, h), weight.dtype) if need_w else _scratch(cache, (v, h), weight.dtype)
             if bias is not None:
                 dbias = torch.empty(v, dtype=torch.float32) if need_b else _scratch(cache, (v,))
         try:

@@ -286,3 +286,30 @@ def test_step_peak_rise_has_no_float32_dweight_and_no_temporary_when_grad_exists
     assert 0.9 * bf16_bytes <= first < f32_bytes, f"first step rise {first / 2**20:.0f} MiB"
     for rise in later:
         assert rise < 0.5 * bf16_bytes, f"an accumulation step's rise {rise / 2**20:.0f} MiB holds a [V, H] temporary"
+
+
+def test_fresh_gradient_memory_is_reused_only_when_nothing_refers_to_it():
+    """zero_grad(set_to_none=True) between steps: the next step's dW reuses the memory (no fresh pages to fault
+    in), with the right values; a reference the caller kept to the old .grad is never overwritten."""
+    case = make_case(seed=41, dtype=torch.bfloat16)
+    _, dw = single_grads(case)
+    x, w = leaves(case)
+    call(case, x, w).loss.backward()
+    first = w.grad.data_ptr()
+    w.grad = None
+    x.grad = None
+    call(case, x, w).loss.backward()
+    assert w.grad.data_ptr() == first and torch.equal(w.grad, dw)
+    kept = w.grad  # the caller holds the old gradient: its memory must not be reused
+    kept_copy = kept.clone()
+    w.grad = None
+    call(case, x, w).loss.backward()
+    assert w.grad.data_ptr() != kept.data_ptr() and torch.equal(kept, kept_copy) and torch.equal(w.grad, dw)
+    gt.set_gradient_memory_reuse(False)
+    try:
+        w.grad = None
+        del kept
+        call(case, x, w).loss.backward()
+        assert torch.equal(w.grad, dw)
+    finally:
+        gt.set_gradient_memory_reuse(True)
