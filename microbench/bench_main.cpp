@@ -216,6 +216,9 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond);
   }
   int bench_argc = static_cast<int>(args.passthrough.size());
+  // The CPU and its measured peak go into the JSON's context: a results file
+  // says which machine it came from.
+  for (const auto& [key, value] : grpo::bench::machine_context()) benchmark::AddCustomContext(key, value);
   benchmark::Initialize(&bench_argc, args.passthrough.data());
   if (benchmark::ReportUnrecognizedArguments(bench_argc, args.passthrough.data())) return 2;
   benchmark::RunSpecifiedBenchmarks();

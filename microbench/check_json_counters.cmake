@@ -28,4 +28,12 @@ endif()
 if(NOT peak_frac GREATER 0 OR peak_frac GREATER 1)
   message(FATAL_ERROR "peak_frac ${peak_frac} outside (0, 1]")
 endif()
+# The machine it ran on, in the context block (scripts/results_table.py reads it).
+foreach(key cpu_model cpu_simd_flags cpu_units machine_peak_f32_fma_gflops machine_peak_avx512_bf16_gflops
+        machine_peak_amx_bf16_gflops)
+  string(JSON value ERROR_VARIABLE missing GET "${json}" context ${key})
+  if(missing)
+    message(FATAL_ERROR "context field ${key} is missing from ${OUT}")
+  endif()
+endforeach()
 message(STATUS "every counter present in ${OUT}; peak_frac ${peak_frac} of ${machine_peak_gflops} GFLOP/s")

@@ -7,6 +7,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -134,6 +137,62 @@ const MachinePeak& machine_peak() {
   // and every config it runs is compared with the same machine.
   static const MachinePeak peak = measure_machine_peak({});
   return peak;
+}
+
+namespace {
+
+// The first "<key>\t: value" line of /proc/cpuinfo, or "" (not Linux, no such key).
+std::string cpuinfo_field(const std::string& key) {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(key, 0) != 0) continue;
+    const std::size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    const std::size_t start = line.find_first_not_of(' ', colon + 1);
+    return start == std::string::npos ? "" : line.substr(start);
+  }
+  return "";
+}
+
+// The SIMD and matrix flags among the CPU's flags (avx*, amx*, fma, f16c):
+// the rest (sse, page tables, mitigations) says nothing about the kernels.
+std::string simd_flags(const std::string& flags) {
+  std::istringstream words(flags);
+  std::string out;
+  for (std::string w; words >> w;) {
+    if (w.rfind("avx", 0) == 0 || w.rfind("amx", 0) == 0 || w == "fma" || w == "f16c") {
+      if (!out.empty()) out += ' ';  // piece by piece: GCC 12 warns falsely (-Wrestrict) on "" + w
+      out += w;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> machine_context() {
+  const CpuFeatures f = detect_cpu_features();
+  std::string units;
+  for (const auto& [has, name] : {std::pair{f.avx2_fma, "avx2_fma"}, std::pair{f.avx512f, "avx512f"},
+                                  std::pair{f.avx512_bf16, "avx512_bf16"}, std::pair{f.amx_bf16, "amx_bf16"}}) {
+    if (!has) continue;
+    if (!units.empty()) units += ' ';
+    units += name;
+  }
+  const MachinePeak& peak = machine_peak();
+  const auto gflops = [](double v) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  };
+  return {{"cpu_model", cpuinfo_field("model name")},
+          {"cpu_simd_flags", simd_flags(cpuinfo_field("flags"))},
+          {"cpu_units", units},
+          {"cpu_units_missing", f.missing},
+          {"machine_peak_threads", std::to_string(peak.threads)},
+          {"machine_peak_f32_fma_gflops", gflops(peak.f32_fma_gflops)},
+          {"machine_peak_avx512_bf16_gflops", gflops(peak.avx512_bf16_gflops)},
+          {"machine_peak_amx_bf16_gflops", gflops(peak.amx_bf16_gflops)}};
 }
 
 }  // namespace grpo::bench

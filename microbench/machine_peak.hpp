@@ -16,6 +16,8 @@
 #pragma once
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "grpo/types.hpp"
 
@@ -51,5 +53,12 @@ const MachinePeak& machine_peak();
 
 // CPUs in this process's affinity mask (what TBB's default arena uses too).
 int allowed_cpus();
+
+// The machine a results JSON was measured on, for its "context" block: the
+// CPU model and its SIMD flags (/proc/cpuinfo), the units this process may
+// execute (cpu_features.hpp) and machine_peak()'s measured GFLOP/s per unit.
+// Results from different CPUs then say so in the file itself
+// (scripts/results_table.py prints them).
+std::vector<std::pair<std::string, std::string>> machine_context();
 
 }  // namespace grpo::bench

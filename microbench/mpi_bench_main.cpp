@@ -19,6 +19,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include "machine_peak.hpp"
 #include "mpi_bench_run.hpp"
 
 namespace {
@@ -115,6 +116,9 @@ int main(int argc, char** argv) {
           ->Unit(benchmark::kMillisecond);
     }
     int bench_argc = static_cast<int>(passthrough.size());
+    // The CPU and its measured peak (CPU time per thread, so the other ranks
+    // waiting in MPI do not lower it) go into the JSON's context.
+    for (const auto& [key, value] : grpo::bench::machine_context()) benchmark::AddCustomContext(key, value);
     benchmark::Initialize(&bench_argc, passthrough.data());
     if (benchmark::ReportUnrecognizedArguments(bench_argc, passthrough.data())) status = 2;
     if (status != 2) benchmark::RunSpecifiedBenchmarks();
