@@ -129,7 +129,7 @@ std::string LmHeadLossPlan::describe() const {
                             : "")
      << (d.entropy_bonus ? " entropy_bonus=fused" : "") << (d.config.logit_softcap ? " softcap=fused" : "")
      << (d.options.frozen_weight && !d.options.forward_only ? " frozen_weight=no_dW" : "")
-     << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
+     << " workspace=" << s.workspace_bytes << "B" << detail::describe_gemms(d);
   if (d.scale_out) os << d.scale_out->describe();
   return os.str();
 }

@@ -14,6 +14,7 @@
 
 #include "api/scale_out_plan.hpp"
 #include "api/validate.hpp"
+#include "driver/lm_head_plan.hpp"
 #include "driver/parallel.hpp"
 #include "kernels/stage_kernels.hpp"
 
@@ -211,6 +212,15 @@ std::array<NamedRange, 3> operand_ranges(const LmHeadInputs& in) {
   return {{{byte_range(in.hidden), "hidden"},
            {byte_range(in.weight), "weight"},
            {byte_range(in.bias.data, bias_bytes), "bias"}}};
+}
+
+std::string describe_gemms(const LmHeadPlanData& plan) {
+  std::string s = std::string(" gemm=forward:") + plan.forward.full->implementation();
+  if (!plan.dhidden.empty()) {
+    if (!plan.options.frozen_weight) s += std::string(",dweight:") + plan.dweight.back().full[0]->implementation();
+    s += std::string(",dhidden:") + plan.dhidden.back().full->implementation();
+  }
+  return s;
 }
 
 std::byte* call_workspace(std::span<std::byte> given, std::size_t need, Allocator* allocator, Buffer& owned) {

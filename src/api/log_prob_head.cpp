@@ -130,7 +130,7 @@ std::string LmHeadLogProbPlan::describe() const {
          : d.options.frozen_weight
              ? " + 2 backward (logits of rows with nonzero upstream recomputed; frozen_weight: no dW GEMMs)"
              : " + 3 backward (logits of rows with nonzero upstream recomputed)")
-     << " workspace=" << s.workspace_bytes << "B forward_gemm=" << d.forward.full->implementation();
+     << " workspace=" << s.workspace_bytes << "B" << detail::describe_gemms(d);
   return os.str();
 }
 
