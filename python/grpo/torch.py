@@ -615,7 +615,8 @@ def lm_head_grpo_loss(
         # kernel validates every input before it writes any of them.
         target = _grad_target(weight) if (needs_grad and grad_into == "auto" and not frozen) else None
         if needs_grad:
-            dhidden, dweight, dbias, accumulate, grad_dtype, dweight_ld = gradient_buffers(target, True)
+            dhidden, dweight, dbias, accumulate, grad_dtype, dweight_ld = gradient_buffers(target,
+                                                                                           weight.requires_grad)
             plan = plan_for(False, grad_dtype, dweight_ld, accumulate)
         else:
             dhidden = dweight = dbias = None

@@ -313,3 +313,28 @@ def test_fresh_gradient_memory_is_reused_only_when_nothing_refers_to_it():
         assert torch.equal(w.grad, dw)
     finally:
         gt.set_gradient_memory_reuse(True)
+
+
+def test_float32_grad_of_a_bf16_weight_is_accumulated_in_float32():
+    """Mixed precision: a float32 .grad on a bf16 weight takes the kernel's float32 dW directly (no bf16 rounding)."""
+    case = make_case(seed=42, dtype=torch.bfloat16)
+    _, dw = single_grads(case)
+    x, w = leaves(case)
+    w.grad_dtype = torch.float32  # torch 2.15 refuses a .grad of another dtype without it
+    w.grad = torch.zeros(w.shape, dtype=torch.float32)
+    storage = w.grad.data_ptr()
+    call(case, x, w).loss.backward()
+    assert w.grad.dtype == torch.float32 and w.grad.data_ptr() == storage
+    # The float32 dW rounds to the bf16 one (the same kernel, one rounding apart).
+    within(w.grad.to(torch.bfloat16), dw, [dw], torch.bfloat16, "float32 .grad rounded vs bf16 dW")
+
+
+def test_only_the_bias_trains():
+    """weight.requires_grad False, bias True: the dW the kernel must write goes to scratch, dbias is returned."""
+    case = make_case(seed=43)
+    x = case.hidden.clone().requires_grad_()
+    w = case.weight.clone()
+    b = case.bias.clone().requires_grad_()
+    out = gt.lm_head_grpo_loss(x, w, case.ids, case.mask, case.advantages, bias=b, old_logp=case.old_logp)
+    out.loss.backward()
+    assert w.grad is None and b.grad is not None and b.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
