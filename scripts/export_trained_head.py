@@ -48,19 +48,33 @@ MAGIC = b"GRPOIN01"  # microbench/input_file.hpp
 EPS = 2.0**-12  # eps(bf16) / 32, the filtered backward's `auto`
 
 
-def trained_policy(setup: train_ab.Setup, arm: str, cache_dir: str) -> tuple[str, bool, float]:
-    """The policy after the warm start and setup.steps GRPO steps of `arm`, saved under cache_dir."""
-    warm_dir, _ = train_ab.ensure_model(setup, cache_dir)
+def policy_dir(setup: train_ab.Setup, arm: str, cache_dir: str) -> str:
     key = f"{setup.model_key()}_{arm}_steps{setup.steps}_rl{setup.grpo_seed()}"
-    path = os.path.join(cache_dir, f"grpo_policy_{key}")
+    return os.path.join(cache_dir, f"grpo_policy_{key}")
+
+
+def trained_policy(setup: train_ab.Setup, arm: str, cache_dir: str, save_every: int) -> tuple[str, bool, float]:
+    """The policy after the warm start and setup.steps GRPO steps of `arm`, saved under cache_dir (and every
+    save_every steps under checkpoint-<step>/ there, so a cut-off run still leaves a policy to export)."""
+    warm_dir, _ = train_ab.ensure_model(setup, cache_dir)
+    path = policy_dir(setup, arm, cache_dir)
     if os.path.exists(os.path.join(path, "done.json")):
         return path, True, 0.0
     import trl
+    from transformers import TrainerCallback
 
     base = trl.GRPOTrainer
 
-    class SavingTrainer(base):  # the A/B's trainer, which keeps its policy when training ends
+    class SavingTrainer(base):  # the A/B's trainer, which keeps its policy (periodically and when training ends)
         def train(self, *args, **kwargs):
+            model = self.model
+
+            class Checkpoints(TrainerCallback):
+                def on_step_end(self, args, state, control, **kw):
+                    if save_every > 0 and state.global_step % save_every == 0 and state.global_step < setup.steps:
+                        model.save_pretrained(os.path.join(path, f"checkpoint-{state.global_step}"))
+
+            self.add_callback(Checkpoints())
             out = super().train(*args, **kwargs)
             self.model.save_pretrained(path)
             return out
@@ -146,6 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the A/B's 100; 2 with --smoke)")
     parser.add_argument("--groups", type=int, default=1, help="prompts, each with num_generations completions")
     parser.add_argument("--seed", type=int, default=1234, help="the exported batch's prompts and sampling")
+    parser.add_argument("--save-every", type=int, default=10, help="also save the policy every N GRPO steps")
+    parser.add_argument("--checkpoint", type=int, default=0,
+                        help="export the policy saved after this many steps of an unfinished run (no training)")
     parser.add_argument("--smoke", action="store_true", help="train_ab's tiny model: the script end to end")
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "grpo_train_ab"))
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a Setup field")
@@ -161,7 +178,13 @@ def main(argv=None) -> int:
     setup = train_ab.Setup(**fields)
 
     start = time.perf_counter()
-    policy, cached, train_s = trained_policy(setup, opts.arm, opts.cache_dir)
+    if opts.checkpoint:
+        policy, cached, train_s = os.path.join(policy_dir(setup, opts.arm, opts.cache_dir),
+                                               f"checkpoint-{opts.checkpoint}"), True, 0.0
+        if not os.path.exists(os.path.join(policy, "config.json")):
+            raise SystemExit(f"no checkpoint at {policy} (a run with --save-every saves them)")
+    else:
+        policy, cached, train_s = trained_policy(setup, opts.arm, opts.cache_dir, opts.save_every)
     print(f"policy: {policy} ({'cached' if cached else f'trained in {train_s / 60:.1f} min'})", flush=True)
     stats = export(setup, policy, opts.out, opts.groups, opts.seed)
     total = time.perf_counter() - start
@@ -174,7 +197,7 @@ def main(argv=None) -> int:
           f"({stats['significant_per_row']:.1f} per row); reward mean {stats['reward_mean']:.3f}")
     print(f"total {total / 60:.1f} min")
     with open(opts.out + ".json", "w") as f:
-        json.dump(dict(stats, policy=policy, arm=opts.arm, steps=setup.steps, seconds=total,
+        json.dump(dict(stats, policy=policy, arm=opts.arm, steps=opts.checkpoint or setup.steps, seconds=total,
                        train_seconds=train_s), f, indent=1)
     return 0
 
