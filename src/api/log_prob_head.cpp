@@ -124,8 +124,8 @@ std::string LmHeadLogProbPlan::describe() const {
   const LmHeadSchedule& s = d.schedule;
   std::ostringstream os;
   os << "log-prob head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
-     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << detail::kHiddenChunk
-     << " threads=" << s.threads << " gemm_passes=1 forward"
+     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << " threads=" << s.threads
+     << " gemm_passes=1 forward"
      << (d.options.forward_only ? ""
          : d.options.frozen_weight
              ? " + 2 backward (logits of rows with nonzero upstream recomputed; frozen_weight: no dW GEMMs)"

@@ -128,7 +128,8 @@ struct LmHeadPlanData {
   std::int64_t forward_rows = 0;      // rows of every forward GEMM call (see kForwardRows)
   std::int64_t block_rows_alloc = 0;  // token_block rounded up to forward_rows
   std::int64_t tiles = 0;             // ceil(V / vocab_tile)
-  std::int64_t hidden_chunks = 0;     // ceil(H / kHiddenChunk)
+  std::int64_t hidden_chunk = 0;      // dhidden columns per task (see build_lm_head_plan)
+  std::int64_t hidden_chunks = 0;     // ceil(H / hidden_chunk)
   // Sequence-level IS with sequences longer than a block (or a top-entropy
   // mask over more rows than a block): the loss needs a forward pass over all
   // blocks before any coefficient (see recompute_logits).

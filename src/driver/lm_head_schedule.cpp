@@ -156,8 +156,8 @@ void create_gemms(LmHeadPlanData& p) {
   p.dweight.clear();
   p.dhidden.clear();
   if (!p.options.forward_only) {
-    const std::int64_t last_chunk = s.hidden - (p.hidden_chunks - 1) * kHiddenChunk;
-    const std::int64_t chunk = std::min(kHiddenChunk, s.hidden);
+    const std::int64_t last_chunk = s.hidden - (p.hidden_chunks - 1) * p.hidden_chunk;
+    const std::int64_t chunk = std::min(p.hidden_chunk, s.hidden);
     for (std::int64_t k = kRowQuantum; k <= p.block_rows_alloc; k += kRowQuantum) {
       auto& dw = p.dweight.emplace_back();
       for (int acc = 0; acc < 2 && !p.options.frozen_weight; ++acc) {
@@ -216,7 +216,6 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->rows = shape.batch * shape.seq_len;
   p->schedule.vocab_tile = plan_vocab_tile(shape, options);
   p->tiles = (shape.vocab + p->schedule.vocab_tile - 1) / p->schedule.vocab_tile;
-  p->hidden_chunks = (shape.hidden + kHiddenChunk - 1) / kHiddenChunk;
   // bf16 GEMMs: the block keeps x - max in f16 (see row_stats_store) and takes
   // the bf16 dlogits in place; f32 GEMMs keep f32 throughout.
   p->store_type = shape.dtype == DType::bf16 ? kernels::Elem::f16 : kernels::Elem::f32;
@@ -267,6 +266,15 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
       kernels::gemm_traits(forward_spec(shape, p->forward_rows, p->schedule.vocab_tile, p->schedule.vocab_tile))
           .m_independent;
   const int threads = resolve_threads(options.max_threads);
+  // dhidden's columns per task. Each task's GEMM reads the block's whole
+  // dlogits [block, V] once, so fewer, wider chunks read less; a backend
+  // whose every element is reduced over K alone (GemmTraits) gives the same
+  // bits for any chunking, so it takes one chunk per thread (H / threads,
+  // rounded up to kHiddenChunk). oneDNN keeps kHiddenChunk whatever the
+  // thread count (its blocking, and so its sums, follow N).
+  p->hidden_chunk = whole_block ? round_up((shape.hidden + threads - 1) / threads, kHiddenChunk) : kHiddenChunk;
+  p->hidden_chunk = std::min(p->hidden_chunk, shape.hidden);
+  p->hidden_chunks = (shape.hidden + p->hidden_chunk - 1) / p->hidden_chunk;
   for (;;) {
     std::int64_t block = std::min(nb, p->rows);
     p->schedule.recompute_logits = false;

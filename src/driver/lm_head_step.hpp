@@ -300,7 +300,7 @@ struct LmHeadStep {
 
     const auto& dhidden_gemms = p.dhidden[padded / kRowQuantum - 1];
     for_each_item(p.hidden_chunks, p.schedule.threads, [&](std::int64_t chunk, int slot) {
-      const std::int64_t h0 = chunk * kHiddenChunk;
+      const std::int64_t h0 = chunk * p.hidden_chunk;
       const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
       dhidden_clock.time([&] {
         bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot));

@@ -48,7 +48,7 @@ constexpr std::uint64_t kXcr0Avx512 = (1U << 1) | (1U << 2) | (1U << 5) | (1U <<
 // The packed Y block's size: half of a 2 MiB L2 plus room, so the block and
 // the X panel passing by (32 rows x kc bf16, <= 160 KiB at kc = 2560) stay in
 // L2 together.
-constexpr std::size_t kYBlockBytes = std::size_t{640} << 10;
+constexpr std::size_t kYBlockBytes = std::size_t{1024} << 10;
 constexpr std::int64_t kTile = 16;   // rows of a tile; f32 columns of an accumulator tile
 constexpr std::int64_t kKStep = 32;  // bf16 k per tile row (64 bytes)
 constexpr std::int64_t kPanel = 32;  // rows (or columns) of a 2 x 2 accumulator block
@@ -168,7 +168,7 @@ class AmxGemm final : public GemmBackend {
     // possible first (fewer partial-sum round trips), then nc grows into it.
     const std::int64_t k32 = round_up(k_, kKStep);
     const std::int64_t ny32 = round_up(ny_, kPanel);
-    nc_ = std::min<std::int64_t>(ny32, 512);
+    nc_ = std::min<std::int64_t>(ny32, 256);
     kc_ = std::min<std::int64_t>(
         k32, std::max<std::int64_t>(kKStep, static_cast<std::int64_t>(kYBlockBytes) / (nc_ * 2) / kKStep * kKStep));
     nc_ = std::min<std::int64_t>(
