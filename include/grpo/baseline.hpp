@@ -1,7 +1,9 @@
 // The unfused comparison paths: what an eager framework runs, with the same
 // contract (same validation, same outputs) as the fused plans. They exist to
 // measure the fused kernels against, not to train with: they materialize the
-// full [N, V] logits (and dlogits).
+// full [N, V] logits (and dlogits). They are the library grpo::baseline
+// (target_link_libraries(app grpo::baseline)), apart from grpo::grpo, and
+// not included by grpo/grpo.hpp.
 //
 //   grpo::LmHeadBaseline baseline(shape, config, {.logits_dtype = grpo::DType::bf16});
 //   baseline.execute(inputs, outputs);   // same views as LmHeadLossPlan::execute

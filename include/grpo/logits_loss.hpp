@@ -7,7 +7,7 @@
 //
 // The fused kernel streams each row once forward (online max / sum-exp /
 // entropy) and once backward ((onehot - p) * c). The unfused comparison
-// path, LogitsBaseline, is in baseline.hpp.
+// path, LogitsBaseline, is in baseline.hpp (library grpo::baseline).
 #pragma once
 
 #include <cstdint>
