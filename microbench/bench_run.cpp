@@ -1,6 +1,7 @@
 #include "bench_run.hpp"
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 
@@ -110,8 +111,38 @@ void add_reference_counters(const std::string& ref, Impl ref_impl, const RunStat
 
 }  // namespace
 
+namespace {
+
+// GRPO_GEMM for one run's plans (kernels::forced_gemm_backend() reads it when
+// a plan builds its GEMMs), the previous value restored after.
+class GemmBackendScope {
+ public:
+  explicit GemmBackendScope(const std::string& backend) : active_(!backend.empty()) {
+    if (!active_) return;
+    if (const char* old = std::getenv("GRPO_GEMM")) previous_ = old;
+    setenv("GRPO_GEMM", backend.c_str(), 1);
+  }
+  ~GemmBackendScope() {
+    if (!active_) return;
+    if (previous_) {
+      setenv("GRPO_GEMM", previous_->c_str(), 1);
+    } else {
+      unsetenv("GRPO_GEMM");
+    }
+  }
+  GemmBackendScope(const GemmBackendScope&) = delete;
+  GemmBackendScope& operator=(const GemmBackendScope&) = delete;
+
+ private:
+  bool active_;
+  std::optional<std::string> previous_;
+};
+
+}  // namespace
+
 BenchResult run_bench(const BenchConfig& config, bool show_progress) {
   Progress progress(config.name, show_progress);
+  const GemmBackendScope gemm_backend(config.gemm_backend);
   if (is_lm_head(config.impl)) {
     // Measured first, on an otherwise idle process (once per process).
     progress.update("measuring the machine's peak");

@@ -52,6 +52,9 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
   d->options = options;
   d->threads = resolve_threads(options.max_threads);
   d->dlogits_dtype = shape.dtype;
+  // The baseline runs what an eager framework runs: oneDNN's matmul over the
+  // whole batch, multi-threaded, whatever GRPO_GEMM says (our backends run
+  // one call per thread, inside the fused plans' tasks).
   d->engine = std::make_unique<kernels::GemmEngine>();
   const LmHeadShape& s = d->shape;
   const std::int64_t n = s.batch * s.seq_len;
@@ -64,7 +67,7 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
   logits.has_bias = s.has_bias;
   logits.bias_dtype = s.bias_dtype;
   logits.threads = d->threads;
-  d->logits = std::make_unique<Gemm>(*d->engine, logits);
+  d->logits = std::make_unique<Gemm>(*d->engine, logits, kernels::GemmBackendKind::onednn);
   std::size_t scratch = d->logits->scratchpad_bytes();
   if (!options.forward_only) {
     GemmSpec dh;
@@ -73,7 +76,7 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
               : GemmOperand{s.dtype, s.vocab, s.hidden, 1, s.weight_ld};
     dh.c = {options.dhidden_dtype, n, s.hidden, s.hidden, 1};
     dh.threads = d->threads;
-    d->dhidden = std::make_unique<Gemm>(*d->engine, dh);
+    d->dhidden = std::make_unique<Gemm>(*d->engine, dh, kernels::GemmBackendKind::onednn);
     GemmSpec dw;
     if (vm) {
       dw.a = {d->dlogits_dtype, s.vocab, n, 1, s.vocab};
@@ -86,7 +89,7 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
     }
     dw.accumulate = options.accumulate_weight_grads;
     dw.threads = d->threads;
-    d->dweight = std::make_unique<Gemm>(*d->engine, dw);
+    d->dweight = std::make_unique<Gemm>(*d->engine, dw, kernels::GemmBackendKind::onednn);
     scratch = std::max({scratch, d->dhidden->scratchpad_bytes(), d->dweight->scratchpad_bytes()});
   }
   d->max_scratchpad = scratch;

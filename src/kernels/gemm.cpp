@@ -52,11 +52,8 @@ struct Gemm::Impl {
 };
 
 const char* forced_gemm_backend() {
-  static const char* forced = [] {
-    const char* v = std::getenv("GRPO_GEMM");
-    return v != nullptr && *v != '\0' ? v : nullptr;
-  }();
-  return forced;
+  const char* v = std::getenv("GRPO_GEMM");
+  return v != nullptr && *v != '\0' ? v : nullptr;
 }
 
 namespace {

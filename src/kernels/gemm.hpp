@@ -118,8 +118,9 @@ class Gemm {
 // it (a plan sizes its schedule by them before creating its GEMMs).
 GemmTraits gemm_traits(const GemmSpec& spec);
 
-// The backend GRPO_GEMM names (amx, onednn, reference), or the default list.
-// Read once per process.
+// The backend GRPO_GEMM names (amx, onednn, reference), or null for the
+// default list. Read when a plan builds its GEMMs: a plan keeps the backends
+// it was built with.
 const char* forced_gemm_backend();
 
 // One caller's oneDNN objects for one Gemm: a stream and the memory objects

@@ -53,6 +53,9 @@ constexpr std::int64_t kTile = 16;   // rows of a tile; f32 columns of an accumu
 constexpr std::int64_t kKStep = 32;  // bf16 k per tile row (64 bytes)
 constexpr std::int64_t kPanel = 32;  // rows (or columns) of a 2 x 2 accumulator block
 constexpr std::size_t kAlignBytes = 64;
+// The most scratch X packed a whole k block at a time may take (the step's
+// dW packs 2048 x 640 and dh 640 x 2048: 2.5 MiB).
+constexpr std::size_t kXWholeBytes = std::size_t{16} << 20;
 // Two sets of four finished accumulator tiles (4 KiB each): a block's tiles
 // are stored to one set and converted into C while the next block's
 // tdpbf16ps run, so the vector loads never wait on the tile stores just made
@@ -178,7 +181,9 @@ class AmxGemm final : public GemmBackend {
     y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * 2);
     // X: one panel at a time when Y is a single column block (each panel is
     // used once per k block), else the whole k block, packed once.
-    x_whole_ = nc_ < ny32;
+    // (at most kXWholeBytes: past that, e.g. a whole-vocabulary GEMM, the
+    // panels are packed again for every column block).
+    x_whole_ = nc_ < ny32 && static_cast<std::size_t>(mx32 * kc_) * 2 <= kXWholeBytes;
     x_bytes_ = align_up(static_cast<std::size_t>((x_whole_ ? mx32 : kPanel) * kc_) * 2);
     acc_bytes_ = kc_ < k_ ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
     acc_ld_ = ny32;
