@@ -18,17 +18,22 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Segments of kFilterSegmentRows consecutive rows, evenly spread (fewer rows:
-// one segment of all of them).
-std::vector<std::int64_t> segment_starts(std::int64_t n, int segments) {
-  if (n <= kFilterSegmentRows || segments == 0) return {0};
-  std::vector<std::int64_t> starts;
+// Segments of kFilterSegmentRows consecutive rows (start, length), evenly
+// spread; segments == 0: every row, segment after segment.
+std::vector<std::pair<std::int64_t, std::int64_t>> segments_of(std::int64_t n, int segments) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  if (segments == 0 || n <= kFilterSegmentRows) {
+    for (std::int64_t start = 0; start < n; start += kFilterSegmentRows)
+      out.emplace_back(start, std::min(kFilterSegmentRows, n - start));
+    return out;
+  }
   for (int i = 0; i < segments; ++i) {
     const std::int64_t mid = (2 * i + 1) * n / (2 * segments);
-    const std::int64_t start = std::clamp<std::int64_t>(mid - kFilterSegmentRows / 2, 0, n - kFilterSegmentRows);
-    if (starts.empty() || start >= starts.back() + kFilterSegmentRows) starts.push_back(start / 32 * 32);
+    const std::int64_t start =
+        std::clamp<std::int64_t>(mid - kFilterSegmentRows / 2, 0, n - kFilterSegmentRows) / 32 * 32;
+    if (out.empty() || start >= out.back().first + kFilterSegmentRows) out.emplace_back(start, kFilterSegmentRows);
   }
-  return starts;
+  return out;
 }
 
 // pos[id] = position of id in descending order of key (ties by id).
@@ -76,16 +81,13 @@ FilterAnalysis analyze_filter(const BenchConfig& config, const FilterAnalysisOpt
   });
 
   // Significant ids of every analysed row (empty for masked rows).
-  const std::vector<std::int64_t> starts = segment_starts(n, o.segments);
-  const std::int64_t seg_rows = o.segments == 0 ? n : std::min(n, kFilterSegmentRows);
-  if (seg_rows * v > (std::int64_t{1} << 29))
-    throw std::invalid_argument("--analyze-segments 0 at this shape needs more than 2 GiB of logits");
-  std::vector<std::vector<std::vector<std::int32_t>>> sig(starts.size());
+  const std::vector<std::pair<std::int64_t, std::int64_t>> segs = segments_of(n, o.segments);
+  std::vector<std::vector<std::vector<std::int32_t>>> sig(segs.size());
   std::vector<double> counts(static_cast<std::size_t>(v), 0.0);
   double above = 0.0, logp = 0.0;
-  for (std::size_t s = 0; s < starts.size(); ++s) {
-    std::vector<std::int64_t> rows(static_cast<std::size_t>(seg_rows));
-    std::iota(rows.begin(), rows.end(), starts[s]);
+  for (std::size_t s = 0; s < segs.size(); ++s) {
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(segs[s].second));
+    std::iota(rows.begin(), rows.end(), segs[s].first);
     const std::vector<float> z = reference_logits(p, rows, spec.threads);
     sig[s].resize(rows.size());
     for (std::size_t i = 0; i < rows.size(); ++i) {
@@ -128,7 +130,8 @@ FilterAnalysis analyze_filter(const BenchConfig& config, const FilterAnalysisOpt
         const std::int64_t tiles = (v + tc - 1) / tc;
         double kept = 0.0, total = 0.0;  // FLOP weights: rows x columns of each block
         std::vector<char> hit(static_cast<std::size_t>(tiles));
-        for (std::size_t s = 0; s < starts.size(); ++s) {
+        for (std::size_t s = 0; s < segs.size(); ++s) {
+          const std::int64_t seg_rows = segs[s].second;
           for (std::int64_t r0 = 0; r0 < seg_rows; r0 += br) {
             const std::int64_t rows = std::min(br, seg_rows - r0);
             std::fill(hit.begin(), hit.end(), 0);

@@ -13,6 +13,8 @@
 //              order; with --analyze-segments 0 (every row) this is that
 //              order; on sampled segments it is optimistic (fewer rows, fewer
 //              distinct significant columns to pack).
+// Row blocks are aligned to their segment's start (segments start at
+// multiples of 32 rows; with 0, at multiples of 320).
 // Every valid row counts as active (a zero advantage would skip its row in
 // the exact path already); masked rows have no significant entries.
 #pragma once
@@ -28,7 +30,7 @@ namespace grpo::bench {
 
 struct FilterAnalysisOptions {
   // Row segments of kFilterSegmentRows rows each, spread over the batch;
-  // 0: every row, one segment (refused above 2^29 logits, 2 GiB of floats).
+  // 0: every row, segment after segment (the logits of one segment at a time).
   int segments = 2;
   std::vector<std::int64_t> block_rows = {32, 64, 160};
   // 1 column: a filter that gathers each row block's significant columns
