@@ -41,7 +41,8 @@ Python path writes them) --set threads --set steps`, and its step is the p50
 of its timed steps. One step = forward + backward with gradients of hidden
 and lm_head.weight, .grad reset to None before each (a fresh gradient each
 step, as Trainer's zero_grad(set_to_none=True)); reported: the median over
---steps steps after one warm-up step.
+--steps steps after one warm-up step. Own peak = VmHWM - VmRSS, with VmHWM
+restarted (/proc/self/clear_refs) once the inputs exist.
 
 Run it from the repository (or set GRPO_REPO): the C++ configs are read
 from there. Shapes: "quick" (B=1 T=512 H=4096 V=151936), "headline" (B=1 T=8192 H=4096
@@ -124,6 +125,17 @@ def _rss_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+
+def _reset_peak() -> int:
+    """Restarts VmHWM from the current RSS (input generation's transients, e.g. a float32 randn of W before its
+    bf16 cast, must not count as the step's) and returns the RSS in KiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then peak - base also holds the inputs' transients (an overestimate)
+    return _rss_kib("VmRSS")
 
 
 def _torch_loss(logp, old, ref, adv, mask, loss_type: str, beta: float):
@@ -224,7 +236,7 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
     else:
         raise SystemExit(f"unknown method {method}")
 
-    base_kib = _rss_kib("VmRSS")
+    base_kib = _reset_peak()
     times, kernel_s, stats = [], [], None
     for i in range(steps + 1):
         hidden.grad = weight.grad = None
