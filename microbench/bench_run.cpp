@@ -51,6 +51,20 @@ void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
     out["peak_amx_bf16_gflops"] = peak.amx_bf16_gflops;
     out["machine_peak_threads"] = peak.threads;
     if (peak.for_dtype(c.dtype) > 0.0) out["peak_frac"] = executed / peak.for_dtype(c.dtype);
+    // The roofline of the step's own schedule: its FLOPs at the peak or its
+    // bytes (LmHeadStepStats::schedule_bytes) at the triad bandwidth,
+    // whichever takes longer: no run of this schedule can be faster.
+    out["machine_triad_gbytes_per_s"] = peak.triad_gbytes_per_s;
+    if (s.step_stats && s.step_stats->schedule_bytes > 0.0 && s.executed_flops && peak.for_dtype(c.dtype) > 0.0 &&
+        peak.triad_gbytes_per_s > 0.0) {
+      const double compute_s = *s.executed_flops / (peak.for_dtype(c.dtype) * 1e9);
+      const double memory_s = s.step_stats->schedule_bytes / (peak.triad_gbytes_per_s * 1e9);
+      out["schedule_bytes"] = s.step_stats->schedule_bytes;
+      out["roofline_compute_s"] = compute_s;
+      out["roofline_memory_s"] = memory_s;
+      out["roofline_s"] = std::max(compute_s, memory_s);
+      out["roofline_frac"] = s.p50() > 0.0 ? std::max(compute_s, memory_s) / s.p50() : 0.0;
+    }
   }
   // Where the last step's time went (thread-seconds per phase, see
   // LmHeadStepStats), and each phase's share of the step's thread-seconds

@@ -28,6 +28,11 @@ struct MachinePeak {
   double f32_fma_gflops = 0.0;
   double avx512_bf16_gflops = 0.0;
   double amx_bf16_gflops = 0.0;
+  // Memory bandwidth in the same process: a STREAM triad a = b + s c over
+  // three arrays of kTriadFloats floats (768 MiB, past every cache), one
+  // slice per thread, bytes counted as STREAM does (two reads, one write;
+  // the write-allocate read not counted), best of the repetitions.
+  double triad_gbytes_per_s = 0.0;
   std::string missing;  // units not measured and why; empty when all were
 
   // The peak of the units that could execute GEMMs of this dtype: f32 ->

@@ -111,6 +111,13 @@ struct LmHeadStepStats {
   std::int64_t logits_gemm_rows = 0;
   std::int64_t backward_gemm_rows = 0;  // dhidden GEMM
   std::int64_t dweight_gemm_rows = 0;
+  // Bytes the schedule itself moves to or from memory (a roofline's byte
+  // count, caches assumed to hold nothing bigger than a GEMM's own blocks):
+  // W read by every forward call and once per block by dhidden, the block's
+  // stored logits written and read back as dlogits, dlogits read by the dW
+  // GEMM and by every dhidden chunk, dW read (accumulating) and written per
+  // block. Inputs and outputs of size N x H are left out (small beside these).
+  double schedule_bytes = 0.0;
   // Rows with a nonzero upstream coefficient (the backward GEMMs' rows before
   // the padding to the row quantum), summed over the passes.
   std::int64_t active_rows = 0;

@@ -232,6 +232,17 @@ struct LmHeadStep {
     stats.backward_gemm_rows += padded;
     stats.active_rows += na;
     if (dweight) stats.dweight_gemm_rows += padded;
+    {  // what this block's backward moves (LmHeadStepStats::schedule_bytes)
+      const double dl_bytes = static_cast<double>(padded) * static_cast<double>(vocab) * static_cast<double>(dl_size);
+      const double w_bytes = static_cast<double>(vocab) * static_cast<double>(hidden) * static_cast<double>(in_size);
+      stats.schedule_bytes += static_cast<double>(padded) * static_cast<double>(vocab) * store_size + dl_bytes;
+      stats.schedule_bytes += w_bytes + static_cast<double>(p.hidden_chunks) * dl_bytes;
+      if (dweight) {
+        const double dw = static_cast<double>(vocab) * static_cast<double>(hidden) *
+                          static_cast<double>(size_of(p.options.dweight_dtype));
+        stats.schedule_bytes += dl_bytes + dw * (*dweight_written ? 2.0 : 1.0);
+      }
+    }
     const int accumulate = *dweight_written ? 1 : 0;
     const kernels::Elem dl_type = elem_of(p.dlogits_dtype);
     const std::size_t dw_size = size_of(p.options.dweight_dtype);
@@ -349,6 +360,10 @@ struct LmHeadStep {
     const std::int64_t fr = p.forward_rows;
     const std::int64_t chunks = (nb + fr - 1) / fr;
     stats.logits_gemm_rows += chunks * fr;
+    // W read by every chunk's calls; the kept logits written once.
+    stats.schedule_bytes += static_cast<double>(chunks) * static_cast<double>(vocab) *
+                                static_cast<double>(p.shape.hidden) * static_cast<double>(in_size) +
+                            (keep ? static_cast<double>(nb) * static_cast<double>(vocab) * store_size : 0.0);
     const std::size_t bias_size = in.bias.empty() ? 0 : size_of(in.bias.dtype);
     // Each chunk's hidden rows packed once for every vocab tile (full and last
     // tiles pack them alike), the chunks in parallel.
