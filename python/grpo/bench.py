@@ -211,7 +211,7 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
         import grpo.torch as gt
 
         def step():
-            logp, _ent = gt.fused_log_probs(hidden, weight, None, ids)
+            logp, _ent = gt.fused_log_probs(hidden, weight, None, ids, on_stats=kernel.append)
             return _torch_loss(logp, old, ref, adv, mask, loss_type, beta)
     elif method == "grpo_loss":
         import grpo.torch as gt
@@ -247,9 +247,9 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
         elapsed = time.perf_counter() - start
         if i > 0:  # the first step is a warm-up (plans, oneDNN kernels, allocator)
             times.append(elapsed)
-            if kernel:
+            if kernel:  # grpo_loss: one call; grpo_head: its forward and its backward
                 kernel_s.append(sum(s["kernel_s"] for s in kernel))
-                stats = kernel[-1]
+                stats = dict(kernel[-1], executed_flops=sum(s["executed_flops"] for s in kernel))
     result = {"method": method, "B": b, "T": t, "H": h, "V": v, "dtype": dtype_name, "threads": threads,
               "workload": workload, "step_s": statistics.median(times), "steps": steps,
               "loss": float(loss.detach()), "peak_rss_mib": _rss_kib("VmHWM") / 1024, "base_rss_mib": base_kib / 1024}

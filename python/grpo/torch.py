@@ -989,7 +989,8 @@ class _FusedLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, rows, ids32, mask32, get_plan, cache, want_entropy):  # noqa: D401
+    def forward(ctx, hidden, weight, bias, rows, ids32, mask32, get_plan, cache, want_entropy,  # noqa: D401
+                grad_into="auto", on_stats=None):
         # An entropy computed for logging only gets no gradient: None, not zeros.
         ctx.set_materialize_grads(False)
         n = rows.shape[0]
@@ -997,19 +998,23 @@ class _FusedLogProbs(torch.autograd.Function):
         entropy = torch.empty(n, dtype=torch.float32) if want_entropy else None
         w, b = weight.detach(), None if bias is None else bias.detach()
         try:
-            get_plan().forward(cache.workspace, rows.detach(), w, b, ids32, mask32, logp, entropy)
+            stats = get_plan().forward(cache.workspace, rows.detach(), w, b, ids32, mask32, logp, entropy)
         except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
             raise _renamed(error, _LOG_PROB_NAMES) from None
         ctx.save_for_backward(rows, weight, bias, ids32, mask32)
         # The plan is looked up again in backward (a cache hit): the graph
         # holds no nanobind object, so exiting with one alive reports no leak.
         ctx.get_plan, ctx.cache = get_plan, cache
+        ctx.weight_ref = weakref.ref(weight)
+        ctx.grad_into, ctx.on_stats = grad_into, on_stats
+        if on_stats is not None:
+            on_stats(step_stats(stats, weight.shape[0], rows.shape[1]))
         ctx.meta = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        none = (None,) * 9
+        none = (None,) * 11
         if grad_logp is None and grad_entropy is None:
             return none
         rows, weight, bias, ids32, mask32 = ctx.saved_tensors
@@ -1028,22 +1033,42 @@ class _FusedLogProbs(torch.autograd.Function):
         # wants a gradient: _frozen_head) has no dW / dbias at all.
         # dhidden and dW are written in hidden's / weight's dtype (the plan's
         # dhidden_dtype / dweight_dtype): no float32 [V, H] buffer, no cast.
+        # An existing weight.grad takes dW in place (accumulate_weight_grads:
+        # no [V, H] temporary, as the fused loss; the grad_output is already
+        # known here), and is handed back to AccumulateGrad, which steals it
+        # (see _Step): its hooks fire, nothing is added twice.
         frozen = not (need_w or need_b)
+        param = ctx.weight_ref()
+        target = _grad_target(param) if (need_w and param is not None and ctx.grad_into == "auto") else None
         dhidden = _fresh((n, h), rows.dtype) if need_h else _scratch(cache, (n, h), rows.dtype)
         dweight = dbias = None
         if not frozen:
-            dweight = _fresh((v, h), weight.dtype) if need_w else _scratch(cache, (v, h), weight.dtype)
+            if target is not None:
+                dweight = target
+            else:
+                dweight = _fresh((v, h), weight.dtype) if need_w else _scratch(cache, (v, h), weight.dtype)
             if bias is not None:
-                dbias = torch.empty(v, dtype=torch.float32) if need_b else _scratch(cache, (v,))
+                if target is not None:
+                    dbias = torch.zeros(v, dtype=torch.float32)  # the plan adds into dbias too
+                else:
+                    dbias = torch.empty(v, dtype=torch.float32) if need_b else _scratch(cache, (v,))
+        plan = (ctx.get_plan() if target is None else
+                ctx.get_plan(accumulate=True, grad_dtype=_FLOAT_DTYPES[target.dtype], dweight_ld=_row_stride(target)))
         try:
-            ctx.get_plan().backward(cache.workspace, rows.detach(), weight.detach(), None if bias is None else bias.detach(),
-                              ids32, mask32, dlogp, dent, dhidden, dweight, dbias)
+            stats = plan.backward(cache.workspace, rows.detach(), weight.detach(),
+                                  None if bias is None else bias.detach(), ids32, mask32, dlogp, dent, dhidden, dweight,
+                                  dbias)
         except (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError) as error:
             raise _renamed(error, _LOG_PROB_NAMES) from None
+        if ctx.on_stats is not None:
+            ctx.on_stats(step_stats(stats, v, h))
         gh = dhidden.view(hidden_shape) if need_h else None
         gw = dweight if need_w else None
+        if target is not None:
+            param.grad = None  # AccumulateGrad steals the same tensor straight back
+            gw = target
         gb = dbias.to(bias_dtype) if (need_b and bias is not None) else None
-        return (gh, gw, gb) + (None,) * 6
+        return (gh, gw, gb) + (None,) * 8
 
 
 def fused_log_probs(
@@ -1061,6 +1086,8 @@ def fused_log_probs(
     num_threads: Optional[int] = None,
     workspace_budget: Optional[int] = None,
     plan_cache: Optional[grpo.PlanCache] = None,
+    grad_into: str = "auto",
+    on_stats=None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probabilities (and entropy) of an LM head, without the [N, V] logits.
 
@@ -1088,13 +1115,17 @@ def fused_log_probs(
     row's log_prob is 0, its label is not read, its entropy is still
     computed, and the upstream gradients of both are ignored.
 
-    Gradients: computed in float32 and cast to each input's dtype. The C++
+    Gradients: written by the C++ backward in each input's dtype (dbias in
+    float32, cast). An existing weight.grad takes dW in place (grad_into=
+    "auto": no [V, H] temporary under gradient accumulation; AccumulateGrad
+    and its hooks still run, see _Step); "new" always makes a fresh one. The
     head writes dhidden, dweight and dbias in every backward, except for a
     frozen head (neither weight nor bias requires grad, as in LoRA): its plan
     is built with frozen_weight and skips the dW GEMMs, a third of the step.
     Any other unneeded gradient (a hidden that does not require grad, a
-    weight whose bias alone is trained) is written into a float32 scratch
-    buffer kept in the plan cache and discarded. logit_softcap / logit_scale: the model's logit transform
+    weight whose bias alone is trained) is written into a scratch buffer kept
+    in the plan cache and discarded. on_stats: called with the step stats
+    (step_stats()) of the forward and of the backward kernel calls. logit_softcap / logit_scale: the model's logit transform
     before the temperature, as TRL applies final_logit_softcapping and its
     logit scale: z' = c tanh(s z / c), or s z without a cap (None).
     temperature_on_logp: grpo's other temperature convention
@@ -1104,6 +1135,8 @@ def fused_log_probs(
     `num_threads`, else torch.get_num_threads(). Refusals raise grpo.Error /
     grpo.ArgumentTypeError / NotImplementedError naming the argument.
     """
+    if grad_into not in ("auto", "new"):
+        raise _refuse("grad_into", f"must be 'auto' or 'new', got {grad_into!r}")
     outputs = tuple(outputs)
     for name in outputs:
         if name in _UNSUPPORTED_LOG_PROB_OUTPUTS:
@@ -1156,22 +1189,27 @@ def fused_log_probs(
            float(temperature), bool(temperature_on_logp), None if logit_softcap is None else float(logit_softcap),
            float(logit_scale), threads, needs_grad, frozen, workspace_budget)
 
-    def build():
-        # One sequence of N rows: the head has no per-sequence term, so the
-        # plan depends on N only.
-        shape = _head_shape(1, n, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld)
-        config = _core.LogProbConfig()
-        config.temperature = float(temperature)
-        config.temperature_on_logp = bool(temperature_on_logp)
-        config.logit_softcap = None if logit_softcap is None else float(logit_softcap)
-        config.logit_scale = float(logit_scale)
-        options = _head_options(threads, not needs_grad, frozen, workspace_budget, dtype)
-        return _core.LmHeadLogProbPlan(shape, config, options)
-
     cache = plan_cache if plan_cache is not None else grpo.default_plan_cache()
 
-    def get_plan():
-        return cache.get("lm_head_log_prob", key, build)
+    def get_plan(accumulate: bool = False, grad_dtype=None, dweight_ld: int = 0):
+        """The head's plan; accumulate: the backward adds dW into an existing weight.grad (its dtype / stride)."""
+        def build():
+            # One sequence of N rows: the head has no per-sequence term, so the
+            # plan depends on N only.
+            shape = _head_shape(1, n, h, v, dtype, bias is not None, bias_dtype, hidden_ld, weight_ld)
+            shape.dweight_ld = dweight_ld
+            config = _core.LogProbConfig()
+            config.temperature = float(temperature)
+            config.temperature_on_logp = bool(temperature_on_logp)
+            config.logit_softcap = None if logit_softcap is None else float(logit_softcap)
+            config.logit_scale = float(logit_scale)
+            options = _head_options(threads, not needs_grad, frozen, workspace_budget, dtype)
+            if accumulate:
+                options.accumulate_weight_grads = True
+                options.dweight_dtype = grad_dtype
+            return _core.LmHeadLogProbPlan(shape, config, options)
+        full_key = key if not accumulate else key + ("accumulate", str(grad_dtype), dweight_ld)
+        return cache.get("lm_head_log_prob", full_key, build)
 
     try:
         get_plan()
@@ -1180,7 +1218,7 @@ def fused_log_probs(
     want_entropy = "entropy" in outputs
     if needs_grad:
         logp, entropy = _FusedLogProbs.apply(hidden, weight, bias, rows, ids32, mask32, get_plan, cache,
-                                             want_entropy)
+                                             want_entropy, grad_into, on_stats)
     else:
         with torch.no_grad():
             logp, entropy = _FusedLogProbs.forward(_NoCtx(), hidden, weight, bias, rows, ids32, mask32, get_plan,

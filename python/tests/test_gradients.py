@@ -338,3 +338,32 @@ def test_only_the_bias_trains():
     out = gt.lm_head_grpo_loss(x, w, case.ids, case.mask, case.advantages, bias=b, old_logp=case.old_logp)
     out.loss.backward()
     assert w.grad is None and b.grad is not None and b.grad.abs().sum() > 0 and x.grad.abs().sum() > 0
+
+
+@DTYPES
+def test_fused_log_probs_accumulates_into_grad_in_place(dtype):
+    """The generic head's backward adds dW into an existing weight.grad (same memory), hooks firing, equal to the
+    sum of two separate calls within the rounding bound."""
+    a = make_case(seed=44, dtype=dtype)
+    b = make_case(seed=45, dtype=dtype)
+    b.weight = a.weight
+
+    def head_grads(case, w, x):
+        logp, entropy = gt.fused_log_probs(x, w, None, case.ids)
+        ((logp * case.mask * case.advantages.unsqueeze(-1)).sum() + 0.01 * entropy.sum()).backward()
+
+    singles = []
+    for case in (a, b):
+        x, w = leaves(case)
+        head_grads(case, w, x)
+        singles.append(w.grad)
+    x, w = leaves(a)
+    fired, stats = [], []
+    w.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    head_grads(a, w, x)
+    storage = w.grad.data_ptr()
+    logp, entropy = gt.fused_log_probs(b.hidden.clone().requires_grad_(), w, None, b.ids, on_stats=stats.append)
+    ((logp * b.mask * b.advantages.unsqueeze(-1)).sum() + 0.01 * entropy.sum()).backward()
+    assert w.grad.data_ptr() == storage and len(fired) == 2
+    assert len(stats) == 2 and stats[1]["active_rows"] > 0 and stats[1]["kernel_s"] > 0  # forward, backward
+    within(w.grad, singles[0].double() + singles[1].double(), singles, dtype, "head dW accumulated")
