@@ -271,10 +271,16 @@ class _Step:
                 entry[1] += 1
 
     def __del__(self):
-        # A graph dropped before its backward: this call no longer holds .grad's hand-over back.
+        # A graph dropped before its backward: this call no longer holds
+        # .grad's hand-over back, and .grad keeps the dW the forward added:
+        # say so (a loss computed for logging only wants grad_into="new" or
+        # torch.no_grad()).
         if self.into is not None and not self.consumed:
             try:
                 self._release_pending()
+                warnings.warn("grpo: a fused loss whose forward added its dW into weight.grad was dropped without "
+                              "backward; weight.grad keeps that dW (use torch.no_grad() or grad_into='new' for a "
+                              "loss you do not backpropagate)", RuntimeWarning, stacklevel=2)
             except Exception:  # interpreter shutdown
                 pass
 

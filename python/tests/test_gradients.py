@@ -367,3 +367,17 @@ def test_fused_log_probs_accumulates_into_grad_in_place(dtype):
     assert w.grad.data_ptr() == storage and len(fired) == 2
     assert len(stats) == 2 and stats[1]["active_rows"] > 0 and stats[1]["kernel_s"] > 0  # forward, backward
     within(w.grad, singles[0].double() + singles[1].double(), singles, dtype, "head dW accumulated")
+
+
+def test_dropping_a_loss_that_added_into_grad_warns():
+    case = make_case(seed=46)
+    x, w = leaves(case)
+    w.grad = torch.zeros_like(w)
+    out = call(case, x, w)
+    with pytest.warns(RuntimeWarning, match="dropped without backward"):
+        del out
+        import gc
+        gc.collect()
+    assert w.grad.abs().sum() > 0  # the forward's dW stays (documented)
+    out = call(case, x, w, grad_into="new")  # nothing written before backward, nothing to warn about
+    del out
