@@ -99,12 +99,14 @@ std::string name(const Case& c) {
 
 std::vector<GemmBackendKind> runnable_backends() {
   std::vector<GemmBackendKind> kinds{GemmBackendKind::onednn, GemmBackendKind::reference};
+  if (avx512_bf16_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx512_bf16);
   if (amx_usable()) kinds.insert(kinds.begin(), GemmBackendKind::amx);
   return kinds;
 }
 
 std::unique_ptr<GemmBackend> make_backend(GemmBackendKind kind, const GemmSpec& spec) {
   if (kind == GemmBackendKind::amx) return make_amx_gemm(spec);
+  if (kind == GemmBackendKind::avx512_bf16) return make_avx512_bf16_gemm(spec);
   if (kind == GemmBackendKind::reference) return make_reference_gemm(spec);
   return nullptr;  // oneDNN runs through kernels::Gemm (GRPO_GEMM unset or forcing another: see run_case)
 }
@@ -151,7 +153,7 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
   for (const GemmBackendKind kind : runnable_backends()) {
     Buffer c = c0;
     if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
-      if (kind == GemmBackendKind::amx) ADD_FAILURE() << "amx backend refused a bf16 spec it should serve";
+      if (kind != GemmBackendKind::onednn) ADD_FAILURE() << to_string(kind) << " refused a bf16 spec it should serve";
       continue;
     }
     int bad = 0;
@@ -237,13 +239,14 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
   for (const bool b_t : {false, true}) {
     Buffer b = make(DType::bf16, k, n, b_t, 0, rng);
     for (const GemmBackendKind kind : runnable_backends()) {
-      if (kind != GemmBackendKind::amx) continue;  // the reference is invariant by its loops; oneDNN is not
+      // Ours (the reference is invariant by its loops; oneDNN is not).
+      if (kind != GemmBackendKind::amx && kind != GemmBackendKind::avx512_bf16) continue;
       auto run_rows = [&](std::int64_t r0, std::int64_t rows) {
         GemmSpec spec;
         spec.a = {DType::bf16, rows, k, k, 1};
         spec.b = b.op;
         spec.c = {DType::f32, rows, n, n, 1};
-        const std::unique_ptr<GemmBackend> be = make_amx_gemm(spec);
+        const std::unique_ptr<GemmBackend> be = make_backend(kind, spec);
         EXPECT_TRUE(be->traits().m_independent);
         std::vector<std::byte> scratch(be->scratchpad_bytes() + 64);
         auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
@@ -256,7 +259,8 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
       const std::vector<float> head = run_rows(0, 7);
       const std::vector<float> mid = run_rows(100, 7);
       EXPECT_EQ(0, std::memcmp(all.data(), head.data(), head.size() * sizeof(float))) << "b_t " << b_t;
-      EXPECT_EQ(0, std::memcmp(all.data() + 100 * n, mid.data(), mid.size() * sizeof(float))) << "b_t " << b_t;
+      EXPECT_EQ(0, std::memcmp(all.data() + 100 * n, mid.data(), mid.size() * sizeof(float)))
+          << to_string(kind) << " b_t " << b_t;
     }
   }
 }
@@ -265,7 +269,11 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
 // bitwise the result of the call that packs it itself, for either operand,
 // both layouts, and shapes that split K and N into blocks.
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
-  if (!amx_usable()) GTEST_SKIP() << "amx backend not tested on this CPU: " << amx_unusable_reason();
+  std::vector<GemmBackendKind> ours;
+  for (const GemmBackendKind k : runnable_backends()) {
+    if (k == GemmBackendKind::amx || k == GemmBackendKind::avx512_bf16) ours.push_back(k);
+  }
+  if (ours.empty()) GTEST_SKIP() << "no microkernel backend runs on this CPU: " << amx_unusable_reason();
   const GemmEngine engine;
   std::mt19937 rng(91);
   struct Shape {
@@ -281,31 +289,36 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
         spec.b = b.op;
         spec.c = {DType::f32, sh.m, sh.n, sh.n, 1};
         spec.shared = shared;
-        const Gemm g(engine, spec, GemmBackendKind::amx);
-        ASSERT_GT(g.shared_packed_bytes(), 0U);
-        std::vector<std::byte> scratch(g.scratchpad_bytes() + 64);
-        std::vector<std::byte> packed(g.shared_packed_bytes() + 64);
-        const auto align = [](std::vector<std::byte>& v) {
-          return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) / 64 * 64);
-        };
-        std::vector<float> plain(static_cast<std::size_t>(sh.m * sh.n));
-        std::vector<float> reused(plain.size());
-        g.run(a.data(), b.data(), plain.data(), nullptr, align(scratch));
-        g.pack_shared(shared == SharedOperand::a ? a.data() : b.data(), align(packed));
-        const GemmBinding binding(g);
-        // The shared operand's own pointer is not needed once packed.
-        binding.run(shared == SharedOperand::a ? nullptr : a.data(), shared == SharedOperand::b ? nullptr : b.data(),
-                    reused.data(), nullptr, align(scratch), align(packed));
-        EXPECT_EQ(0, std::memcmp(plain.data(), reused.data(), plain.size() * sizeof(float)))
-            << "M" << sh.m << " N" << sh.n << " K" << sh.k << " shared " << (shared == SharedOperand::a ? "a" : "b")
-            << " transposed " << t;
+        for (const GemmBackendKind kind : ours) {
+          const Gemm g(engine, spec, kind);
+          ASSERT_GT(g.shared_packed_bytes(), 0U);
+          std::vector<std::byte> scratch(g.scratchpad_bytes() + 64);
+          std::vector<std::byte> packed(g.shared_packed_bytes() + 64);
+          const auto align = [](std::vector<std::byte>& v) {
+            return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) / 64 * 64);
+          };
+          std::vector<float> plain(static_cast<std::size_t>(sh.m * sh.n));
+          std::vector<float> reused(plain.size());
+          g.run(a.data(), b.data(), plain.data(), nullptr, align(scratch));
+          g.pack_shared(shared == SharedOperand::a ? a.data() : b.data(), align(packed));
+          const GemmBinding binding(g);
+          // The shared operand's own pointer is not needed once packed.
+          binding.run(shared == SharedOperand::a ? nullptr : a.data(), shared == SharedOperand::b ? nullptr : b.data(),
+                      reused.data(), nullptr, align(scratch), align(packed));
+          EXPECT_EQ(0, std::memcmp(plain.data(), reused.data(), plain.size() * sizeof(float)))
+              << "M" << sh.m << " N" << sh.n << " K" << sh.k << " shared " << (shared == SharedOperand::a ? "a" : "b")
+              << " transposed " << t << " " << to_string(kind);
+        }
       }
     }
   }
 }
 
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
-  if (!amx_usable()) GTEST_SKIP() << "amx backend not tested on this CPU: " << amx_unusable_reason();
+  std::string skipped;
+  if (!amx_usable()) skipped += std::string("amx (") + amx_unusable_reason() + ") ";
+  if (!avx512_bf16_usable()) skipped += "avx512bf16 (the CPU has no AVX512-BF16)";
+  if (!skipped.empty()) GTEST_SKIP() << "backends not tested on this CPU: " << skipped;
   SUCCEED();
 }
 

@@ -63,9 +63,10 @@ std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
   const char* forced = forced_gemm_backend();
   const std::string_view f = forced != nullptr ? forced : "";
   if (f == "reference") return make_reference_gemm(spec);
+  if (f == "avx512bf16") return make_avx512_bf16_gemm(spec);
   if (f == "onednn") return nullptr;
   if (f.empty() || f == "amx") return make_amx_gemm(spec);
-  throw Error("GRPO_GEMM", "unknown GEMM backend '" + std::string(f) + "' (amx, onednn or reference)");
+  throw Error("GRPO_GEMM", "unknown GEMM backend '" + std::string(f) + "' (amx, avx512bf16, onednn or reference)");
 }
 
 }  // namespace
@@ -77,15 +78,29 @@ GemmTraits gemm_traits(const GemmSpec& spec) {
 
 Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec) : Gemm(engine, spec, pick_own_backend(spec)) {}
 
+namespace {
+
+std::unique_ptr<GemmBackend> make_backend(GemmBackendKind backend, const GemmSpec& spec) {
+  switch (backend) {
+    case GemmBackendKind::amx: return make_amx_gemm(spec);
+    case GemmBackendKind::avx512_bf16: return make_avx512_bf16_gemm(spec);
+    case GemmBackendKind::reference: return make_reference_gemm(spec);
+    case GemmBackendKind::onednn: return nullptr;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, GemmBackendKind backend)
-    : Gemm(engine, spec,
-           backend == GemmBackendKind::amx         ? make_amx_gemm(spec)
-           : backend == GemmBackendKind::reference ? make_reference_gemm(spec)
-                                                   : nullptr) {
-  if (backend == GemmBackendKind::amx && own_ == nullptr) {
+    : Gemm(engine, spec, make_backend(backend, spec)) {
+  if (backend != GemmBackendKind::onednn && own_ == nullptr) {
+    const bool cpu = backend == GemmBackendKind::amx ? amx_usable() : avx512_bf16_usable();
     throw Error("gemm",
-                std::string("the amx backend cannot serve this GEMM: ") +
-                    (amx_usable() ? "it takes bf16 A and B with one contiguous dimension each" : amx_unusable_reason()),
+                std::string("the ") + to_string(backend) + " backend cannot serve this GEMM: " +
+                    (cpu                               ? "it takes bf16 A and B with one contiguous dimension each"
+                     : backend == GemmBackendKind::amx ? amx_unusable_reason()
+                                                       : "the CPU has no AVX512-BF16"),
                 ErrorKind::unsupported);
   }
 }

@@ -4,10 +4,13 @@
 // the first backend of the priority list that serves the spec:
 //   amx        our AMX-BF16 microkernels (gemm_amx.cpp): bf16 A and B, when the
 //              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
+//   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): only when
+//              forced for now (not yet measured where it would matter, on
+//              CPUs with AVX512-BF16 and no AMX)
 //   onednn     oneDNN's matmul (gemm.cpp)
 //   reference  plain loops in f32, k ascending (gemm_reference.cpp): any spec,
 //              slow; the last resort and a comparison point for the tests
-// GRPO_GEMM=amx|onednn|reference forces one (as GRPO_SIMD does for the stage
+// GRPO_GEMM=amx|avx512bf16|onednn|reference forces one (as GRPO_SIMD does for the stage
 // kernels); a forced backend that cannot serve a spec falls back down the list.
 #pragma once
 
@@ -19,7 +22,7 @@ namespace grpo::kernels {
 
 struct GemmSpec;
 
-enum class GemmBackendKind : std::uint8_t { amx, onednn, reference };
+enum class GemmBackendKind : std::uint8_t { amx, avx512_bf16, onednn, reference };
 
 const char* to_string(GemmBackendKind kind);
 
@@ -53,11 +56,14 @@ class GemmBackend {
 // Null when the CPU (or the OS) lacks what the backend needs, or the spec is
 // outside what it serves.
 std::unique_ptr<GemmBackend> make_amx_gemm(const GemmSpec& spec);
+std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec);
 
 // The CPU has AMX-BF16 and AVX512-BF16, and this process may use the tile
 // state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once). Why not, when false.
 bool amx_usable();
 const char* amx_unusable_reason();
+// The CPU has AVX-512F/BW/DQ/VL and AVX512-BF16.
+bool avx512_bf16_usable();
 
 }  // namespace grpo::kernels

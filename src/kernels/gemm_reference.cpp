@@ -70,6 +70,7 @@ std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec) { return 
 const char* to_string(GemmBackendKind kind) {
   switch (kind) {
     case GemmBackendKind::amx: return "amx";
+    case GemmBackendKind::avx512_bf16: return "avx512bf16";
     case GemmBackendKind::onednn: return "onednn";
     case GemmBackendKind::reference: return "reference";
   }

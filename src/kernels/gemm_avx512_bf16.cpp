@@ -1,0 +1,99 @@
+// The AVX512-BF16 GEMM backend: the blocked GEMM of gemm_blocked.hpp with a
+// vdpbf16ps register block. Each 32 x 32 block is four 8-row groups; a group
+// keeps 8 rows x 2 x 16 columns of f32 accumulators (16 zmm) and, per pair of
+// k, loads the two packed Y rows (16 columns x one (k, k + 1) pair each) and
+// broadcasts each row's X pair: 16 vdpbf16ps per 2 loads and 8 broadcasts.
+// Every element is summed over k pairs in ascending order, whatever M or N.
+//
+// Not in the default list yet: it is for CPUs with AVX512-BF16 and no AMX
+// (Zen 4/5), where it has not been measured against oneDNN; GRPO_GEMM=
+// avx512bf16 (or the microbench's gemm_backend) selects it, and the GEMM
+// tester holds it to the double reference wherever the CPU can run it.
+//
+// This file alone is compiled with AVX-512F/BW/DQ/VL and AVX512-BF16.
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels/gemm_blocked.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+constexpr int kGroupRows = 8;  // rows of C per register group (16 accumulators + 2 Y + 1 broadcast of 32 zmm)
+
+struct Avx512Bf16Micro {
+  static constexpr GemmBackendKind kKind = GemmBackendKind::avx512_bf16;
+  static constexpr const char* kName = "grpo:avx512_bf16";
+  static constexpr const char* kSwappedName = "grpo:avx512_bf16 (swapped)";
+  static constexpr std::size_t kStateBytes = 0;
+
+  static void begin(void* /*state*/) {}
+  static void end() {}
+
+  static void block(const std::uint16_t* xp, const std::uint16_t* y0, const std::uint16_t* y1, std::int64_t kb32,
+                    float* acc_at, std::int64_t acc_ld, bool first, bool last, float* staged) {
+    for (std::int64_t g = 0; g < kPanel; g += kGroupRows) {
+      __m512 acc[kGroupRows][2];
+      for (int r = 0; r < kGroupRows; ++r) {
+        for (int h = 0; h < 2; ++h) {
+          acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_at + (g + r) * acc_ld + h * kTile);
+        }
+      }
+      // Row g + r of the panel: tile (g + r) / 16, row (g + r) % 16, k step kk / 32.
+      const std::uint16_t* xg = xp + (g / kTile) * kTile * kKStep + (g % kTile) * kKStep;
+      for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
+        const std::uint16_t* xk = xg + kk * kPanel;
+        for (std::int64_t p = 0; p < kKStep / 2; ++p) {
+          const __m512bh ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + (kk / 2 + p) * 32));
+          const __m512bh yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + (kk / 2 + p) * 32));
+          for (int r = 0; r < kGroupRows; ++r) {
+            std::uint32_t pair = 0;
+            std::memcpy(&pair, xk + r * kKStep + 2 * p, sizeof(pair));
+            const __m512bh xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, ya);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, yb);
+          }
+        }
+      }
+      for (int r = 0; r < kGroupRows; ++r) {
+        const std::int64_t row = g + r;
+        for (int h = 0; h < 2; ++h) {
+          if (!last) {
+            _mm512_storeu_ps(acc_at + row * acc_ld + h * kTile, acc[r][h]);
+          } else {
+            // Staged tiles: (rows 0-15 | 16-31) x (columns 0-15 | 16-31).
+            float* tile = staged + ((row / kTile) * 2 + h) * kTile * kTile;
+            _mm512_store_ps(tile + (row % kTile) * kTile, acc[r][h]);
+          }
+        }
+      }
+    }
+  }
+};
+
+bool probe_cpu() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
+  const bool f = ((b >> 16) & 1U) != 0, dq = ((b >> 17) & 1U) != 0, bw = ((b >> 30) & 1U) != 0,
+             vl = ((b >> 31) & 1U) != 0;
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) != 0 && ((a1 >> 5) & 1U) != 0;
+  // libgcc's check that the OS saves the zmm state (XCR0) comes with avx512f.
+  return f && dq && bw && vl && bf16 && __builtin_cpu_supports("avx512f");
+}
+
+}  // namespace
+
+bool avx512_bf16_usable() {
+  static const bool usable = probe_cpu();
+  return usable;
+}
+
+std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec) {
+  if (!avx512_bf16_usable() || !serves(spec)) return nullptr;
+  return std::make_unique<BlockedGemm<Avx512Bf16Micro>>(spec);
+}
+
+}  // namespace grpo::kernels

@@ -1,0 +1,418 @@
+// The blocked bf16 GEMM shared by our microkernel backends (gemm_amx.cpp,
+// gemm_avx512_bf16.cpp): C (+)= A B (+ bias), A and B bf16, C f32 or bf16, on
+// the calling thread. The packing, the blocking and the epilogue are here;
+// a Micro supplies the 32 x 32 block's inner loop.
+//
+// Scheme (BLIS-like, sized for one core's 2 MiB L2 and 48 KiB L1):
+//   The product is computed as X Y with X [Mx, K] and Y [K, Ny], either
+//   X = A, Y = B or (swapped) X = B^T, Y = A^T, whichever is cheaper to pack
+//   (a K-contiguous X, like the forward's W tile or the backward's dlogits,
+//   is a plain copy; Y is always rearranged), or the one that makes a shared
+//   operand (GemmSpec::shared) Y. Y is packed into VNNI layout (pairs of k
+//   interleaved: what tdpbf16ps and vdpbf16ps both take), one block of
+//   kc x nc at a time (<= kYBlockBytes, so it stays in L2 while every X panel
+//   streams past it). X is copied into panels of 32 rows whose every 16 x 32
+//   tile is 1 KiB of contiguous memory: read in place, rows of a power-of-two
+//   stride (the W rows, 8 KiB apart) all fall in one L1 set and evict each
+//   other.
+//   Each element's reduction runs over k in ascending order (Micro's own
+//   order within its k step, then f32 partial sums stored and reloaded
+//   exactly between k blocks): the same whatever M, N or the element's
+//   position, so a row's result does not depend on its batch
+//   (GemmTraits::m_independent).
+//
+// Only for translation units compiled with AVX-512F/BW/VL and AVX512-BF16;
+// everything is in an unnamed namespace (one copy per such unit).
+//
+// Micro: kKind, kName, kSwappedName, kStateBytes; begin(state), end();
+//   block(xp, y0, y1, kb32, acc_at, acc_ld, first, last, staged): the 32 x 32
+//   block of C from the X panel xp ([kb32 / 32][2][16][32]) and the two Y
+//   tiles y0, y1 ([kb32 / 2][16][2] each), starting from zero (first) or
+//   from acc_at (ld acc_ld floats); leaves it in acc_at, or when last, as
+//   four 16 x 16 tiles in staged (rows 0-15 x cols 0-15, 0-15 x 16-31,
+//   16-31 x 0-15, 16-31 x 16-31).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/gemm.hpp"
+#include "kernels/gemm_backend.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+// The packed Y block's size: half of a 2 MiB L2 plus room, so the block and
+// the X panel passing by (32 rows x kc bf16, <= 160 KiB at kc = 2560) stay in
+// L2 together.
+constexpr std::size_t kYBlockBytes = std::size_t{1024} << 10;
+constexpr std::int64_t kTile = 16;   // rows of a tile; f32 columns of an accumulator tile
+constexpr std::int64_t kKStep = 32;  // bf16 k per tile row (64 bytes)
+constexpr std::int64_t kPanel = 32;  // rows (or columns) of a 2 x 2 accumulator block
+constexpr std::size_t kAlignBytes = 64;
+// The most scratch X packed a whole k block at a time may take (the step's
+// dW packs 2048 x 640 and dh 640 x 2048: 2.5 MiB).
+constexpr std::size_t kXWholeBytes = std::size_t{16} << 20;
+// Two sets of four finished accumulator tiles (4 KiB each): a block's tiles
+// are stored to one set and converted into C while the next block's
+// tdpbf16ps run, so the vector loads never wait on the tile stores just made
+// (a tile store forwards to a load only through L1, hundreds of cycles).
+constexpr std::int64_t kStaged = 2 * 4 * kTile * kTile;
+
+std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
+std::size_t align_up(std::size_t v) { return (v + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
+
+// Strided 2-D bf16 operand: element (i, j) at p[i * rs + j * cs].
+struct View {
+  std::int64_t rs = 0;
+  std::int64_t cs = 0;
+};
+
+__mmask32 mask32(std::int64_t n) { return n >= 32 ? ~__mmask32{0} : (__mmask32{1} << n) - 1; }
+__mmask16 mask16(std::int64_t n) { return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1U << n) - 1); }
+
+// Row/column index vectors for 16 x 16 32-bit transposes through gathers
+// (the blocks are in L1; a gather of 16 is cheap next to the 128 tdpbf16ps a
+// K = 4096 accumulator tile takes).
+__m512i column_offsets(std::int64_t stride) {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(static_cast<int>(stride)));
+}
+
+template <class Micro>
+class BlockedGemm final : public GemmBackend {
+ public:
+  explicit BlockedGemm(const GemmSpec& spec) : spec_(spec) {
+    const GemmOperand& a = spec.a;
+    const GemmOperand& b = spec.b;
+    m_ = a.rows;
+    k_ = a.cols;
+    n_ = b.cols;
+    // Orientation: the one that packs fewer elements (X read in place when
+    // its rows are K-contiguous and K is a whole number of tile rows).
+    // A transposing pack of X costs about what Y's does; a copy, little.
+    const auto x_cost = [&](std::int64_t cs, std::int64_t rows) { return cs == 1 ? rows * k_ / 4 : rows * k_; };
+    const std::int64_t cost_plain = x_cost(a.col_stride, m_) + k_ * n_;
+    const std::int64_t cost_swapped = x_cost(b.row_stride, n_) + k_ * m_;
+    // A shared operand (packed once for many calls) takes Y's place.
+    swapped_ = spec.shared == SharedOperand::a   ? true
+               : spec.shared == SharedOperand::b ? false
+                                                 : cost_swapped < cost_plain;
+    if (!swapped_) {
+      mx_ = m_;
+      ny_ = n_;
+      x_ = {a.row_stride, a.col_stride};
+      y_ = {b.row_stride, b.col_stride};
+    } else {
+      mx_ = n_;
+      ny_ = m_;
+      x_ = {b.col_stride, b.row_stride};  // X = B^T
+      y_ = {a.col_stride, a.row_stride};  // Y = A^T
+    }
+    x_kcontig_ = x_.cs == 1;
+    // Blocking of Y: nc columns by kc rows within kYBlockBytes; kc as long as
+    // possible first (fewer partial-sum round trips), then nc grows into it.
+    const std::int64_t k32 = round_up(k_, kKStep);
+    const std::int64_t ny32 = round_up(ny_, kPanel);
+    nc_ = std::min<std::int64_t>(ny32, 256);
+    kc_ = std::min<std::int64_t>(
+        k32, std::max<std::int64_t>(kKStep, static_cast<std::int64_t>(kYBlockBytes) / (nc_ * 2) / kKStep * kKStep));
+    nc_ = std::min<std::int64_t>(
+        ny32, std::max<std::int64_t>(nc_, static_cast<std::int64_t>(kYBlockBytes) / (kc_ * 2) / kPanel * kPanel));
+    const std::int64_t mx32 = round_up(mx_, kPanel);
+    // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
+    y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * 2);
+    // X: one panel at a time when Y is a single column block (each panel is
+    // used once per k block), else the whole k block, packed once.
+    // (at most kXWholeBytes: past that, e.g. a whole-vocabulary GEMM, the
+    // panels are packed again for every column block).
+    x_whole_ = nc_ < ny32 && static_cast<std::size_t>(mx32 * kc_) * 2 <= kXWholeBytes;
+    x_bytes_ = align_up(static_cast<std::size_t>((x_whole_ ? mx32 : kPanel) * kc_) * 2);
+    acc_bytes_ = kc_ < k_ ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
+    acc_ld_ = ny32;
+    scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + kStaged * sizeof(float) + Micro::kStateBytes;
+  }
+
+  GemmBackendKind kind() const override { return Micro::kKind; }
+
+  // Y whole: every (k block, column block) of pack_y in run()'s order.
+  std::size_t shared_packed_bytes() const override {
+    if (spec_.shared == SharedOperand::none) return 0;
+    return static_cast<std::size_t>(k_blocks() * n_blocks()) * y_bytes_;
+  }
+  void pack_shared(const void* operand, void* packed) const override {
+    const auto* y = static_cast<const std::uint16_t*>(operand);
+    auto* out = static_cast<std::byte*>(packed);
+    for (std::int64_t k0 = 0; k0 < k_; k0 += kc_) {
+      const std::int64_t kb = std::min(kc_, k_ - k0);
+      for (std::int64_t n0 = 0; n0 < ny_; n0 += nc_) {
+        const std::int64_t nb = std::min(nc_, ny_ - n0);
+        pack_y(y, k0, kb, round_up(kb, kKStep), n0, nb, round_up(nb, kPanel), reinterpret_cast<std::uint16_t*>(out));
+        out += y_bytes_;
+      }
+    }
+  }
+  const char* implementation() const override { return swapped_ ? Micro::kSwappedName : Micro::kName; }
+  GemmTraits traits() const override { return {.m_independent = true}; }
+  std::size_t scratchpad_bytes() const override { return scratch_bytes_; }
+
+  void run(const void* a, const void* b, void* c, const void* bias, void* scratch, const void* packed) const override {
+    const auto* xs = static_cast<const std::uint16_t*>(swapped_ ? b : a);
+    const auto* ys = static_cast<const std::uint16_t*>(swapped_ ? a : b);
+    auto* s = static_cast<std::byte*>(scratch);
+    auto* yscratch = reinterpret_cast<std::uint16_t*>(s);
+    const std::uint16_t* ypack = yscratch;
+    auto* xpack = reinterpret_cast<std::uint16_t*>(s + y_bytes_);
+    auto* acc = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_);
+    auto* tmp = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_ + acc_bytes_);
+    Micro::begin(tmp + kStaged);
+
+    const std::int64_t mx32 = round_up(mx_, kPanel);
+    // The staged block whose tiles wait for store(): X row, Y column, set.
+    std::int64_t pending_m = -1;
+    std::int64_t pending_n = 0;
+    int set = 0;
+    const auto flush = [&] {
+      if (pending_m < 0) return;
+      float* t = tmp + (1 - set) * 4 * kTile * kTile;
+      store(t, pending_m, pending_n, c, bias);
+      store(t + kTile * kTile, pending_m, pending_n + kTile, c, bias);
+      store(t + 2 * kTile * kTile, pending_m + kTile, pending_n, c, bias);
+      store(t + 3 * kTile * kTile, pending_m + kTile, pending_n + kTile, c, bias);
+      pending_m = -1;
+    };
+    for (std::int64_t k0 = 0; k0 < k_; k0 += kc_) {
+      const std::int64_t kb = std::min(kc_, k_ - k0);
+      const std::int64_t kb32 = round_up(kb, kKStep);
+      const bool first = k0 == 0;
+      const bool last = k0 + kb >= k_;
+      if (x_whole_) pack_x(xs, 0, mx_, k0, kb, kb32, xpack);
+      for (std::int64_t n0 = 0; n0 < ny_; n0 += nc_) {
+        const std::int64_t nb = std::min(nc_, ny_ - n0);
+        const std::int64_t nb32 = round_up(nb, kPanel);
+        if (packed != nullptr) {
+          ypack = reinterpret_cast<const std::uint16_t*>(static_cast<const std::byte*>(packed) +
+                                                         static_cast<std::size_t>((k0 / kc_) * n_blocks() + n0 / nc_) *
+                                                             y_bytes_);
+        } else {
+          ypack = yscratch;
+          pack_y(ys, k0, kb, kb32, n0, nb, nb32, yscratch);
+        }
+        for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
+          const std::uint16_t* xp = xpack + m0 * kb32;  // [k step][2 tiles][16][32]
+          if (!x_whole_) {
+            xp = xpack;
+            pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xpack);
+          }
+          for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
+            const std::int64_t ncol = n0 + nn;  // Y column of the block
+            float* acc_at = acc + m0 * acc_ld_ + ncol;
+            const std::uint16_t* y0 = ypack + (nn / kTile) * (kb32 / 2) * 32;
+            const std::uint16_t* y1 = y0 + (kb32 / 2) * 32;
+            // The previous block's tiles go to C first (with AMX, while
+            // this block's tile loads are under way).
+            flush();
+            float* t = tmp + set * 4 * kTile * kTile;
+            Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, t);
+            if (!last) continue;
+            // This block's tiles wait in one set while the next block runs.
+            pending_m = m0;
+            pending_n = ncol;
+            set = 1 - set;
+          }
+        }
+      }
+    }
+    flush();
+    Micro::end();
+  }
+
+ private:
+  std::int64_t k_blocks() const { return (k_ + kc_ - 1) / kc_; }
+  std::int64_t n_blocks() const { return (ny_ + nc_ - 1) / nc_; }
+
+  // X rows [m0, m0 + rows) x k [k0, k0 + kb) -> panels of 32 rows, each
+  // [kb32 / 32 k steps][2 tiles][16 rows][32 k] bf16, zero-padded.
+  static std::int64_t panel_at(std::int64_t r, std::int64_t kk, std::int64_t kb32) {
+    return (r / kPanel) * kPanel * kb32 + kk * kPanel + (r % kPanel) * kKStep;
+  }
+  void pack_x(const std::uint16_t* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb,
+              std::int64_t kb32, std::uint16_t* out) const {
+    const std::int64_t rows32 = round_up(rows, kPanel);
+    if (x_kcontig_) {  // rows K-contiguous: copy
+      // The rows are short runs (kb elements) of rows far apart (W's 8 KiB):
+      // the hardware prefetchers do not follow; ask for kPrefetchRows ahead.
+      constexpr std::int64_t kPrefetchRows = 4;
+      for (std::int64_t r = 0; r < rows32; ++r) {
+        if (r + kPrefetchRows < rows) {
+          const auto* ahead = reinterpret_cast<const char*>(x + (m0 + r + kPrefetchRows) * x_.rs + k0);
+          for (std::int64_t b = 0; b < kb * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
+        for (std::int64_t kk = 0; kk < kb32; kk += 32) {
+          const __m512i v = r < rows ? _mm512_maskz_loadu_epi16(mask32(kb - kk), x + (m0 + r) * x_.rs + k0 + kk)
+                                     : _mm512_setzero_si512();
+          _mm512_store_si512(out + panel_at(r, kk, kb32), v);
+        }
+      }
+      return;
+    }
+    // Columns contiguous (x_.rs == 1): per 16 rows x 32 k, pair k and k + 1
+    // of each row into a u32 ([kp][row] in tmp), then gather the transpose.
+    alignas(64) std::uint32_t pairs[kTile * kTile];
+    const __m512i cols = column_offsets(kTile);
+    for (std::int64_t r0 = 0; r0 < rows32; r0 += kTile) {
+      const std::int64_t rn = std::clamp<std::int64_t>(rows - r0, 0, kTile);
+      const __mmask16 rmask = mask16(rn);
+      for (std::int64_t kk = 0; kk < kb32; kk += 32) {
+        for (std::int64_t kp = 0; kp < kTile; ++kp) {
+          const std::int64_t k = kk + 2 * kp;
+          const __m256i lo =
+              k < kb ? _mm256_maskz_loadu_epi16(rmask, x + (m0 + r0) + (k0 + k) * x_.cs) : _mm256_setzero_si256();
+          const __m256i hi = k + 1 < kb ? _mm256_maskz_loadu_epi16(rmask, x + (m0 + r0) + (k0 + k + 1) * x_.cs)
+                                        : _mm256_setzero_si256();
+          const __m512i v =
+              _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+          _mm512_store_si512(pairs + kp * kTile, v);
+        }
+        for (std::int64_t r = 0; r < kTile; ++r) {
+          const __m512i row =
+              _mm512_i32gather_epi32(_mm512_add_epi32(cols, _mm512_set1_epi32(static_cast<int>(r))), pairs, 4);
+          _mm512_store_si512(out + panel_at(r0 + r, kk, kb32), row);
+        }
+      }
+    }
+  }
+
+  // Y k [k0, k0 + kb) x columns [n0, n0 + nb) -> VNNI tiles: for each 16
+  // columns t, kb32 / 2 rows of 16 (k, k + 1) pairs; zero-padded.
+  void pack_y(const std::uint16_t* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0,
+              std::int64_t nb, std::int64_t nb32, std::uint16_t* out) const {
+    const std::int64_t rows_per_tile = kb32 / 2;
+    if (y_.cs == 1) {  // rows (k) N-contiguous: interleave row pairs
+      // (k, n) pairs for 32 columns: lo = columns 0-15, hi = 16-31.
+      const __m512i lo_idx = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                               0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
+                                               0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+      const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+      for (std::int64_t nn = 0; nn < nb32; nn += 32) {
+        const __mmask32 cmask = mask32(nb - nn);
+        std::uint16_t* t0 = out + (nn / kTile) * rows_per_tile * 32;
+        std::uint16_t* t1 = t0 + rows_per_tile * 32;
+        for (std::int64_t kp = 0; kp < rows_per_tile; ++kp) {
+          const std::int64_t k = 2 * kp;
+          const __m512i r0 = k < kb && nn < nb ? _mm512_maskz_loadu_epi16(cmask, y + (k0 + k) * y_.rs + n0 + nn)
+                                               : _mm512_setzero_si512();
+          const __m512i r1 = k + 1 < kb && nn < nb ? _mm512_maskz_loadu_epi16(cmask, y + (k0 + k + 1) * y_.rs + n0 + nn)
+                                                   : _mm512_setzero_si512();
+          _mm512_storeu_si512(t0 + kp * 32, _mm512_permutex2var_epi16(r0, lo_idx, r1));
+          _mm512_storeu_si512(t1 + kp * 32, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+        }
+      }
+      return;
+    }
+    // Columns K-contiguous (y_.rs == 1): a (k, k + 1) pair is one u32 of a
+    // column; a 16 x 16 u32 transpose per 16 columns x 32 k.
+    alignas(64) std::uint32_t block[kTile * kTile];
+    const __m512i cols = column_offsets(kTile);
+    for (std::int64_t nn = 0; nn < nb32; nn += kTile) {
+      std::uint16_t* t = out + (nn / kTile) * rows_per_tile * 32;
+      for (std::int64_t kk = 0; kk < kb32; kk += 32) {
+        const __mmask32 kmask = mask32(kb - kk);
+        for (std::int64_t j = 0; j < kTile; ++j) {
+          const __m512i v = nn + j < nb ? _mm512_maskz_loadu_epi16(kmask, y + (n0 + nn + j) * y_.cs + k0 + kk)
+                                        : _mm512_setzero_si512();
+          _mm512_store_si512(block + j * kTile, v);
+        }
+        for (std::int64_t kp = 0; kp < kTile; ++kp) {
+          const __m512i row =
+              _mm512_i32gather_epi32(_mm512_add_epi32(cols, _mm512_set1_epi32(static_cast<int>(kp))), block, 4);
+          _mm512_storeu_si512(t + (kk / 2 + kp) * 32, row);
+        }
+      }
+    }
+  }
+
+  // One finished 16 x 16 accumulator tile (tmp, X rows xr0.., Y columns yc0..)
+  // into C: transposed back when swapped; + bias, + C when accumulating;
+  // rounded to bf16 (nearest even) for a bf16 C. Rows and columns past C's
+  // edges are dropped.
+  void store(float* tmp, std::int64_t xr0, std::int64_t yc0, void* c, const void* bias) const {
+    if (xr0 >= mx_ || yc0 >= ny_) return;
+    std::int64_t rows = 0;  // of C
+    std::int64_t cols = 0;
+    std::int64_t r0 = 0;
+    std::int64_t c0 = 0;
+    if (swapped_) {
+      // tmp[i][j] = C[yc0 + j][xr0 + i]: transpose in place through a copy.
+      alignas(64) float t[kTile * kTile];
+      std::memcpy(t, tmp, sizeof(t));
+      const __m512i idx = column_offsets(kTile);
+      for (std::int64_t j = 0; j < kTile; ++j) {
+        _mm512_store_ps(tmp + j * kTile,
+                        _mm512_i32gather_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(j))), t, 4));
+      }
+      r0 = yc0;
+      c0 = xr0;
+      rows = std::min(kTile, ny_ - yc0);
+      cols = std::min(kTile, mx_ - xr0);
+    } else {
+      r0 = xr0;
+      c0 = yc0;
+      rows = std::min(kTile, mx_ - xr0);
+      cols = std::min(kTile, ny_ - yc0);
+    }
+    const __mmask16 cmask = mask16(cols);
+    __m512 bv = _mm512_setzero_ps();
+    if (spec_.has_bias) {
+      if (spec_.bias_dtype == DType::f32) {
+        bv = _mm512_maskz_loadu_ps(cmask, static_cast<const float*>(bias) + c0);
+      } else {
+        const __m256i h = _mm256_maskz_loadu_epi16(cmask, static_cast<const std::uint16_t*>(bias) + c0);
+        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      }
+    }
+    const GemmOperand& co = spec_.c;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      __m512 v = _mm512_load_ps(tmp + r * kTile);
+      if (spec_.has_bias) v = _mm512_add_ps(v, bv);
+      const std::int64_t at = (r0 + r) * co.row_stride + c0;
+      if (co.dtype == DType::f32) {
+        float* dst = static_cast<float*>(c) + at;
+        if (spec_.accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(cmask, dst), v);
+        _mm512_mask_storeu_ps(dst, cmask, v);
+      } else {
+        std::uint16_t* dst = static_cast<std::uint16_t*>(c) + at;
+        if (spec_.accumulate) {
+          const __m256i old = _mm256_maskz_loadu_epi16(cmask, dst);
+          v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), v);
+        }
+        const auto packed = std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v));  // round to nearest even
+        _mm256_mask_storeu_epi16(dst, cmask, packed);
+      }
+    }
+  }
+
+  GemmSpec spec_;
+  std::int64_t m_ = 0, n_ = 0, k_ = 0;
+  bool swapped_ = false;
+  std::int64_t mx_ = 0, ny_ = 0;
+  View x_, y_;
+  bool x_kcontig_ = false;  // X's rows are K-contiguous: packing is a copy
+  bool x_whole_ = false;    // X packed a whole k block at a time (Y spans several column blocks)
+  std::int64_t kc_ = 0, nc_ = 0;
+  std::int64_t acc_ld_ = 0;
+  std::size_t y_bytes_ = 0, x_bytes_ = 0, acc_bytes_ = 0, scratch_bytes_ = 0;
+};
+
+bool serves(const GemmSpec& s) {
+  const auto one_dim_contiguous = [](const GemmOperand& o) { return o.col_stride == 1 || o.row_stride == 1; };
+  return s.a.dtype == DType::bf16 && s.b.dtype == DType::bf16 && s.c.col_stride == 1 && one_dim_contiguous(s.a) &&
+         one_dim_contiguous(s.b) && s.a.rows > 0 && s.a.cols > 0 && s.b.cols > 0;
+}
+
+}  // namespace
+}  // namespace grpo::kernels
