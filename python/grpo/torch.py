@@ -11,10 +11,13 @@
   head's backward from the upstream gradients (the loss ops above compute
   theirs in forward instead).
 
-Both run the C++ fused kernel once in forward: it computes the loss and the
-gradients of hidden, weight and bias together (the [N, V] logits never exist);
-backward only scales them by grad_output. Large tensors (hidden, weight, bias,
-the gradients) are passed to C++ without copies; the small per-token tensors
+The loss ops run the C++ fused kernel once in forward: it computes the loss
+and the gradients of hidden, weight and bias together (the [N, V] logits
+never exist), writes them in each parameter's dtype, scaled by the call's
+normalizer, and adds dW straight into an existing weight.grad; backward hands
+them to autograd (_Step says how, and what grad_output != 1, retain_graph or
+a zero_grad between forward and backward do). Large tensors (hidden, weight,
+bias, the gradients) are passed to C++ without copies; the small per-token tensors
 (ids, mask, advantages, log-probs) are converted to int32 / float32 when they
 are not already. Plans are cached per shape / dtype / stride / config /
 options in a `grpo.PlanCache` (the process-wide one unless `plan_cache` is
@@ -712,7 +715,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
     `compiled` and `chunk_size` (Liger's torch.compile and chunking knobs) are
     accepted and have no effect. Extra keyword-only arguments: num_threads
     (default torch.get_num_threads()), temperature_on_logp, workspace_budget,
-    plan_cache.
+    plan_cache, grad_into (see lm_head_grpo_loss).
 
     Not supported (NotImplementedError naming the argument): computing
     reference log-probs from ref_input / ref_weight / ref_bias (pass
@@ -748,6 +751,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         temperature_on_logp: bool = False,
         workspace_budget: Optional[int] = None,
         plan_cache: Optional[grpo.PlanCache] = None,
+        grad_into: str = "auto",
     ):
         super().__init__()
         # Liger's own constructor checks, with its messages.
@@ -779,6 +783,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         self.temperature_on_logp = temperature_on_logp
         self.workspace_budget = workspace_budget
         self.plan_cache = plan_cache
+        self.grad_into = grad_into
         self._check_settings()
 
     def _check_settings(self) -> None:
@@ -857,7 +862,8 @@ class LmHeadGRPOLoss(torch.nn.Module):
             sapo_temperature_neg=self.sapo_temperature_neg, vespo_k_pos=self.vespo_k_pos,
             vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
             vespo_lambda_neg=self.vespo_lambda_neg, num_threads=self.num_threads,
-            workspace_budget=self.workspace_budget, plan_cache=self.plan_cache, _names=_LIGER_NAMES)
+            workspace_budget=self.workspace_budget, plan_cache=self.plan_cache, grad_into=self.grad_into,
+            _names=_LIGER_NAMES)
 
         metrics = []
         if self.beta != 0.0:
