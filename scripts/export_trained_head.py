@@ -125,18 +125,24 @@ def export(setup: train_ab.Setup, policy_dir: str, out: str, groups: int, seed: 
     adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
     adv = adv.reshape(-1).float()
 
-    # The logits as the microbench sees them: bf16 hidden and weight, float accumulation.
-    z = hidden.bfloat16().float() @ weight.bfloat16().float().T
-    logp = torch.log_softmax(z.double(), dim=-1)
-    p = logp.exp()
-    entropy = -(p * logp).sum(-1)
-    dist = p.clone()
-    dist[torch.arange(len(ids)), ids.long()] -= 1.0
-    above = (dist.abs() >= EPS).sum().item()
+    # The logits as the microbench sees them: bf16 hidden and weight, float accumulation; 128 rows at a time.
+    w16 = weight.bfloat16().float()
+    entropy, chosen, above = [], [], 0
+    for r0 in range(0, len(ids), 128):
+        z = hidden[r0:r0 + 128].bfloat16().float() @ w16.T
+        logp = torch.log_softmax(z.double(), dim=-1)
+        p = logp.exp()
+        entropy.append(-(p * logp).sum(-1))
+        rows = torch.arange(p.shape[0])
+        y = ids[r0:r0 + 128].long()
+        chosen.append(logp[rows, y])
+        p[rows, y] -= 1.0
+        above += (p.abs() >= EPS).sum().item()
+    entropy, chosen = torch.cat(entropy), torch.cat(chosen)
     q = torch.quantile(entropy, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)).tolist()
     stats = dict(tokens=len(ids), entropy_mean=entropy.mean().item(), entropy_p10=q[0], entropy_p50=q[1],
-                 entropy_p90=q[2], chosen_logp_mean=logp[torch.arange(len(ids)), ids.long()].mean().item(),
-                 frac_above_eps=above / p.numel(), significant_per_row=above / len(ids),
+                 entropy_p90=q[2], chosen_logp_mean=chosen.mean().item(),
+                 frac_above_eps=above / (len(ids) * setup.vocab), significant_per_row=above / len(ids),
                  reward_mean=rewards.mean().item())
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -163,6 +169,7 @@ def main(argv=None) -> int:
     parser.add_argument("--save-every", type=int, default=10, help="also save the policy every N GRPO steps")
     parser.add_argument("--checkpoint", type=int, default=0,
                         help="export the policy saved after this many steps of an unfinished run (no training)")
+    parser.add_argument("--warm-start-only", action="store_true", help="export the warm start (no GRPO steps)")
     parser.add_argument("--smoke", action="store_true", help="train_ab's tiny model: the script end to end")
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "grpo_train_ab"))
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a Setup field")
@@ -178,7 +185,9 @@ def main(argv=None) -> int:
     setup = train_ab.Setup(**fields)
 
     start = time.perf_counter()
-    if opts.checkpoint:
+    if opts.warm_start_only:
+        (policy, cached), train_s = train_ab.ensure_model(setup, opts.cache_dir), 0.0
+    elif opts.checkpoint:
         policy, cached, train_s = os.path.join(policy_dir(setup, opts.arm, opts.cache_dir),
                                                f"checkpoint-{opts.checkpoint}"), True, 0.0
         if not os.path.exists(os.path.join(policy, "config.json")):
@@ -197,7 +206,7 @@ def main(argv=None) -> int:
           f"({stats['significant_per_row']:.1f} per row); reward mean {stats['reward_mean']:.3f}")
     print(f"total {total / 60:.1f} min")
     with open(opts.out + ".json", "w") as f:
-        json.dump(dict(stats, policy=policy, arm=opts.arm, steps=opts.checkpoint or setup.steps, seconds=total,
+        json.dump(dict(stats, policy=policy, arm=opts.arm, steps=0 if opts.warm_start_only else opts.checkpoint or setup.steps, seconds=total,
                        train_seconds=train_s), f, indent=1)
     return 0
 
