@@ -46,12 +46,12 @@ struct Avx512Bf16Micro {
       for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
         const std::uint16_t* xk = xg + kk * kPanel;
         for (std::int64_t p = 0; p < kKStep / 2; ++p) {
-          const __m512bh ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + (kk / 2 + p) * 32));
-          const __m512bh yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + (kk / 2 + p) * 32));
+          const auto ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + (kk / 2 + p) * 32));
+          const auto yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + (kk / 2 + p) * 32));
           for (int r = 0; r < kGroupRows; ++r) {
             std::uint32_t pair = 0;
             std::memcpy(&pair, xk + r * kKStep + 2 * p, sizeof(pair));
-            const __m512bh xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+            const auto xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, ya);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, yb);
           }

@@ -61,7 +61,7 @@ constexpr std::size_t kXWholeBytes = std::size_t{16} << 20;
 // are stored to one set and converted into C while the next block's
 // tdpbf16ps run, so the vector loads never wait on the tile stores just made
 // (a tile store forwards to a load only through L1, hundreds of cycles).
-constexpr std::int64_t kStaged = 2 * 4 * kTile * kTile;
+constexpr std::int64_t kStaged = kTile * kTile * 8;  // 2 sets x 4 tiles
 
 std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
 std::size_t align_up(std::size_t v) { return (v + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
@@ -175,7 +175,7 @@ class BlockedGemm final : public GemmBackend {
     // The staged block whose tiles wait for store(): X row, Y column, set.
     std::int64_t pending_m = -1;
     std::int64_t pending_n = 0;
-    int set = 0;
+    std::int64_t set = 0;
     const auto flush = [&] {
       if (pending_m < 0) return;
       float* t = tmp + (1 - set) * 4 * kTile * kTile;
