@@ -343,6 +343,23 @@ def _line(r: dict, cpp: dict | None) -> str:
             f"{active:>7s} {gflop} {r['loss']:12.6g}")
 
 
+def markdown_table(results: list, cpu: str, threads: int, workload: str, dtype: str) -> str:
+    """The run as a README table: one row per shape and method, the ratio to the C++ step it is compared with."""
+    lines = [f"CPU: {cpu}, {threads} threads; workload {describe_workload(workload)}; {dtype}", "",
+             "| B, T, H, V | method | step (s) | / C++ step | kernel (s) | own peak rise (MiB) |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        shape = f"{r['B']}, {r['T']}, {r['H']}, {r['V']}"
+        if "error" in r:
+            lines.append(f"| {shape} | {r['method']} | failed: {r['error']} | | | |")
+            continue
+        ratio = f"{r['ratio_vs_cpp']:.3f}" if "ratio_vs_cpp" in r else "-"
+        kernel = f"{r['kernel_s']:.3f}" if "kernel_s" in r else "-"
+        lines.append(f"| {shape} | {r['method']} | {r['step_s']:.3f} | {ratio} | {kernel} | "
+                     f"{r['peak_rise_mib']:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", type=_parse_shape,
@@ -413,6 +430,7 @@ def main(argv=None) -> int:
                      "error": f"exit {proc.returncode}: {tail[0]}"}
             print(_line(r, cpp_head if method == "grpo_head" else cpp), flush=True)
             results.append(r)
+    print(markdown_table(results, cpu, args.threads, args.workload, args.dtype), flush=True)
     with open(args.out, "w") as f:
         json.dump({"results": results, "threads": args.threads, "cpu_model": cpu, "workload": args.workload,
                    "workload_description": describe_workload(args.workload), "dtype": args.dtype}, f, indent=1)
