@@ -258,7 +258,7 @@ struct LmHeadStep {
       }
     }
     // The call's gradient scale (LmHeadInputs::grad_scale) rides on the row coefficients.
-    const float call_scale = static_cast<float>(in.grad_scale);
+    const auto call_scale = static_cast<float>(in.grad_scale);
     const float logp_scale = temp.grad_scale * call_scale;
     const float entropy_scale = temp.entropy_grad_scale * call_scale;
 
