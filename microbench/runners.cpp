@@ -401,7 +401,7 @@ double nominal_flops(const BenchConfig& c) {
 
 double executed_flops(const BenchConfig& c, const LmHeadStepStats& rows) {
   const double per_row = 2.0 * static_cast<double>(c.shape.vocab) * static_cast<double>(c.shape.hidden);
-  return per_row * static_cast<double>(rows.logits_gemm_rows + rows.backward_gemm_rows + rows.dweight_gemm_rows);
+  return per_row * static_cast<double>(rows.logits_gemm_rows + rows.dhidden_gemm_rows + rows.dweight_gemm_rows);
 }
 
 double nominal_bytes(const BenchConfig& c) {

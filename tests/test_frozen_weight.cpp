@@ -86,9 +86,9 @@ TEST(FrozenWeight, StatsCountNoDweightRows) {
                   p.batch.view()},
                  out);
   }
-  EXPECT_GT(stats[0].backward_gemm_rows, 0);
-  EXPECT_EQ(stats[0].dweight_gemm_rows, stats[0].backward_gemm_rows);
-  EXPECT_EQ(stats[1].backward_gemm_rows, stats[0].backward_gemm_rows);
+  EXPECT_GT(stats[0].dhidden_gemm_rows, 0);
+  EXPECT_EQ(stats[0].dweight_gemm_rows, stats[0].dhidden_gemm_rows);
+  EXPECT_EQ(stats[1].dhidden_gemm_rows, stats[0].dhidden_gemm_rows);
   EXPECT_EQ(stats[1].dweight_gemm_rows, 0);
   EXPECT_EQ(stats[1].dweight_gemm_s, 0.0);
   EXPECT_EQ(stats[1].logits_gemm_rows, stats[0].logits_gemm_rows);
@@ -113,7 +113,7 @@ TEST(FrozenWeight, LogProbHeadWritesTheSameDhiddenWithoutDweight) {
     EXPECT_TRUE(same_bits(frozen.dhidden, full.dhidden));
     EXPECT_GT(full.backward_stats.dweight_gemm_rows, 0);
     EXPECT_EQ(frozen.backward_stats.dweight_gemm_rows, 0);
-    EXPECT_EQ(frozen.backward_stats.backward_gemm_rows, full.backward_stats.backward_gemm_rows);
+    EXPECT_EQ(frozen.backward_stats.dhidden_gemm_rows, full.backward_stats.dhidden_gemm_rows);
     EXPECT_NE(frozen.schedule.find("frozen_weight"), std::string::npos) << frozen.schedule;
   }
 }

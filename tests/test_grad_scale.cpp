@@ -113,8 +113,8 @@ TEST(GradScale, ActiveRowsCountTheRowsInTheBackward) {
   std::int64_t valid = 0;
   for (const float m : p.batch.mask) valid += m != 0.0F ? 1 : 0;
   EXPECT_EQ(r.stats.active_rows, valid);
-  EXPECT_GE(r.stats.backward_gemm_rows, r.stats.active_rows);
-  EXPECT_LT(r.stats.backward_gemm_rows - r.stats.active_rows,
+  EXPECT_GE(r.stats.dhidden_gemm_rows, r.stats.active_rows);
+  EXPECT_LT(r.stats.dhidden_gemm_rows - r.stats.active_rows,
             32 * ((c.spec.batch * c.spec.seq_len + c.token_block - 1) / c.token_block));  // padding per block
 }
 

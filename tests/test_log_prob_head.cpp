@@ -42,7 +42,7 @@ TEST_P(LogProbVsOracle, MatchesOracle) {
     }
     want_rows += (na + 31) / 32 * 32;
   }
-  EXPECT_EQ(got.backward_stats.backward_gemm_rows, want_rows);
+  EXPECT_EQ(got.backward_stats.dhidden_gemm_rows, want_rows);
   EXPECT_LE(got.backward_stats.logits_gemm_rows, got.forward_stats.logits_gemm_rows);
   for (std::int64_t t = 0; t < n; ++t) {
     if (!p.head.batch.mask.empty() && p.head.batch.mask[t] == 0.0F) EXPECT_EQ(got.logp[t], 0.0F) << "row " << t;

@@ -109,7 +109,7 @@ struct LmHeadInputs {
 // 2 * V * H FLOPs per GEMM.
 struct LmHeadStepStats {
   std::int64_t logits_gemm_rows = 0;
-  std::int64_t backward_gemm_rows = 0;  // dhidden GEMM
+  std::int64_t dhidden_gemm_rows = 0;
   std::int64_t dweight_gemm_rows = 0;
   // Bytes the schedule itself moves to or from memory (a roofline's byte
   // count, caches assumed to hold nothing bigger than a GEMM's own blocks):
@@ -149,7 +149,9 @@ struct LmHeadOutputs {
 struct LmHeadSchedule {
   std::int64_t token_block = 0;
   std::int64_t vocab_tile = 0;
-  int threads = 0;
+  // Tile tasks that run at once, each with its own GEMM tile and scratchpad
+  // in the workspace: the thread cap, or fewer when the budget holds fewer.
+  int slots = 0;
   bool recompute_logits = false;  // sequence-level IS whose sequences span blocks
   std::size_t workspace_bytes = 0;
 };
@@ -163,7 +165,7 @@ class LmHeadLossPlan {
 
   std::size_t workspace_size() const;
   const LmHeadSchedule& schedule() const;
-  // One line: token block, vocab tile, threads, GEMM passes, workspace bytes.
+  // One line: token block, vocab tile, slots (printed as threads=), GEMM passes, workspace bytes.
   std::string describe() const;
 
   // Validates every argument (shapes, ids, finiteness), then computes.

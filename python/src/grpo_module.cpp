@@ -498,7 +498,9 @@ NB_MODULE(_core, m) {
                         "per-phase thread-seconds) and kernel_s, its wall time (GIL released, validation included).")
       .def(nb::init<>())
       .def_prop_ro("logits_gemm_rows", [](const StepStats& s) { return s.step.logits_gemm_rows; })
-      .def_prop_ro("backward_gemm_rows", [](const StepStats& s) { return s.step.backward_gemm_rows; })
+      .def_prop_ro("dhidden_gemm_rows", [](const StepStats& s) { return s.step.dhidden_gemm_rows; })
+      // The former name of dhidden_gemm_rows, kept for existing callers.
+      .def_prop_ro("backward_gemm_rows", [](const StepStats& s) { return s.step.dhidden_gemm_rows; })
       .def_prop_ro("dweight_gemm_rows", [](const StepStats& s) { return s.step.dweight_gemm_rows; })
       .def_prop_ro("active_rows", [](const StepStats& s) { return s.step.active_rows; })
       .def_prop_ro("forward_gemm_s", [](const StepStats& s) { return s.step.forward_gemm_s; })

@@ -103,8 +103,8 @@ LmHeadLossPlan::LmHeadLossPlan(const LmHeadShape& shape, const LossConfig& confi
     detail::validate_head_options(shape, options);
     detail::check_scale_out_arguments(shape, config, options);
   });
-  impl->call = {impl->data->shape, checked, options.forward_only,         options.dweight_dtype, options.dhidden_dtype,
-                shape.bias_dtype,  false,   impl->data->schedule.threads, options.frozen_weight};
+  impl->call = {impl->data->shape, checked, options.forward_only,       options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype,  false,   impl->data->schedule.slots, options.frozen_weight};
   impl_ = std::move(impl);
 }
 
@@ -121,7 +121,7 @@ std::string LmHeadLossPlan::describe() const {
   const int passes = d.options.forward_only ? 1 : (s.recompute_logits ? 4 : 3) - (d.options.frozen_weight ? 1 : 0);
   std::ostringstream os;
   os << "fused lm-head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
-     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << " threads=" << s.threads
+     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << " threads=" << s.slots
      << " gemm_passes=" << passes
      << (s.recompute_logits ? (detail::needs_all_rows(d.config)
                                    ? " (logits recomputed: the top-entropy mask needs every row's entropy first)"

@@ -107,8 +107,8 @@ LmHeadLogProbPlan::LmHeadLogProbPlan(const LmHeadShape& shape, const LogProbConf
   const LossConfig loss = loss_config_of(config);
   auto impl = std::make_unique<Impl>();
   impl->data = detail::build_lm_head_plan(detail::resolve_lds(shape), loss, options);
-  impl->call = {impl->data->shape, loss,  options.forward_only,         options.dweight_dtype, options.dhidden_dtype,
-                shape.bias_dtype,  false, impl->data->schedule.threads, options.frozen_weight};
+  impl->call = {impl->data->shape, loss,  options.forward_only,       options.dweight_dtype, options.dhidden_dtype,
+                shape.bias_dtype,  false, impl->data->schedule.slots, options.frozen_weight};
   impl_ = std::move(impl);
 }
 
@@ -124,7 +124,7 @@ std::string LmHeadLogProbPlan::describe() const {
   const LmHeadSchedule& s = d.schedule;
   std::ostringstream os;
   os << "log-prob head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
-     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << " threads=" << s.threads
+     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << " threads=" << s.slots
      << " gemm_passes=1 forward"
      << (d.options.forward_only ? ""
          : d.options.frozen_weight

@@ -21,7 +21,7 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
   const std::int64_t vocab = shape.vocab;
   const std::size_t full = static_cast<std::size_t>(rows) * static_cast<std::size_t>(vocab);
   const kernels::EltwiseKernels& k = kernels::eltwise();
-  const Temperature temp(config);
+  const LogitTransform transform(config);
   const kernels::Elem in_type = elem_of(logits.dtype);
   const std::size_t in_size = size_of(logits.dtype);
   const auto* base = static_cast<const std::byte*>(logits.data);
@@ -38,12 +38,12 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
 
   // log_softmax(z / tau): max pass, sum-exp pass, write pass.
   for_rows(threads, rows, [&](std::int64_t r) {
-    const float m = k.max(row_ptr(r), in_type, vocab) * temp.scale;
+    const float m = k.max(row_ptr(r), in_type, vocab) * transform.scale;
     const float finite_m = std::isfinite(m) ? m : 0.0F;
-    const float s = k.sum_exp(row_ptr(r), in_type, vocab, temp.scale, -finite_m);
+    const float s = k.sum_exp(row_ptr(r), in_type, vocab, transform.scale, -finite_m);
     lse[r] = finite_m + std::log(s);
     if (!std::isfinite(m)) lse[r] = m;  // NaN / +inf / all -inf: refused below
-    k.affine(row_ptr(r), in_type, vocab, temp.scale, -lse[r], full_row(log_softmax, r));
+    k.affine(row_ptr(r), in_type, vocab, transform.scale, -lse[r], full_row(log_softmax, r));
   });
   // softmax = exp(log_softmax), entropy = -sum p log p, gather: three separate
   // ops over the whole tensor, as an eager framework runs them.
@@ -51,7 +51,7 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
   for_rows(threads, rows,
            [&](std::int64_t r) { entropy[r] = -k.dot_p_logp(full_row(softmax, r), full_row(log_softmax, r), vocab); });
   for (std::int64_t r = 0; r < rows; ++r) {
-    logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * temp.post : 0.0F;
+    logp[r] = batch.mask[r] != 0.0F ? full_row(log_softmax, r)[batch.ids[r]] * transform.post : 0.0F;
   }
   Buffer coef_buffer(allocator, static_cast<std::size_t>(rows) * 2 * sizeof(float));
   auto* coef = coef_buffer.as<float>();
@@ -66,7 +66,7 @@ void run_unfused_logits(const LogitsShape& shape, const LossConfig& config, int 
   auto* out_base = static_cast<std::byte*>(outputs.dlogits.data);
   for_rows(threads, rows, [&](std::int64_t r) {
     const std::int64_t target = batch.mask[r] != 0.0F ? batch.ids[r] : -1;
-    k.onehot_minus(full_row(softmax, r), vocab, coef[r] * temp.grad_scale, target,
+    k.onehot_minus(full_row(softmax, r), vocab, coef[r] * transform.grad_scale, target,
                    out_base + static_cast<std::size_t>(r * outputs.dlogits.ld) * out_size, out_type);
   });
 }

@@ -18,6 +18,7 @@ namespace grpo::detail {
 void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
                  std::byte* workspace, double max_abs_coef, const GlobalCounts& counts) {
   LmHeadStep step(p, inputs, outputs, workspace);
+  const RowArrays& row = step.ws.rows;
   const bool backward = !p.options.forward_only;
   const std::int64_t nb = p.schedule.token_block;
   LossAccumulator acc(p.config, p.shape.batch, p.shape.seq_len, inputs.batch, max_abs_coef);
@@ -40,16 +41,19 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
     step.backward(b0, rows, na, false, c, e, &dweight_written);
   };
 
-  if (!p.sequence_spans_blocks) {
+  // dLoss/dEnt per block row (entropy bonus only).
+  float* const block_entropy_coef = step.ws.entropy_coef.empty() ? nullptr : step.ws.entropy_coef.data();
+  if (!p.two_pass) {
     // A block's outputs are written only after its coefficients read every
     // per-token input of its rows (logp may be the very array old_logp is).
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, backward);
       // A top-entropy mask here means one block holds every row (see the schedule).
-      if (needs_all_rows(p.config)) acc.set_entropy_threshold(step.entropy, step.quantile_space);
+      if (needs_all_rows(p.config)) acc.set_entropy_threshold(row.entropy.data(), step.ws.quantile.data());
       try {
-        acc.add_rows(b0, b0 + rows, step.logp, step.entropy, step.coef, step.kl, step.ent_coef);
+        acc.add_rows(b0, b0 + rows, row.logp.data(), row.entropy.data(), row.coef.data(), row.kl.data(),
+                     block_entropy_coef);
       } catch (const Error& e) {
         // The one refusal that needs the policy's own logp (a k3 KL beyond
         // f32, see LossConfig::beta) is met block by block: say so when
@@ -57,31 +61,29 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
         if (b0 == 0) throw;
         throw Error(e.argument(), std::string(e.what()) + "; " + kEarlierBlocksWritten, e.kind());
       }
-      step.write_token_outputs(b0, rows, step.logp, step.entropy, step.kl);
-      if (backward) backward_block(b0, rows, step.coef, step.ent_coef);
+      step.write_token_outputs(b0, rows, row.logp.data(), row.entropy.data(), row.kl.data());
+      if (backward) backward_block(b0, rows, row.coef.data(), block_entropy_coef);
     }
   } else {
-    // Sequence-level ratios of sequences longer than a block: a first forward
-    // pass for every logp, then the coefficients, then (with gradients) the
+    // The two-pass schedule (LmHeadPlanData::two_pass): a first forward
+    // pass for every logp and entropy, then the coefficients, then (with gradients) the
     // logits again, block by block, and the backward. Nothing is written
     // before the coefficients have read every per-token input.
-    float* entropy_all = step.coef_all + p.rows;
-    float* logp_all = entropy_all + p.rows;
-    float* kl_all = logp_all + p.rows;
-    float* ent_coef_all = p.entropy_bonus ? kl_all + p.rows : nullptr;
+    const BatchArrays& all = step.ws.batch;
+    float* const entropy_coef_all = all.entropy_coef.empty() ? nullptr : all.entropy_coef.data();
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, false);
-      std::memcpy(logp_all + b0, step.logp, static_cast<std::size_t>(rows) * sizeof(float));
-      std::memcpy(entropy_all + b0, step.entropy, static_cast<std::size_t>(rows) * sizeof(float));
+      std::memcpy(all.logp.data() + b0, row.logp.data(), static_cast<std::size_t>(rows) * sizeof(float));
+      std::memcpy(all.entropy.data() + b0, row.entropy.data(), static_cast<std::size_t>(rows) * sizeof(float));
     }
-    if (needs_all_rows(p.config)) acc.set_entropy_threshold(entropy_all, step.quantile_space);
-    acc.add_rows(0, p.rows, logp_all, entropy_all, step.coef_all, kl_all, ent_coef_all);
-    step.write_token_outputs(0, p.rows, logp_all, entropy_all, kl_all);
+    if (needs_all_rows(p.config)) acc.set_entropy_threshold(all.entropy.data(), step.ws.quantile.data());
+    acc.add_rows(0, p.rows, all.logp.data(), all.entropy.data(), all.coef.data(), all.kl.data(), entropy_coef_all);
+    step.write_token_outputs(0, p.rows, all.logp.data(), all.entropy.data(), all.kl.data());
     for (std::int64_t b0 = 0; backward && b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, true);
-      backward_block(b0, rows, step.coef_all + b0, ent_coef_all != nullptr ? ent_coef_all + b0 : nullptr);
+      backward_block(b0, rows, all.coef.data() + b0, entropy_coef_all != nullptr ? entropy_coef_all + b0 : nullptr);
     }
   }
   if (backward && !dbias_ready) std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);

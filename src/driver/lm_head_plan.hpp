@@ -1,5 +1,5 @@
 // What an LM-head plan holds: the schedule (token block, vocab tile, hidden
-// chunk, threads), the oneDNN GEMMs for every block/tile shape the schedule
+// chunk, slots), the oneDNN GEMMs for every block/tile shape the schedule
 // produces, and the workspace layout. Built once by build_lm_head_plan();
 // read-only afterwards.
 #pragma once
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "driver/scale_out.hpp"
+#include "driver/workspace_registry.hpp"
 #include "grpo/lm_head_loss.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/stage_kernels.hpp"
@@ -54,26 +55,6 @@ struct FullAndLast {
   T full;
   T last;
   const T& pick(bool is_last) const { return is_last ? last : full; }
-};
-
-struct WorkspaceLayout {
-  std::size_t block = 0;        // [block_rows_alloc, V] stored logits, then dlogits in place
-  std::size_t stage = 0;        // [forward_rows, hidden_ld] input dtype: a partial forward chunk, zero-padded
-  std::size_t tile_stats = 0;   // [block_rows_alloc, tiles] RowStats
-  std::size_t rows = 0;         // per block row: target x, lse, logp, entropy, coef, kl (floats), active index (int64)
-  std::size_t hidden_act = 0;   // [block_rows_alloc, hidden_ld] active hidden rows (input dtype)
-  std::size_t dhidden_act = 0;  // [block_rows_alloc, H] f32
-  // The block's hidden rows as a GEMM backend packed them once for all vocab
-  // tiles (Gemm::pack_shared): the forward's chunks, then the active rows for dW.
-  std::size_t packed_hidden = 0;
-  std::size_t coef_all = 0;   // [N] coefficients, entropies, logp, kl (+ entropy coefficients): two-pass schedule only
-  std::size_t ent_coef = 0;   // [block_rows_alloc] dLoss/dEnt per block row: entropy bonus only
-  std::size_t quantile = 0;   // [N] floats: the top-entropy quantile's scratch, only when it is used
-  std::size_t scale_out = 0;  // the exchanges of a plan over several processes (ScaleOutPlan)
-  std::size_t slots = 0;      // per slot: GEMM tile [forward_rows, tile] f32 + oneDNN scratchpad
-  std::size_t slot_bytes = 0;
-  std::size_t tile_bytes = 0;  // GEMM tile part of one slot
-  std::size_t total = 0;
 };
 
 // Sets of GemmBindings (one per GEMM of the plan and slot), one set per
@@ -130,14 +111,16 @@ struct LmHeadPlanData {
   std::int64_t tiles = 0;             // ceil(V / vocab_tile)
   std::int64_t hidden_chunk = 0;      // dhidden columns per task (see build_lm_head_plan)
   std::int64_t hidden_chunks = 0;     // ceil(H / hidden_chunk)
-  // Sequence-level IS with sequences longer than a block (or a top-entropy
-  // mask over more rows than a block): the loss needs a forward pass over all
-  // blocks before any coefficient (see recompute_logits).
-  bool sequence_spans_blocks = false;
+  // The two-pass schedule: the coefficients need rows of more than one block
+  // (sequence-level IS or another whole-sequence term with sequences longer
+  // than a block, or a top-entropy mask over more rows than a block), so a
+  // forward pass over every block comes before any coefficient, and the
+  // backward recomputes the logits (schedule.recompute_logits).
+  bool two_pass = false;
   bool entropy_bonus = false;                     // config.entropy_coef != 0: per-row dLoss/dEnt arrays
   kernels::Elem store_type = kernels::Elem::f32;  // block buffer before backward
   DType dlogits_dtype = DType::f32;               // block buffer during backward (= GEMM dtype)
-  WorkspaceLayout layout;
+  WorkspaceLayout layout;                         // booked by book_workspace (lm_head_schedule.cpp)
 
   std::unique_ptr<kernels::GemmEngine> engine;
   // Forward logits tile: [forward_rows] x [tile or last tile].
@@ -156,6 +139,29 @@ struct LmHeadPlanData {
   // Every GEMM above, by Gemm::index(); bindings for them, per concurrent call.
   std::vector<const kernels::Gemm*> gemms;
   mutable BindingPool bindings;
+};
+
+// dW's tile of vocab columns [c0, c0 + cols), for either weight layout, in
+// one place: the GEMM that writes it, where it starts, which operand is which.
+//   vocab-major   dW[c0.., :] [cols, H] = dlogits^T [cols, k] x hidden [k, H]
+//   hidden-major  dW[:, c0..] [H, cols] = hidden^T [H, k] x dlogits [k, cols]
+// dlogits: the tile's columns of the block buffer (ld V); hidden: the active
+// hidden rows (ld hidden_ld, the stride the generic head's backward also
+// feeds to the forward GEMM, which was created for it).
+struct DweightTile {
+  const LmHeadShape& shape;
+
+  bool vocab_major() const { return shape.layout == WeightLayout::vocab_major; }
+  kernels::GemmSpec spec(DType dlogits, DType dweight, std::int64_t k, std::int64_t cols, bool accumulate) const;
+  // Elements from dW's first element to the tile's.
+  std::size_t offset(std::int64_t c0) const {
+    return static_cast<std::size_t>(vocab_major() ? c0 * shape.dweight_ld : c0);
+  }
+  // The GEMM's A and B operands.
+  std::array<const void*, 2> operands(const void* dlogits, const void* hidden) const {
+    if (vocab_major()) return {dlogits, hidden};
+    return {hidden, dlogits};
+  }
 };
 
 // The token block and GEMM rows a plan chose; a plan over a vocab group is

@@ -16,12 +16,10 @@ using kernels::Gemm;
 using kernels::GemmOperand;
 using kernels::GemmSpec;
 
-constexpr std::size_t kAlign = 64;
 // Forward-only blocks need no [block, V] buffer; past 1024 rows a bigger block
 // only grows the per-slot GEMM tile without saving passes over W worth having.
 constexpr std::int64_t kMaxForwardOnlyBlock = 1024;
 
-std::size_t align_up(std::size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
 
 bool vocab_major(const LmHeadShape& s) { return s.layout == WeightLayout::vocab_major; }
@@ -39,27 +37,6 @@ GemmSpec forward_spec(const LmHeadShape& s, std::int64_t rows, std::int64_t cols
   return g;
 }
 
-// dweight tile from dlogits tile [k, cols] (ld V) and active hidden [k, H]
-// (ld hidden_ld: the rows the generic head's backward also feeds to the
-// forward GEMM, which was created for that stride).
-GemmSpec dweight_spec(const LmHeadShape& s, DType dl_dtype, DType dw_dtype, std::int64_t k, std::int64_t cols,
-                      bool accumulate) {
-  GemmSpec g;
-  if (vocab_major(s)) {  // dW[tile] [cols, H] = dl^T [cols, k] x h [k, H]
-    g.a = {dl_dtype, cols, k, 1, s.vocab};
-    g.b = {s.dtype, k, s.hidden, s.hidden_ld, 1};
-    g.c = {dw_dtype, cols, s.hidden, s.dweight_ld, 1};
-  } else {  // dW^T[:, tile] [H, cols] = h^T [H, k] x dl [k, cols]
-    g.a = {s.dtype, s.hidden, k, 1, s.hidden_ld};
-    g.b = {dl_dtype, k, cols, s.vocab, 1};
-    g.c = {dw_dtype, s.hidden, cols, s.dweight_ld, 1};
-  }
-  g.accumulate = accumulate;
-  // The active hidden rows, for every vocab tile of the block.
-  g.shared = vocab_major(s) ? kernels::SharedOperand::b : kernels::SharedOperand::a;
-  return g;
-}
-
 // dhidden chunk: dl [k, V] (ld V) x W[:, chunk] [V, cols] -> f32 [k, cols] (ld H).
 GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std::int64_t cols) {
   GemmSpec g;
@@ -70,68 +47,35 @@ GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std:
   return g;
 }
 
-// [N] arrays of the two-pass schedule: coefficients, entropies, logp, kl, and
-// the entropy coefficients with an entropy bonus.
-std::size_t coef_all_arrays(const LmHeadPlanData& p) { return p.entropy_bonus ? 5 : 4; }
-std::size_t quantile_bytes(const LmHeadPlanData& p) {
-  return needs_all_rows(p.config) ? static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
-}
-
 std::size_t store_bytes(const LmHeadPlanData& p) { return p.store_type == kernels::Elem::f32 ? 4 : 2; }
 
-// Bytes that grow with the token block, per block row (thread count excluded).
-std::size_t bytes_per_row(const LmHeadPlanData& p) {
+// Books every region of the step's workspace. Before the GEMMs exist
+// (packed_estimate), the packed hidden rows are booked as about one bf16 row
+// per block row; after, as the bytes the backend asked for.
+WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) {
   const LmHeadShape& s = p.shape;
-  std::size_t b = static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats) + 6 * sizeof(float) + 8 +
-                  (p.entropy_bonus ? sizeof(float) : 0);
-  if (p.scale_out) b += p.scale_out->bytes_per_row();
-  // The packed hidden rows (Gemm::pack_shared), about one bf16 row each.
-  if (s.dtype == DType::bf16) b += static_cast<std::size_t>(s.hidden) * 2;
-  if (!p.options.forward_only) {
-    b += static_cast<std::size_t>(s.vocab) * store_bytes(p) + static_cast<std::size_t>(s.hidden_ld) * size_of(s.dtype) +
-         static_cast<std::size_t>(s.hidden) * sizeof(float);
-  }
-  return b;
-}
-
-// Bytes that depend on neither the block nor the threads.
-std::size_t fixed_bytes(const LmHeadPlanData& p, std::int64_t forward_rows) {
-  const auto stage = static_cast<std::size_t>(forward_rows * p.shape.hidden_ld) * size_of(p.shape.dtype);
-  const std::size_t coef_all =
-      p.sequence_spans_blocks ? coef_all_arrays(p) * static_cast<std::size_t>(p.rows) * sizeof(float) : 0;
-  const std::size_t scale_out = p.scale_out ? p.scale_out->fixed_bytes() : 0;
-  return align_up(stage) + align_up(coef_all) + align_up(quantile_bytes(p)) + align_up(scale_out) + 8 * kAlign;
-}
-
-WorkspaceLayout lay_out(const LmHeadPlanData& p) {
-  const LmHeadShape& s = p.shape;
-  const auto rows = static_cast<std::size_t>(p.block_rows_alloc);
   const std::size_t in_size = size_of(s.dtype);
   const bool backward = !p.options.forward_only;
-  WorkspaceLayout l;
-  std::size_t at = 0;
-  auto take = [&](std::size_t bytes) {
-    const std::size_t offset = at;
-    at += align_up(bytes);
-    return offset;
-  };
-  l.block = take(backward ? rows * static_cast<std::size_t>(s.vocab) * store_bytes(p) : 0);
-  l.stage = take(static_cast<std::size_t>(p.forward_rows * s.hidden_ld) * in_size);
-  l.tile_stats = take(rows * static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats));
-  l.rows = take(rows * (6 * sizeof(float) + sizeof(std::int64_t)));
-  l.hidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden_ld) * in_size : 0);
-  l.dhidden_act = take(backward ? rows * static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
-  l.packed_hidden = take(p.packed_hidden_bytes);
-  l.coef_all =
-      take(p.sequence_spans_blocks ? coef_all_arrays(p) * static_cast<std::size_t>(p.rows) * sizeof(float) : 0);
-  l.ent_coef = take(p.entropy_bonus ? rows * sizeof(float) : 0);
-  l.quantile = take(quantile_bytes(p));
-  l.scale_out = take(p.scale_out ? p.scale_out->fixed_bytes() + rows * p.scale_out->bytes_per_row() : 0);
-  l.tile_bytes = align_up(static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float));
-  l.slot_bytes = l.tile_bytes + align_up(p.max_scratchpad);
-  l.slots = take(l.slot_bytes * static_cast<std::size_t>(p.schedule.threads));
-  l.total = at;
-  return l;
+  const auto rows = static_cast<std::size_t>(p.rows);
+  WorkspaceRegistry w;
+  w.book(Region::block, backward ? static_cast<std::size_t>(s.vocab) * store_bytes(p) : 0);
+  w.book(Region::stage, 0, static_cast<std::size_t>(p.forward_rows * s.hidden_ld) * in_size);
+  w.book(Region::tile_stats, static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats));
+  w.book(Region::row_arrays, RowArrays::kBytesPerRow);
+  w.book(Region::hidden_act, backward ? static_cast<std::size_t>(s.hidden_ld) * in_size : 0);
+  w.book(Region::dhidden_act, backward ? static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
+  if (packed_estimate) {
+    w.book(Region::packed_hidden, s.dtype == DType::bf16 ? static_cast<std::size_t>(s.hidden) * 2 : 0);
+  } else {
+    w.book(Region::packed_hidden, 0, p.packed_hidden_bytes);
+  }
+  w.book(Region::batch_arrays, 0, p.two_pass ? BatchArrays::arrays(p.entropy_bonus) * rows * sizeof(float) : 0);
+  w.book(Region::entropy_coef, p.entropy_bonus ? sizeof(float) : 0);
+  w.book(Region::quantile, 0, needs_all_rows(p.config) ? rows * sizeof(float) : 0);
+  w.book(Region::exchange, p.scale_out ? p.scale_out->bytes_per_row() : 0,
+         p.scale_out ? p.scale_out->fixed_bytes() : 0);
+  w.book_slot(static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float), p.max_scratchpad);
+  return w;
 }
 
 void create_gemms(LmHeadPlanData& p) {
@@ -161,8 +105,8 @@ void create_gemms(LmHeadPlanData& p) {
     for (std::int64_t k = kRowQuantum; k <= p.block_rows_alloc; k += kRowQuantum) {
       auto& dw = p.dweight.emplace_back();
       for (int acc = 0; acc < 2 && !p.options.frozen_weight; ++acc) {
-        dw.full[acc] = make(dweight_spec(s, p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
-        dw.last[acc] = make(dweight_spec(s, p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
+        dw.full[acc] = make(DweightTile{s}.spec(p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
+        dw.last[acc] = make(DweightTile{s}.spec(p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
       }
       if (!p.options.frozen_weight) packed = std::max(packed, dw.full[0]->shared_packed_bytes());
       auto& dh = p.dhidden.emplace_back();
@@ -180,6 +124,24 @@ std::string budget_error(std::size_t budget, std::size_t need) {
 }
 
 }  // namespace
+
+GemmSpec DweightTile::spec(DType dlogits, DType dweight, std::int64_t k, std::int64_t cols, bool accumulate) const {
+  const LmHeadShape& s = shape;
+  GemmSpec g;
+  if (vocab_major()) {
+    g.a = {dlogits, cols, k, 1, s.vocab};
+    g.b = {s.dtype, k, s.hidden, s.hidden_ld, 1};
+    g.c = {dweight, cols, s.hidden, s.dweight_ld, 1};
+  } else {
+    g.a = {s.dtype, s.hidden, k, 1, s.hidden_ld};
+    g.b = {dlogits, k, cols, s.vocab, 1};
+    g.c = {dweight, s.hidden, cols, s.dweight_ld, 1};
+  }
+  g.accumulate = accumulate;
+  // The active hidden rows, for every vocab tile of the block.
+  g.shared = vocab_major() ? kernels::SharedOperand::b : kernels::SharedOperand::a;
+  return g;
+}
 
 BindingPool::Lease BindingPool::acquire() {
   {
@@ -236,10 +198,12 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   if (limit == 0) {
     // The recompute schedule's [N] arrays are fixed bytes; whether it applies
     // depends on the block, so size the block once without them, then check.
-    p->sequence_spans_blocks = sequence || all_rows;  // conservative: the block decides below
-    const std::size_t fixed = fixed_bytes(*p, kForwardRows);
-    p->sequence_spans_blocks = false;
-    const std::size_t per_row = bytes_per_row(*p);
+    p->two_pass = sequence || all_rows;  // conservative: the block decides below
+    p->forward_rows = kForwardRows;
+    const WorkspaceRegistry estimate = book_workspace(*p, /*packed_estimate=*/true);
+    p->two_pass = false;
+    const std::size_t fixed = estimate.fixed_bytes();
+    const std::size_t per_row = estimate.bytes_per_row();
     limit = block_budget > fixed ? static_cast<std::int64_t>((block_budget - fixed) / per_row) : 0;
     if (limit < kRowQuantum) throw Error("options.workspace_budget", budget_error(budget, fixed + 32 * per_row));
   }
@@ -278,41 +242,40 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   for (;;) {
     std::int64_t block = std::min(nb, p->rows);
     p->schedule.recompute_logits = false;
-    p->sequence_spans_blocks = false;
+    p->two_pass = false;
     if (sequence) {
       if (shape.seq_len <= block) {
         block = block / shape.seq_len * shape.seq_len;  // whole sequences per block
       } else {
         // A sequence spans blocks: its ratio needs every block's logp first
         // (forward pass over all blocks), and the backward then recomputes logits.
-        p->sequence_spans_blocks = true;
+        p->two_pass = true;
         p->schedule.recompute_logits = !options.forward_only;
       }
     }
     if (all_rows && p->rows > block) {
-      p->sequence_spans_blocks = true;
+      p->two_pass = true;
       p->schedule.recompute_logits = !options.forward_only;
     }
     p->schedule.token_block = block;
     if (whole_block) p->forward_rows = round_up(block, kRowQuantum);
     p->block_rows_alloc = round_up(block, p->forward_rows);
-    p->schedule.threads = 1;
     create_gemms(*p);
-    p->layout = lay_out(*p);
+    const WorkspaceRegistry regions = book_workspace(*p, /*packed_estimate=*/false);
     // Slots (concurrent tile tasks): one per thread, as many as the budget
     // holds beside everything else, at least one.
-    const std::size_t base = p->layout.total - p->layout.slot_bytes;
-    const std::size_t room = budget > base ? budget - base : 0;
-    const auto fit_slots = static_cast<int>(std::min<std::size_t>(room / p->layout.slot_bytes, 1024));
-    p->schedule.threads = std::max(1, std::min(threads, fit_slots));
-    p->layout = lay_out(*p);
+    const WorkspaceLayout no_slots = regions.lay_out(p->block_rows_alloc, 0);
+    const std::size_t room = budget > no_slots.total ? budget - no_slots.total : 0;
+    const auto fit_slots = static_cast<int>(std::min<std::size_t>(room / no_slots.slot_bytes, 1024));
+    p->schedule.slots = std::max(1, std::min(threads, fit_slots));
+    p->layout = regions.lay_out(p->block_rows_alloc, p->schedule.slots);
     p->schedule.workspace_bytes = p->layout.total;
     if (p->layout.total <= budget || options.token_block > 0 || forced != nullptr) break;
     const std::int64_t step = whole_block ? kRowQuantum : p->forward_rows;
     if (nb <= step) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));
     nb -= step;
   }
-  p->bindings.reset(p->gemms, p->schedule.threads);
+  p->bindings.reset(p->gemms, p->schedule.slots);
   if (p->layout.total > budget) {
     throw Error("options.token_block", "token block " + std::to_string(nb) + " needs " +
                                            std::to_string(p->layout.total) + " bytes, over the workspace budget " +

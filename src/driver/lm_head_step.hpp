@@ -49,32 +49,13 @@ struct LmHeadStep {
   const LmHeadOutputs& out;
   BindingPool::Lease bindings;
   const kernels::StageKernels& k = kernels::kernels();
-  Temperature temp;
+  LogitTransform transform;
   std::size_t in_size;
   std::size_t store_size;
   std::size_t dl_size;
   std::size_t act_row_bytes;  // row stride of hidden_act: hidden_ld elements, as the forward GEMM reads it
   bool vocab_major;
-
-  // Workspace regions.
-  std::byte* block;
-  kernels::RowStats* tile_stats;
-  float* target;
-  float* lse;
-  float* logp;
-  float* entropy;
-  float* coef;
-  float* kl;
-  std::int64_t* active;
-  std::byte* stage;
-  std::byte* hidden_act;
-  float* dhidden_act;
-  std::byte* packed_hidden;  // the hidden rows as the GEMM backend packed them (Gemm::pack_shared)
-  float* coef_all;
-  float* ent_coef;        // [block] dLoss/dEnt (entropy bonus only)
-  float* quantile_space;  // [N] (top-entropy mask only)
-  std::byte* slots;
-  std::byte* scale_out_ws;  // the exchanges over the plan's groups (scale_out.hpp)
+  StepRegions ws;  // the workspace, as book_workspace (lm_head_schedule.cpp) booked it
   LmHeadStepStats stats;
   PhaseClock forward_gemm_clock, forward_stage_clock, dlogits_clock, dweight_clock, dhidden_clock;
 
@@ -89,37 +70,21 @@ struct LmHeadStep {
     return s;
   }
 
-  LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* ws)
-      : p(plan), in(inputs), out(outputs), bindings(plan.bindings.acquire()), temp(plan.config) {
-    in_size = size_of(p.shape.dtype);
-    store_size = p.store_type == kernels::Elem::f32 ? 4 : 2;
-    dl_size = size_of(p.dlogits_dtype);
-    act_row_bytes = static_cast<std::size_t>(p.shape.hidden_ld) * in_size;
-    vocab_major = p.shape.layout == WeightLayout::vocab_major;
-    const WorkspaceLayout& l = p.layout;
-    const std::int64_t n = p.block_rows_alloc;
-    block = ws + l.block;
-    tile_stats = reinterpret_cast<kernels::RowStats*>(ws + l.tile_stats);
-    target = reinterpret_cast<float*>(ws + l.rows);
-    lse = target + n;
-    logp = lse + n;
-    entropy = logp + n;
-    coef = entropy + n;
-    kl = coef + n;
-    active = reinterpret_cast<std::int64_t*>(kl + n);
-    stage = ws + l.stage;
-    hidden_act = ws + l.hidden_act;
-    dhidden_act = reinterpret_cast<float*>(ws + l.dhidden_act);
-    packed_hidden = ws + l.packed_hidden;
-    coef_all = reinterpret_cast<float*>(ws + l.coef_all);
-    ent_coef = plan.entropy_bonus ? reinterpret_cast<float*>(ws + l.ent_coef) : nullptr;
-    quantile_space = reinterpret_cast<float*>(ws + l.quantile);
-    slots = ws + l.slots;
-    scale_out_ws = ws + l.scale_out;
-  }
+  LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* workspace)
+      : p(plan),
+        in(inputs),
+        out(outputs),
+        bindings(plan.bindings.acquire()),
+        transform(plan.config),
+        in_size(size_of(plan.shape.dtype)),
+        store_size(plan.store_type == kernels::Elem::f32 ? 4 : 2),
+        dl_size(size_of(plan.dlogits_dtype)),
+        act_row_bytes(static_cast<std::size_t>(plan.shape.hidden_ld) * in_size),
+        vocab_major(plan.shape.layout == WeightLayout::vocab_major),
+        ws(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus) {}
 
-  float* slot_tile(int slot) const { return reinterpret_cast<float*>(slots + slot * p.layout.slot_bytes); }
-  void* slot_scratch(int slot) const { return slots + slot * p.layout.slot_bytes + p.layout.tile_bytes; }
+  float* slot_tile(int slot) const { return reinterpret_cast<float*>(ws.slots + slot * p.layout.slot_bytes); }
+  void* slot_scratch(int slot) const { return ws.slots + slot * p.layout.slot_bytes + p.layout.tile_bytes; }
   // No mask (the generic head's option): every row is valid.
   bool valid(std::int64_t row) const { return in.batch.mask.empty() || in.batch.mask[row] != 0.0F; }
   const std::byte* hidden_row(std::int64_t row) const {
@@ -135,7 +100,7 @@ struct LmHeadStep {
     return w + static_cast<std::size_t>(vocab_major ? h : h * p.shape.weight_ld) * in_size;
   }
   std::byte* block_at(std::int64_t row, std::int64_t col, std::size_t elem) const {
-    return block +
+    return ws.block.data() +
            (static_cast<std::size_t>(row) * static_cast<std::size_t>(p.shape.vocab) + static_cast<std::size_t>(col)) *
                elem;
   }
@@ -150,13 +115,13 @@ struct LmHeadStep {
     const bool staged = partial != fr;
     if (staged) {
       const std::size_t used = static_cast<std::size_t>(partial - 1) * act_row_bytes + p.shape.hidden * in_size;
-      std::memcpy(stage, hidden_row(b0 + (chunks - 1) * fr), used);
-      std::memset(stage + used, 0, static_cast<std::size_t>(fr) * act_row_bytes - used);
+      std::memcpy(ws.stage.data(), hidden_row(b0 + (chunks - 1) * fr), used);
+      std::memset(ws.stage.data() + used, 0, static_cast<std::size_t>(fr) * act_row_bytes - used);
     }
     forward_rows(
         nb, keep,
         [&](std::int64_t c) -> const void* {
-          return c == chunks - 1 && staged ? stage : static_cast<const void*>(hidden_row(b0 + c * fr));
+          return c == chunks - 1 && staged ? ws.stage.data() : static_cast<const void*>(hidden_row(b0 + c * fr));
         },
         [&](std::int64_t r) { return b0 + r; });
   }
@@ -170,9 +135,9 @@ struct LmHeadStep {
     forward_rows(
         na, true,
         [&](std::int64_t c) -> const void* {
-          return hidden_act + static_cast<std::size_t>(c * p.forward_rows) * act_row_bytes;
+          return ws.hidden_act.data() + static_cast<std::size_t>(c * p.forward_rows) * act_row_bytes;
         },
-        [&](std::int64_t r) { return b0 + active[r]; });
+        [&](std::int64_t r) { return b0 + ws.rows.active[r]; });
   }
 
   // Copies rows [b0, b0 + nb) of logp / entropy / kl (block-relative arrays)
@@ -196,7 +161,7 @@ struct LmHeadStep {
   std::int64_t select_active(std::int64_t nb, Pred&& is_active) {
     std::int64_t na = 0;
     for (std::int64_t r = 0; r < nb; ++r) {
-      if (is_active(r)) active[na++] = r;
+      if (is_active(r)) ws.rows.active[na++] = r;
     }
     return na;
   }
@@ -206,9 +171,10 @@ struct LmHeadStep {
   void gather_active(std::int64_t b0, std::int64_t na, std::int64_t padded) {
     const std::size_t hidden_bytes = static_cast<std::size_t>(p.shape.hidden) * in_size;
     for (std::int64_t i = 0; i < na; ++i) {
-      std::memcpy(hidden_act + static_cast<std::size_t>(i) * act_row_bytes, hidden_row(b0 + active[i]), hidden_bytes);
+      std::memcpy(ws.hidden_act.data() + static_cast<std::size_t>(i) * act_row_bytes,
+                  hidden_row(b0 + ws.rows.active[i]), hidden_bytes);
     }
-    std::memset(hidden_act + static_cast<std::size_t>(na) * act_row_bytes, 0,
+    std::memset(ws.hidden_act.data() + static_cast<std::size_t>(na) * act_row_bytes, 0,
                 static_cast<std::size_t>(padded - na) * act_row_bytes);
   }
 
@@ -229,7 +195,7 @@ struct LmHeadStep {
     }
     const std::int64_t padded = (na + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
     const bool dweight = !p.options.frozen_weight;
-    stats.backward_gemm_rows += padded;
+    stats.dhidden_gemm_rows += padded;
     stats.active_rows += na;
     if (dweight) stats.dweight_gemm_rows += padded;
     {  // what this block's backward moves (LmHeadStepStats::schedule_bytes)
@@ -246,6 +212,7 @@ struct LmHeadStep {
     const int accumulate = *dweight_written ? 1 : 0;
     const kernels::Elem dl_type = elem_of(p.dlogits_dtype);
     const std::size_t dw_size = size_of(p.options.dweight_dtype);
+    const DweightTile dw_tile{p.shape};
     float* dbias = out.dbias.empty() ? nullptr : out.dbias.data();
     // The active hidden rows packed once for every vocab tile's dW GEMM (all
     // of this block's dW GEMMs pack them alike: only the dlogits side differs).
@@ -253,81 +220,67 @@ struct LmHeadStep {
     if (dweight) {
       const kernels::Gemm& any = *p.dweight[padded / kRowQuantum - 1].full[0];
       if (any.shared_packed_bytes() > 0) {
-        any.pack_shared(hidden_act, packed_hidden);
-        packed_act = packed_hidden;
+        any.pack_shared(ws.hidden_act.data(), ws.packed_hidden.data());
+        packed_act = ws.packed_hidden.data();
       }
     }
     // The call's gradient scale (LmHeadInputs::grad_scale) rides on the row coefficients.
     const auto call_scale = static_cast<float>(in.grad_scale);
-    const float logp_scale = temp.grad_scale * call_scale;
-    const float entropy_scale = temp.entropy_grad_scale * call_scale;
+    const float logp_scale = transform.grad_scale * call_scale;
+    const float entropy_scale = transform.entropy_grad_scale * call_scale;
 
-    for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
       dlogits_clock.time([&] {
         for (std::int64_t i = 0; i < na; ++i) {
-          const std::int64_t r = active[i];
+          const std::int64_t r = ws.rows.active[i];
           const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
           const std::int64_t row = b0 + r;
           // ids are global; outside this vocab shard, outside every tile (no one-hot).
           const std::int64_t tgt = valid(row) ? in.batch.ids[row] - p.shape.vocab_offset - c0 : -1;
-          const float a = logp_coef[r] * logp_scale;
-          // Row i <= s: the compacted output never overwrites a stored row not yet read.
-          if (temp.capped()) {
-            const bool ent = entropy_coef != nullptr;
-            k.dlogits_softcap_row(
-                block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max, lse[s], a,
-                ent ? entropy_coef[r] * entropy_scale : 0.0F, ent ? lse[s] - entropy[s] : 0.0F, temp.cap_k,
-                temp.softcap_scale, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
-          } else if (entropy_coef == nullptr) {
-            k.dlogits_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F, tile_stats[s * p.tiles + j].max,
-                          lse[s], a, tgt, block_at(i, c0, dl_size), dl_type, dbias != nullptr ? dbias + c0 : nullptr);
-          } else {
-            // E_p[x] = M + D/S = LSE - entropy (RowStats); dEnt/dx_v = -p_v (x_v - E_p[x]).
-            k.dlogits_entropy_row(block_at(s, c0, store_size), p.store_type, cols, 1.0F,
-                                  tile_stats[s * p.tiles + j].max, lse[s], a, entropy_coef[r] * entropy_scale,
-                                  lse[s] - entropy[s], tgt, block_at(i, c0, dl_size), dl_type,
-                                  dbias != nullptr ? dbias + c0 : nullptr);
+          // E_p[x] = M + D/S = LSE - entropy (RowStats); dEnt/dx_v = -p_v (x_v - E_p[x]).
+          RowUpstream u{logp_coef[r] * logp_scale};
+          if (entropy_coef != nullptr) {
+            u = {u.a, entropy_coef[r] * entropy_scale, ws.rows.lse[s] - ws.rows.entropy[s], true};
           }
+          // Row i <= s: the compacted output never overwrites a stored row not yet read.
+          dlogits_row(k, transform, block_at(s, c0, store_size), p.store_type, cols, 1.0F,
+                      ws.tile_stats[s * p.tiles + j].max, ws.rows.lse[s], u, tgt, block_at(i, c0, dl_size), dl_type,
+                      dbias != nullptr ? dbias + c0 : nullptr);
         }
         for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
       });
       if (!dweight) return;  // frozen weight: the tile's dlogits feed dhidden alone
       const kernels::Gemm& gemm = *p.dweight[padded / kRowQuantum - 1].pick(j == p.tiles - 1)[accumulate];
-      auto* dw = static_cast<std::byte*>(out.dweight.data) +
-                 static_cast<std::size_t>(vocab_major ? c0 * p.shape.dweight_ld : c0) * dw_size;
-      dweight_clock.time([&] {
-        if (vocab_major) {
-          bindings.at(gemm, slot)
-              .run(block_at(0, c0, dl_size), hidden_act, dw, nullptr, slot_scratch(slot), packed_act);
-        } else {
-          bindings.at(gemm, slot)
-              .run(hidden_act, block_at(0, c0, dl_size), dw, nullptr, slot_scratch(slot), packed_act);
-        }
-      });
+      auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * dw_size;
+      const std::array<const void*, 2> ab = dw_tile.operands(block_at(0, c0, dl_size), ws.hidden_act.data());
+      dweight_clock.time(
+          [&] { bindings.at(gemm, slot).run(ab[0], ab[1], dw, nullptr, slot_scratch(slot), packed_act); });
     });
     *dweight_written = dweight;
 
     const auto& dhidden_gemms = p.dhidden[padded / kRowQuantum - 1];
-    for_each_item(p.hidden_chunks, p.schedule.threads, [&](std::int64_t chunk, int slot) {
+    for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
       const std::int64_t h0 = chunk * p.hidden_chunk;
       const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
       dhidden_clock.time([&] {
-        bindings.at(gemm, slot).run(block, weight_at_hidden(h0), dhidden_act + h0, nullptr, slot_scratch(slot));
+        bindings.at(gemm, slot)
+            .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
       });
     });
     // Vocabulary parallelism: each shard's part of dh = dlogits W, summed over the group.
     if (p.scale_out && p.scale_out->vocab) {
-      p.scale_out->sum_in_rank_order(p.scale_out->vocab, dhidden_act, na * hidden, scale_out_ws, p.schedule.threads);
+      p.scale_out->sum_in_rank_order(p.scale_out->vocab, ws.dhidden_act.data(), na * hidden, ws.exchange.data(),
+                                     p.schedule.slots);
     }
 
     std::int64_t i = 0;
     for (std::int64_t r = 0; r < nb; ++r) {
-      if (i < na && active[i] == r) {
+      if (i < na && ws.rows.active[i] == r) {
         auto* dst = static_cast<std::byte*>(out.dhidden.data) +
                     static_cast<std::size_t>((b0 + r) * out.dhidden.ld) * size_of(out.dhidden.dtype);
-        const float* src = dhidden_act + i * hidden;
+        const float* src = ws.dhidden_act.data() + i * hidden;
         if (out.dhidden.dtype == DType::f32) {
           std::memcpy(dst, src, static_cast<std::size_t>(hidden) * sizeof(float));
         } else {
@@ -369,14 +322,15 @@ struct LmHeadStep {
     // tiles pack them alike), the chunks in parallel.
     const std::size_t chunk_packed = p.forward.full->shared_packed_bytes();
     if (chunk_packed > 0) {
-      for_each_item(chunks, p.schedule.threads, [&](std::int64_t c, int /*slot*/) {
-        p.forward.full->pack_shared(chunk_source(c), packed_hidden + static_cast<std::size_t>(c) * chunk_packed);
+      for_each_item(chunks, p.schedule.slots, [&](std::int64_t c, int /*slot*/) {
+        p.forward.full->pack_shared(chunk_source(c),
+                                    ws.packed_hidden.data() + static_cast<std::size_t>(c) * chunk_packed);
       });
     }
     const auto packed_chunk = [&](std::int64_t c) -> const void* {
-      return chunk_packed > 0 ? packed_hidden + static_cast<std::size_t>(c) * chunk_packed : nullptr;
+      return chunk_packed > 0 ? ws.packed_hidden.data() + static_cast<std::size_t>(c) * chunk_packed : nullptr;
     };
-    for_each_item(p.tiles, p.schedule.threads, [&](std::int64_t j, int slot) {
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
       float* tile = slot_tile(slot);
@@ -392,39 +346,41 @@ struct LmHeadStep {
           for (std::int64_t r = r0; r < std::min(nb, r0 + fr); ++r) {
             float* z = tile + (r - r0) * cols;
             // z -> z' = c tanh(s z / c) in place, while the row is in cache.
-            if (temp.capped()) k.softcap(z, kernels::Elem::f32, cols, temp.softcap_scale, temp.softcap, z);
-            tile_stats[r * p.tiles + j] =
-                keep ? k.row_stats_store(z, cols, temp.scale, block_at(r, c0, store_size), p.store_type)
-                     : k.row_stats(z, kernels::Elem::f32, cols, temp.scale);
+            if (transform.capped())
+              k.softcap(z, kernels::Elem::f32, cols, transform.softcap_scale, transform.softcap, z);
+            ws.tile_stats[r * p.tiles + j] =
+                keep ? k.row_stats_store(z, cols, transform.scale, block_at(r, c0, store_size), p.store_type)
+                     : k.row_stats(z, kernels::Elem::f32, cols, transform.scale);
             const std::int64_t row = row_of(r);
             if (valid(row)) {
               const std::int64_t id = in.batch.ids[row] - p.shape.vocab_offset;  // ids are global
-              if (id >= c0 && id < c0 + cols) target[r] = z[id - c0] * temp.scale;
+              if (id >= c0 && id < c0 + cols) ws.rows.target[r] = z[id - c0] * transform.scale;
             }
           }
         });
       }
     });
     // Vocabulary parallelism: every shard's tile statistics, in token order.
-    const kernels::RowStats* row_tiles = tile_stats;
+    const kernels::RowStats* row_tiles = ws.tile_stats.data();
     std::int64_t tiles = p.tiles;
     if (p.scale_out && p.scale_out->vocab) {
-      row_tiles = p.scale_out->gather_row_stats(scale_out_ws, p.block_rows_alloc, nb, p.tiles, tile_stats, target,
-                                                [&](std::int64_t r) -> std::int64_t {
-                                                  const std::int64_t row = row_of(r);
-                                                  return valid(row) ? in.batch.ids[row] : -1;
-                                                });
+      row_tiles =
+          p.scale_out->gather_row_stats(ws.exchange.data(), p.block_rows_alloc, nb, p.tiles, ws.tile_stats.data(),
+                                        ws.rows.target.data(), [&](std::int64_t r) -> std::int64_t {
+                                          const std::int64_t row = row_of(r);
+                                          return valid(row) ? in.batch.ids[row] : -1;
+                                        });
       tiles = p.scale_out->global_tiles;
     }
     for (std::int64_t r = 0; r < nb; ++r) {
       kernels::RowStats st;
       for (std::int64_t j = 0; j < tiles; ++j) st = kernels::merge(st, row_tiles[r * tiles + j]);
       const std::int64_t row = row_of(r);
-      const RowResult res = finish_row(st, target[r], valid(row), temp);
+      const RowResult res = finish_row(st, ws.rows.target[r], valid(row), transform);
       check_row(res.lse, res.logp, valid(row), row, "hidden");
-      lse[r] = res.lse;
-      logp[r] = res.logp;
-      entropy[r] = res.entropy;
+      ws.rows.lse[r] = res.lse;
+      ws.rows.logp[r] = res.logp;
+      ws.rows.entropy[r] = res.entropy;
     }
   }
 };

@@ -37,7 +37,7 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
   const std::int64_t rows = shape.batch * shape.seq_len;
   const std::int64_t vocab = shape.vocab;
   const kernels::StageKernels& k = kernels::kernels();
-  const Temperature temp(config);
+  const LogitTransform transform(config);
   const kernels::Elem in_type = elem_of(logits.dtype);
   const std::size_t in_size = size_of(logits.dtype);
   const auto* base = static_cast<const std::byte*>(logits.data);
@@ -48,7 +48,7 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
   // Per-row scratch: lse, logp, entropy, coefficient, kl (+ dLoss/dEnt, + the
   // quantile's scratch); with a softcap, one row of z' per thread.
   const std::size_t per_row = 5 + (bonus ? 1 : 0) + (quantile ? 1 : 0);
-  const std::size_t capped_rows = temp.capped() ? static_cast<std::size_t>(threads) : 0;
+  const std::size_t capped_rows = transform.capped() ? static_cast<std::size_t>(threads) : 0;
   Buffer scratch(allocator, (static_cast<std::size_t>(rows) * per_row + capped_rows * static_cast<std::size_t>(vocab)) *
                                 sizeof(float));
   float* lse = scratch.as<float>();
@@ -62,19 +62,19 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
   float* capped = next;  // [threads, V]
   // The row the softmax reads (as f32 z' when capped) and its element type.
   auto softmax_row = [&](std::int64_t r, int slot) -> std::pair<const void*, kernels::Elem> {
-    if (!temp.capped()) return {row_ptr(r), in_type};
+    if (!transform.capped()) return {row_ptr(r), in_type};
     float* z = capped + static_cast<std::size_t>(slot) * static_cast<std::size_t>(vocab);
-    k.softcap(row_ptr(r), in_type, vocab, temp.softcap_scale, temp.softcap, z);
+    k.softcap(row_ptr(r), in_type, vocab, transform.softcap_scale, transform.softcap, z);
     return {z, kernels::Elem::f32};
   };
 
   run_with_threads(threads, [&] {
     for_each_item(rows, threads, [&](std::int64_t r, int slot) {
       const auto [z, type] = softmax_row(r, slot);
-      const kernels::RowStats st = k.row_stats(z, type, vocab, temp.scale);
+      const kernels::RowStats st = k.row_stats(z, type, vocab, transform.scale);
       const bool valid = batch.mask[r] != 0.0F;
-      const float target = valid ? load_scaled(z, type, batch.ids[r], temp.scale) : 0.0F;
-      const RowResult res = finish_row(st, target, valid, temp);
+      const float target = valid ? load_scaled(z, type, batch.ids[r], transform.scale) : 0.0F;
+      const RowResult res = finish_row(st, target, valid, transform);
       lse[r] = res.lse;
       logp[r] = res.logp;
       entropy[r] = res.entropy;
@@ -91,24 +91,17 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
   run_with_threads(threads, [&] {
     for_each_item(rows, threads, [&](std::int64_t r, int slot) {
       std::byte* out = out_base + static_cast<std::size_t>(r * outputs.dlogits.ld) * out_size;
-      const float a = coef[r] * temp.grad_scale;
-      const float b = bonus ? ent_coef[r] * temp.entropy_grad_scale : 0.0F;
+      const float a = coef[r] * transform.grad_scale;
+      const float b = bonus ? ent_coef[r] * transform.entropy_grad_scale : 0.0F;
       if (a == 0.0F && b == 0.0F) {
         // Masked, clipped or zero-advantage row: exact zeros, no exp.
         std::memset(out, 0, static_cast<std::size_t>(vocab) * out_size);
         return;
       }
       const std::int64_t target = batch.ids[r];  // a = b = 0 on masked rows
-      if (temp.capped()) {
-        const auto [z, type] = softmax_row(r, slot);
-        k.dlogits_softcap_row(z, type, vocab, temp.scale, 0.0F, lse[r], a, b, lse[r] - entropy[r], temp.cap_k,
-                              temp.softcap_scale, target, out, out_type, nullptr);
-      } else if (b != 0.0F) {
-        k.dlogits_entropy_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, b, lse[r] - entropy[r], target,
-                              out, out_type, nullptr);
-      } else {
-        k.dlogits_row(row_ptr(r), in_type, vocab, temp.scale, 0.0F, lse[r], a, target, out, out_type, nullptr);
-      }
+      const auto [z, type] = softmax_row(r, slot);
+      dlogits_row(k, transform, z, type, vocab, transform.scale, 0.0F, lse[r], {a, b, lse[r] - entropy[r], b != 0.0F},
+                  target, out, out_type, nullptr);
     });
   });
 }

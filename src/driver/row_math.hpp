@@ -1,6 +1,6 @@
 // Scalar per-row glue shared by the logits-level and LM-head drivers: the
-// temperature conventions, the chosen logit, and turning RowStats into
-// LSE / logp / entropy.
+// logit transform (softcap, scale, temperature), the chosen logit, turning
+// RowStats into LSE / logp / entropy, and the dlogits stage of one row.
 #pragma once
 
 #include <cmath>
@@ -26,8 +26,9 @@ inline kernels::Elem elem_of(DType dtype) { return dtype == DType::f32 ? kernels
 // and both gradient scales (s = 1 multiplies exactly: defaults unchanged).
 // With a cap, the drivers map z to z' = c tanh(s z / c) (softcap) and the
 // backward multiplies by dz'/dz = s (1 - t^2), t = z' / c = x * cap_k.
-struct Temperature {
-  explicit Temperature(const LossConfig& c)
+// The temperature and the model's logit transform (softcap or linear scale) together.
+struct LogitTransform {
+  explicit LogitTransform(const LossConfig& c)
       : scale((c.temperature_on_logp ? 1.0F : 1.0F / c.temperature) * linear(c)),
         post(c.temperature_on_logp ? 1.0F / c.temperature : 1.0F),
         grad_scale(1.0F / c.temperature * linear(c)),
@@ -58,7 +59,7 @@ struct RowResult {
 };
 
 // target_x: the chosen token's x (ignored when !valid).
-inline RowResult finish_row(const kernels::RowStats& st, float target_x, bool valid, const Temperature& t) {
+inline RowResult finish_row(const kernels::RowStats& st, float target_x, bool valid, const LogitTransform& t) {
   RowResult res;
   const float log_s = std::log(st.sum);
   res.lse = st.max + log_s;
@@ -78,6 +79,34 @@ inline void check_row(float lse, float logp, bool valid, std::int64_t row, const
   }
   if (valid && !std::isfinite(logp)) {
     throw Error("ids", "row " + std::to_string(row) + " chose a token whose logit is -inf");
+  }
+}
+
+// What one row's dlogits take from upstream: a = dL/dlogp and b = dL/dEnt,
+// both times their gradient scales, and mean = E_p[x] = LSE - entropy.
+// entropy: the row takes the entropy term (dlogits_entropy_row) even when b
+// is 0; without it, b and mean are not read (except through a softcap, whose
+// kernel takes both terms in one).
+struct RowUpstream {
+  float a = 0.0F;
+  float b = 0.0F;
+  float mean = 0.0F;
+  bool entropy = false;
+};
+
+// One row's dlogits (+ dbias): the softcap kernel under a cap, else the
+// entropy kernel or the plain one. in: z' (f32) under a cap, else the stored
+// or given logits, x = in * in_scale + in_shift (see StageKernels).
+inline void dlogits_row(const kernels::StageKernels& k, const LogitTransform& t, const void* in, kernels::Elem in_type,
+                        std::int64_t n, float in_scale, float in_shift, float lse, const RowUpstream& u,
+                        std::int64_t target, void* out, kernels::Elem out_type, float* dbias) {
+  if (t.capped()) {
+    k.dlogits_softcap_row(in, in_type, n, in_scale, in_shift, lse, u.a, u.b, u.mean, t.cap_k, t.softcap_scale, target,
+                          out, out_type, dbias);
+  } else if (u.entropy) {
+    k.dlogits_entropy_row(in, in_type, n, in_scale, in_shift, lse, u.a, u.b, u.mean, target, out, out_type, dbias);
+  } else {
+    k.dlogits_row(in, in_type, n, in_scale, in_shift, lse, u.a, target, out, out_type, dbias);
   }
 }
 

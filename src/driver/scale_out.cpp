@@ -267,11 +267,11 @@ void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outpu
   }
   if (outputs.metrics != nullptr) *outputs.metrics = acc->metrics(total);
   if (plan.options.forward_only || plan.options.frozen_weight) return;  // no dW, no dbias
-  std::byte* ws = workspace + plan.layout.scale_out;
-  so.sum_in_rank_order(so.data, outputs.dweight, ws, plan.schedule.threads);
+  std::byte* ws = workspace + plan.layout.at(Region::exchange);
+  so.sum_in_rank_order(so.data, outputs.dweight, ws, plan.schedule.slots);
   if (!outputs.dbias.empty()) {
     so.sum_in_rank_order(so.data, outputs.dbias.data(), static_cast<std::int64_t>(outputs.dbias.size()), ws,
-                         plan.schedule.threads);
+                         plan.schedule.slots);
   }
 }
 

@@ -116,7 +116,7 @@ struct ScaleOutPlan {
   // this step's end-of-step exchange began (one execute() at a time).
   mutable bool step_finishing = false;
 
-  // Workspace (the plan's WorkspaceLayout::scale_out region): the two
+  // Workspace (the plan's Region::exchange): the two
   // reduction segments, then per block row one outgoing and size() incoming
   // records and the merged [global_tiles] statistics.
   std::size_t fixed_bytes() const;

@@ -1,0 +1,184 @@
+// The LM-head step's workspace, booked by name (as oneDNN's scratchpad
+// registrar books a primitive's scratchpad): each region once, with its bytes
+// per block row and its fixed bytes. The block-size search reads the per-row
+// and fixed totals from the bookings, the plan lays the regions out from the
+// same bookings, and the step gets typed views of them (StepRegions), so a
+// region's size is written in one place.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "kernels/stage_kernels.hpp"
+
+namespace grpo::detail {
+
+// Every region starts on a 64-byte boundary: a cache line, and the alignment
+// the GEMM backends ask of their operands and scratchpads.
+inline constexpr std::size_t kWorkspaceAlign = 64;
+
+inline std::size_t align_workspace(std::size_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
+// The regions in workspace order.
+enum class Region : std::uint8_t {
+  block,          // [block rows, V] stored logits, then dlogits in place (backward only)
+  stage,          // [forward_rows, hidden_ld] input dtype: a partial forward chunk, zero-padded
+  tile_stats,     // [block rows, tiles] RowStats
+  row_arrays,     // per block row: RowArrays
+  hidden_act,     // [block rows, hidden_ld] active hidden rows, input dtype (backward only)
+  dhidden_act,    // [block rows, H] f32 (backward only)
+  packed_hidden,  // the block's hidden rows as the GEMM backend packed them (Gemm::pack_shared)
+  batch_arrays,   // per batch row: BatchArrays (two-pass schedule only)
+  entropy_coef,   // [block rows] dLoss/dEnt (entropy bonus only)
+  quantile,       // [N] floats: the top-entropy quantile's scratch (only when it is used)
+  exchange,       // the exchanges of a plan over several processes (ScaleOutPlan)
+  kCount,
+};
+inline constexpr std::size_t kRegionCount = static_cast<std::size_t>(Region::kCount);
+
+// Regions whose size grows with the token block: the search's estimate
+// allows each of them kWorkspaceAlign bytes for the rounding of its end.
+inline constexpr std::size_t kRowRegions = 8;  // block .. dhidden_act, packed_hidden, entropy_coef, exchange
+
+// Per block row: the chosen logit, LSE, logp, entropy, coefficient, KL term
+// (floats), and the index of the row's place among the active rows.
+struct RowArrays {
+  static constexpr std::size_t kBytesPerRow = 6 * sizeof(float) + sizeof(std::int64_t);
+  std::span<float> target, lse, logp, entropy, coef, kl;
+  std::span<std::int64_t> active;
+};
+
+// Per batch row, for the two-pass schedule (LmHeadPlanData::two_pass): the
+// first pass's logp, entropy and KL terms of every row, and the coefficients
+// (dLoss/dlogp; dLoss/dEnt with an entropy bonus) the second pass reads.
+struct BatchArrays {
+  static std::size_t arrays(bool entropy_bonus) { return entropy_bonus ? 5 : 4; }
+  std::span<float> coef, entropy, logp, kl;
+  std::span<float> entropy_coef;  // empty without an entropy bonus
+};
+
+struct WorkspaceLayout {
+  std::array<std::size_t, kRegionCount> offset{};
+  std::array<std::size_t, kRegionCount> bytes{};  // as booked (before alignment)
+  std::size_t slots = 0;                          // offset of the slots: per slot, a GEMM tile + a GEMM scratchpad
+  std::size_t slot_bytes = 0;                     // one slot
+  std::size_t tile_bytes = 0;                     // its GEMM tile part
+  std::size_t total = 0;
+
+  std::size_t at(Region r) const { return offset[static_cast<std::size_t>(r)]; }
+};
+
+class WorkspaceRegistry {
+ public:
+  // Region r takes per_row bytes per block row plus fixed bytes (either may be 0).
+  void book(Region r, std::size_t per_row, std::size_t fixed = 0) {
+    bookings_[static_cast<std::size_t>(r)] = {per_row, fixed};
+  }
+  // Each slot (a concurrent tile task): a [forward_rows, tile] f32 GEMM tile and a GEMM scratchpad.
+  void book_slot(std::size_t tile_bytes, std::size_t scratchpad_bytes) {
+    tile_bytes_ = align_workspace(tile_bytes);
+    slot_bytes_ = tile_bytes_ + align_workspace(scratchpad_bytes);
+  }
+
+  // Bytes the regions take per block row (slots excluded).
+  std::size_t bytes_per_row() const {
+    std::size_t b = 0;
+    for (const Booking& k : bookings_) b += k.per_row;
+    return b;
+  }
+  // Bytes that depend on neither the block nor the slots, with the rounding
+  // of every region's end: an upper bound on a layout's regions beside
+  // bytes_per_row() * block rows.
+  std::size_t fixed_bytes() const {
+    std::size_t b = kRowRegions * kWorkspaceAlign;
+    for (const Booking& k : bookings_) b += align_workspace(k.fixed);
+    return b;
+  }
+
+  // The regions for blocks of `rows` rows (block_rows_alloc), then `slots` slots.
+  WorkspaceLayout lay_out(std::int64_t rows, int slots) const {
+    WorkspaceLayout l;
+    std::size_t at = 0;
+    for (std::size_t r = 0; r < kRegionCount; ++r) {
+      l.offset[r] = at;
+      l.bytes[r] = bookings_[r].per_row * static_cast<std::size_t>(rows) + bookings_[r].fixed;
+      at += align_workspace(l.bytes[r]);
+    }
+    l.tile_bytes = tile_bytes_;
+    l.slot_bytes = slot_bytes_;
+    l.slots = at;
+    l.total = at + slot_bytes_ * static_cast<std::size_t>(slots);
+    return l;
+  }
+
+ private:
+  struct Booking {
+    std::size_t per_row = 0;
+    std::size_t fixed = 0;
+  };
+  std::array<Booking, kRegionCount> bookings_{};
+  std::size_t tile_bytes_ = 0;
+  std::size_t slot_bytes_ = 0;
+};
+
+// The step's typed views of a laid-out workspace. Regions a plan does not
+// use are empty.
+struct StepRegions {
+  std::span<std::byte> block;
+  std::span<std::byte> stage;
+  std::span<kernels::RowStats> tile_stats;
+  RowArrays rows;
+  std::span<std::byte> hidden_act;
+  std::span<float> dhidden_act;
+  std::span<std::byte> packed_hidden;
+  BatchArrays batch;
+  std::span<float> entropy_coef;
+  std::span<float> quantile;
+  std::span<std::byte> exchange;
+  std::byte* slots = nullptr;
+
+  // block_rows: rows per block (block_rows_alloc); batch_rows: N.
+  StepRegions(std::byte* ws, const WorkspaceLayout& l, std::int64_t block_rows, std::int64_t batch_rows,
+              bool entropy_bonus) {
+    const auto bytes = [&](Region r) {
+      return std::span<std::byte>(ws + l.at(r), l.bytes[static_cast<std::size_t>(r)]);
+    };
+    const auto floats = [&](Region r) {
+      return std::span<float>(reinterpret_cast<float*>(ws + l.at(r)),
+                              l.bytes[static_cast<std::size_t>(r)] / sizeof(float));
+    };
+    block = bytes(Region::block);
+    stage = bytes(Region::stage);
+    tile_stats = {reinterpret_cast<kernels::RowStats*>(ws + l.at(Region::tile_stats)),
+                  l.bytes[static_cast<std::size_t>(Region::tile_stats)] / sizeof(kernels::RowStats)};
+    const auto n = static_cast<std::size_t>(block_rows);
+    float* row = reinterpret_cast<float*>(ws + l.at(Region::row_arrays));
+    for (std::span<float>* a : {&rows.target, &rows.lse, &rows.logp, &rows.entropy, &rows.coef, &rows.kl}) {
+      *a = {row, n};
+      row += n;
+    }
+    rows.active = {reinterpret_cast<std::int64_t*>(row), n};
+    hidden_act = bytes(Region::hidden_act);
+    dhidden_act = floats(Region::dhidden_act);
+    packed_hidden = bytes(Region::packed_hidden);
+    const std::span<float> all = floats(Region::batch_arrays);
+    if (!all.empty()) {
+      const auto m = static_cast<std::size_t>(batch_rows);
+      batch.coef = all.subspan(0, m);
+      batch.entropy = all.subspan(m, m);
+      batch.logp = all.subspan(2 * m, m);
+      batch.kl = all.subspan(3 * m, m);
+      if (entropy_bonus) batch.entropy_coef = all.subspan(4 * m, m);
+    }
+    entropy_coef = floats(Region::entropy_coef);
+    quantile = floats(Region::quantile);
+    exchange = bytes(Region::exchange);
+    slots = ws + l.slots;
+  }
+};
+
+}  // namespace grpo::detail
