@@ -13,6 +13,10 @@
 //              order; with --analyze-segments 0 (every row) this is that
 //              order; on sampled segments it is optimistic (fewer rows, fewer
 //              distinct significant columns to pack).
+//   sig_heldout  (two segments or more) the sig_count order taken on the
+//              even-numbered segments and scored on the odd ones: an order
+//              fixed before the rows it serves, as one from an earlier pass or
+//              an earlier step would be.
 // Row blocks are aligned to their segment's start (segments start at
 // multiples of 32 rows; with 0, at multiples of 320).
 // Every valid row counts as active (a zero advantage would skip its row in
@@ -43,7 +47,7 @@ struct FilterAnalysisOptions {
 inline constexpr std::int64_t kFilterSegmentRows = 320;
 
 struct FilterBlockResult {
-  std::string order;  // natural | avg_logit | sig_count
+  std::string order;  // natural | avg_logit | sig_count | sig_heldout
   std::int64_t block_rows = 0, tile_cols = 0;
   double skip_frac = 0.0;  // FLOP-weighted fraction of blocks with no significant entry
 };
