@@ -150,19 +150,9 @@ void LmHeadLossPlan::execute(const LmHeadInputs& inputs, const LmHeadOutputs& ou
   }
   // Collective with groups: every rank's refusal is every rank's.
   const detail::GlobalCounts counts = detail::agree_on_call(*impl_->data, inputs, refused);
-  if (so == nullptr || !so->data) {
-    detail::run_lm_head(*impl_->data, inputs, outputs, ws, max_abs_coef, counts);
-    return;
-  }
-  // A data group: a refusal met inside the schedule is exchanged at the end
-  // of the step, where the others wait for this rank (finish_data_parallel;
-  // what it throws itself was exchanged already).
-  try {
-    detail::run_lm_head(*impl_->data, inputs, outputs, ws, max_abs_coef, counts);
-  } catch (...) {
-    if (!so->step_finishing) detail::finish_data_parallel(*impl_->data, outputs, nullptr, ws, std::current_exception());
-    throw;
-  }
+  // A refusal met inside the schedule reaches the other ranks through the
+  // step's exchange hook (driver/step_exchange.hpp).
+  detail::run_lm_head(*impl_->data, inputs, outputs, ws, max_abs_coef, counts);
 }
 
 }  // namespace grpo

@@ -438,7 +438,6 @@ GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& input
     return {};
   }
   const ScaleOutPlan& so = *plan.scale_out;
-  so.step_finishing = false;
   const std::exception_ptr& own = refused;
   CallFacts mine;
   if (!own) mine = call_facts(plan, inputs);  // the arguments passed every check

@@ -15,17 +15,16 @@
 
 namespace grpo::detail {
 
-void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
-                 std::byte* workspace, double max_abs_coef, const GlobalCounts& counts) {
-  LmHeadStep step(p, inputs, outputs, workspace);
+namespace {
+
+void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* workspace,
+                double max_abs_coef, const GlobalCounts& counts, StepExchange& exchange) {
+  LmHeadStep step(p, inputs, outputs, workspace, exchange);
   const RowArrays& row = step.ws.rows;
   const bool backward = !p.options.forward_only;
   const std::int64_t nb = p.schedule.token_block;
   LossAccumulator acc(p.config, p.shape.batch, p.shape.seq_len, inputs.batch, max_abs_coef);
-  const ScaleOutPlan* so = p.scale_out.get();
-  if (so != nullptr && (so->data || so->global_num_items)) {
-    acc.use_global_counts(counts.batch, counts.num_valid, so->global_num_items);
-  }
+  exchange.begin(acc, counts);
   bool dweight_written = p.options.accumulate_weight_grads;  // accumulate: always add
   // dbias is zeroed (overwrite mode) just before the first backward, after the
   // first coefficients: a refusal there leaves it untouched.
@@ -88,13 +87,21 @@ void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHe
   }
   if (backward && !dbias_ready) std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
   if (backward && !dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
-  // Data parallelism: global metrics, dW and dbias summed over the data group.
-  if (so != nullptr && so->data) {
-    finish_data_parallel(p, outputs, &acc, workspace, nullptr);
-  } else if (outputs.metrics != nullptr) {
-    *outputs.metrics = acc.metrics();
-  }
+  exchange.end(outputs, acc);
   if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
+}
+
+}  // namespace
+
+void run_lm_head(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
+                 std::byte* workspace, double max_abs_coef, const GlobalCounts& counts) {
+  StepExchange exchange(p, workspace);
+  try {
+    run_blocks(p, inputs, outputs, workspace, max_abs_coef, counts, exchange);
+  } catch (...) {
+    exchange.abandon(outputs, std::current_exception());
+    throw;
+  }
 }
 
 }  // namespace grpo::detail

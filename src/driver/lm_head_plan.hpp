@@ -189,7 +189,9 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
 // Said by the one refusal that can come after a step wrote outputs (see run_lm_head).
 inline constexpr char kEarlierBlocksWritten[] = "outputs of earlier token blocks were already written";
 
-// Runs one step. Arguments already validated.
+// Runs one step. Arguments already validated. With a data group, a refusal
+// met inside the schedule is exchanged before it leaves (the other ranks wait
+// for this one at the end of the step; StepExchange::abandon).
 // max_abs_coef: from validation (LossAccumulator's bound on |c_t|).
 // counts: the data group's batch and valid tokens (agree_on_call).
 void run_lm_head(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,

@@ -24,6 +24,7 @@
 #include "driver/lm_head_plan.hpp"
 #include "driver/parallel.hpp"
 #include "driver/row_math.hpp"
+#include "driver/step_exchange.hpp"
 
 namespace grpo::detail {
 
@@ -55,7 +56,8 @@ struct LmHeadStep {
   std::size_t dl_size;
   std::size_t act_row_bytes;  // row stride of hidden_act: hidden_ld elements, as the forward GEMM reads it
   bool vocab_major;
-  StepRegions ws;  // the workspace, as book_workspace (lm_head_schedule.cpp) booked it
+  StepRegions ws;          // the workspace, as book_workspace (lm_head_schedule.cpp) booked it
+  StepExchange& exchange;  // the call's, see step_exchange.hpp
   LmHeadStepStats stats;
   PhaseClock forward_gemm_clock, forward_stage_clock, dlogits_clock, dweight_clock, dhidden_clock;
 
@@ -70,7 +72,8 @@ struct LmHeadStep {
     return s;
   }
 
-  LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* workspace)
+  LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* workspace,
+             StepExchange& call_exchange)
       : p(plan),
         in(inputs),
         out(outputs),
@@ -81,7 +84,8 @@ struct LmHeadStep {
         dl_size(size_of(plan.dlogits_dtype)),
         act_row_bytes(static_cast<std::size_t>(plan.shape.hidden_ld) * in_size),
         vocab_major(plan.shape.layout == WeightLayout::vocab_major),
-        ws(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus) {}
+        ws(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus),
+        exchange(call_exchange) {}
 
   float* slot_tile(int slot) const { return reinterpret_cast<float*>(ws.slots + slot * p.layout.slot_bytes); }
   void* slot_scratch(int slot) const { return ws.slots + slot * p.layout.slot_bytes + p.layout.tile_bytes; }
@@ -237,8 +241,8 @@ struct LmHeadStep {
           const std::int64_t r = ws.rows.active[i];
           const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
           const std::int64_t row = b0 + r;
-          // ids are global; outside this vocab shard, outside every tile (no one-hot).
-          const std::int64_t tgt = valid(row) ? in.batch.ids[row] - p.shape.vocab_offset - c0 : -1;
+          // A target column outside the tile (or W) takes no one-hot.
+          const std::int64_t tgt = valid(row) ? exchange.column_of(in.batch.ids[row]) - c0 : -1;
           // E_p[x] = M + D/S = LSE - entropy (RowStats); dEnt/dx_v = -p_v (x_v - E_p[x]).
           RowUpstream u{logp_coef[r] * logp_scale};
           if (entropy_coef != nullptr) {
@@ -269,11 +273,7 @@ struct LmHeadStep {
             .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
       });
     });
-    // Vocabulary parallelism: each shard's part of dh = dlogits W, summed over the group.
-    if (p.scale_out && p.scale_out->vocab) {
-      p.scale_out->sum_in_rank_order(p.scale_out->vocab, ws.dhidden_act.data(), na * hidden, ws.exchange.data(),
-                                     p.schedule.slots);
-    }
+    exchange.sum_dhidden(ws.dhidden_act.data(), na * hidden);
 
     std::int64_t i = 0;
     for (std::int64_t r = 0; r < nb; ++r) {
@@ -353,25 +353,22 @@ struct LmHeadStep {
                      : k.row_stats(z, kernels::Elem::f32, cols, transform.scale);
             const std::int64_t row = row_of(r);
             if (valid(row)) {
-              const std::int64_t id = in.batch.ids[row] - p.shape.vocab_offset;  // ids are global
+              const std::int64_t id = exchange.column_of(in.batch.ids[row]);
               if (id >= c0 && id < c0 + cols) ws.rows.target[r] = z[id - c0] * transform.scale;
             }
           }
         });
       }
     });
-    // Vocabulary parallelism: every shard's tile statistics, in token order.
-    const kernels::RowStats* row_tiles = ws.tile_stats.data();
-    std::int64_t tiles = p.tiles;
-    if (p.scale_out && p.scale_out->vocab) {
-      row_tiles =
-          p.scale_out->gather_row_stats(ws.exchange.data(), p.block_rows_alloc, nb, p.tiles, ws.tile_stats.data(),
-                                        ws.rows.target.data(), [&](std::int64_t r) -> std::int64_t {
-                                          const std::int64_t row = row_of(r);
-                                          return valid(row) ? in.batch.ids[row] : -1;
-                                        });
-      tiles = p.scale_out->global_tiles;
-    }
+    // The statistics of every tile of each row (every shard's, see StepExchange).
+    std::int64_t tiles = 0;
+    const kernels::RowStats* row_tiles = exchange.row_stats(
+        nb, ws.tile_stats.data(), ws.rows.target.data(),
+        [&](std::int64_t r) -> std::int64_t {
+          const std::int64_t row = row_of(r);
+          return valid(row) ? in.batch.ids[row] : -1;
+        },
+        &tiles);
     for (std::int64_t r = 0; r < nb; ++r) {
       kernels::RowStats st;
       for (std::int64_t j = 0; j < tiles; ++j) st = kernels::merge(st, row_tiles[r * tiles + j]);

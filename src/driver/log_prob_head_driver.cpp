@@ -18,7 +18,8 @@ namespace grpo::detail {
 
 void run_log_prob_forward(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
                           std::byte* workspace) {
-  LmHeadStep step(p, inputs, outputs, workspace);
+  StepExchange alone(p, workspace);  // the generic head runs in one process
+  LmHeadStep step(p, inputs, outputs, workspace, alone);
   const std::int64_t nb = p.schedule.token_block;
   for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
     const std::int64_t rows = std::min(nb, p.rows - b0);
@@ -31,7 +32,8 @@ void run_log_prob_forward(const LmHeadPlanData& p, const LmHeadInputs& inputs, c
 
 void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, std::span<const float> dlogp,
                            std::span<const float> dentropy, const LmHeadOutputs& outputs, std::byte* workspace) {
-  LmHeadStep step(p, inputs, outputs, workspace);
+  StepExchange alone(p, workspace);  // the generic head runs in one process
+  LmHeadStep step(p, inputs, outputs, workspace, alone);
   const std::int64_t nb = p.schedule.token_block;
   const bool with_entropy = !dentropy.empty();
   bool dweight_written = p.options.accumulate_weight_grads;  // accumulate: always add

@@ -245,7 +245,6 @@ void ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrixView& m,
 void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outputs, const LossAccumulator* acc,
                           std::byte* workspace, const std::exception_ptr& error) {
   const ScaleOutPlan& so = *plan.scale_out;
-  so.step_finishing = true;
   Status status = status_of(error);
   LossAccumulator::Sums total;
   {

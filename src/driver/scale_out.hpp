@@ -109,12 +109,12 @@ struct ScaleOutPlan {
   // Floats in each of the two reduction buffers (0: the plan reduces nothing):
   // P * ceil(n / P) for the largest segment n of any reduction it runs.
   std::int64_t reduce_floats = 0;
-  // The agreement records of execute() (allocated once, at plan creation).
+  // The agreement records of execute(), allocated once, at plan creation:
+  // they must exist before the call's workspace does (a rank whose
+  // allocation failed still takes part), so they cannot live in it. Scratch
+  // under its mutex, no state of a call: concurrent execute() calls stay safe.
   mutable std::vector<std::byte> exchange;
   mutable std::mutex exchange_mutex;
-  // Set by agree_on_call (false) and finish_data_parallel (true): whether
-  // this step's end-of-step exchange began (one execute() at a time).
-  mutable bool step_finishing = false;
 
   // Workspace (the plan's Region::exchange): the two
   // reduction segments, then per block row one outgoing and size() incoming
