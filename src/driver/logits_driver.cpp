@@ -51,7 +51,7 @@ void run_logits_loss(const LogitsShape& shape, const LossConfig& config, int thr
   const std::size_t capped_rows = transform.capped() ? static_cast<std::size_t>(threads) : 0;
   Buffer scratch(allocator, (static_cast<std::size_t>(rows) * per_row + capped_rows * static_cast<std::size_t>(vocab)) *
                                 sizeof(float));
-  float* lse = scratch.as<float>();
+  auto* lse = scratch.as<float>();
   float* logp = lse + rows;
   float* entropy = logp + rows;
   float* coef = entropy + rows;

@@ -36,9 +36,9 @@ enum class Region : std::uint8_t {
   entropy_coef,   // [block rows] dLoss/dEnt (entropy bonus only)
   quantile,       // [N] floats: the top-entropy quantile's scratch (only when it is used)
   exchange,       // the exchanges of a plan over several processes (ScaleOutPlan)
-  kCount,
+  count,          // the number of regions
 };
-inline constexpr std::size_t kRegionCount = static_cast<std::size_t>(Region::kCount);
+inline constexpr std::size_t kRegionCount = static_cast<std::size_t>(Region::count);
 
 // Regions whose size grows with the token block: the search's estimate
 // allows each of them kWorkspaceAlign bytes for the rounding of its end.
@@ -156,7 +156,7 @@ struct StepRegions {
     tile_stats = {reinterpret_cast<kernels::RowStats*>(ws + l.at(Region::tile_stats)),
                   l.bytes[static_cast<std::size_t>(Region::tile_stats)] / sizeof(kernels::RowStats)};
     const auto n = static_cast<std::size_t>(block_rows);
-    float* row = reinterpret_cast<float*>(ws + l.at(Region::row_arrays));
+    auto* row = reinterpret_cast<float*>(ws + l.at(Region::row_arrays));
     for (std::span<float>* a : {&rows.target, &rows.lse, &rows.logp, &rows.entropy, &rows.coef, &rows.kl}) {
       *a = {row, n};
       row += n;
