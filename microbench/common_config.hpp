@@ -38,6 +38,8 @@ struct InputSpec {
   // trained_like: per-token target entropies (nats) within [entropy_min,
   // entropy_max], uniform, or a truncated exponential of mean entropy_mean
   // when that is > 0 (most tokens near the low end, as in a trained model).
+  // A row cannot hold more than its tail's entropy (~8.2 nats for the Zipf
+  // prior at V = 151936, less at small V): higher targets land there.
   double entropy_min = 0.3;
   double entropy_max = 3.0;
   double entropy_mean = 0.0;
