@@ -45,6 +45,20 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   c.dweight_dtype = parse_dtype(r, "dweight_dtype", DType::f32);
   c.forward_only = r.get_bool("forward_only").value_or(false);
   c.frozen_weight = r.get_bool("frozen_weight").value_or(false);
+  if (const YAML::Node f = r.raw("grad_filter"); f && !f.IsNull()) {
+    const std::string word = f.IsScalar() ? f.Scalar() : "";
+    if (word == "off" || word == "false") {
+      c.grad_filter = 0.0;
+    } else if (word == "auto") {
+      c.grad_filter = kGradFilterAuto;
+    } else {
+      const std::optional<double> t = r.get_double("grad_filter");
+      if (!t || !(*t > 0.0 && *t < 1.0)) {
+        throw ConfigError(r.field("grad_filter"), "must be off, auto or a threshold in (0, 1)");
+      }
+      c.grad_filter = *t;
+    }
+  }
   c.in_place = r.get_bool("in_place").value_or(false);
   c.measure_backward = r.get_bool("measure_backward").value_or(false);
   c.measure_unfused_gemms = r.get_bool("measure_unfused_gemms").value_or(lm_head);
@@ -82,6 +96,9 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
   }
   if (c.frozen_weight && c.impl != Impl::fused && c.impl != Impl::generic_head) {
     throw ConfigError(r.field("frozen_weight"), "needs impl fused or generic_head (the baselines always compute dW)");
+  }
+  if (c.grad_filter != 0.0 && c.impl != Impl::fused && c.impl != Impl::generic_head) {
+    throw ConfigError(r.field("grad_filter"), "needs impl fused or generic_head (the baselines are exact)");
   }
   if (c.measure_backward && c.impl != Impl::fused && c.impl != Impl::baseline) {
     throw ConfigError(r.field("measure_backward"), "needs impl fused or baseline");

@@ -48,6 +48,7 @@ struct BenchConfig {
   DType dweight_dtype = DType::f32;
   bool forward_only = false;
   bool frozen_weight = false;  // LmHeadOptions::frozen_weight (fused and generic_head only)
+  double grad_filter = 0.0;    // LmHeadOptions::grad_filter: off | auto | a threshold (fused and generic_head only)
   bool in_place = false;       // logits level: dlogits written over the logits
   // Also time a forward-only run of the same impl on the same inputs;
   // backward_s = step time - forward-only time.

@@ -86,6 +86,17 @@ void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
     }
     out["phase_other_frac"] = total > 0.0 ? 1.0 - accounted / total : 0.0;
   }
+  // The filtered backward (grad_filter): the share of each backward GEMM's
+  // unfiltered FLOPs (its rows x V) that the filter left out, last step.
+  if (s.step_stats && c.grad_filter != 0.0) {
+    const LmHeadStepStats& t = *s.step_stats;
+    const double v = static_cast<double>(c.shape.vocab);
+    const auto frac = [&](std::int64_t skipped, std::int64_t rows) {
+      return rows > 0 ? static_cast<double>(skipped) / (static_cast<double>(rows) * v) : 0.0;
+    };
+    out["filter_dhidden_skipped_frac"] = frac(t.dhidden_skipped_row_columns, t.dhidden_gemm_rows);
+    out["filter_dweight_skipped_frac"] = frac(t.dweight_skipped_row_columns, t.dweight_gemm_rows);
+  }
   // The unfused step's oneDNN GEMMs timed alone (a reference, not a bound).
   out["unfused_gemms_s"] = s.unfused_gemms_s.value_or(0.0);
   out["loss"] = s.metrics.loss;

@@ -53,6 +53,7 @@ LmHeadOptions plan_options(const BenchConfig& c, Allocator& a) {
   o.max_threads = c.threads;
   o.forward_only = c.forward_only;
   o.frozen_weight = c.frozen_weight;
+  o.grad_filter = c.grad_filter;
   o.dweight_dtype = c.dweight_dtype;
   o.dhidden_dtype = c.dhidden_dtype;
   o.allocator = &a;
@@ -401,7 +402,10 @@ double nominal_flops(const BenchConfig& c) {
 
 double executed_flops(const BenchConfig& c, const LmHeadStepStats& rows) {
   const double per_row = 2.0 * static_cast<double>(c.shape.vocab) * static_cast<double>(c.shape.hidden);
-  return per_row * static_cast<double>(rows.logits_gemm_rows + rows.dhidden_gemm_rows + rows.dweight_gemm_rows);
+  const double per_row_column = 2.0 * static_cast<double>(c.shape.hidden);
+  return per_row * static_cast<double>(rows.logits_gemm_rows + rows.dhidden_gemm_rows + rows.dweight_gemm_rows) -
+         per_row_column *
+             static_cast<double>(rows.dhidden_skipped_row_columns + rows.dweight_skipped_row_columns);
 }
 
 double nominal_bytes(const BenchConfig& c) {

@@ -90,6 +90,11 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
   // of uniform errors, sigma <= 2^-9 / sqrt(3) per term), and f32 accumulation
   // (eps sqrt(depth) sum |terms|, 2x margin). A bf16 output adds 2^-8 relative.
   const double dz_round = bf16 ? 4.0 / 512.0 / std::sqrt(3.0) : 0.0;
+  std::vector<double> row_weight(static_cast<std::size_t>(n));
+  for (std::int64_t t = 0; t < n; ++t) {
+    row_weight[t] = std::abs(want.head.dloss_dlogp[t]) / tau + std::abs(want.head.dloss_dentropy[t]) * scale;
+  }
+  const FilterSlack filter(c, want.head.dlogits, row_weight, b.dz_err);
   // dhidden[t, k] = sum_v dz[t, v] W[v, k]
   const std::vector<float> dh = to_float(got.dhidden.data(), c.dhidden_dtype, static_cast<std::size_t>(n * h));
   const double dh_out = c.dhidden_dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
@@ -99,7 +104,7 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
       for (std::int64_t a = 0; a < v; ++a) {
         const double w = p.oracle.weight[a * h + k];
         const double term = want.head.dlogits[t * v + a] * w;
-        sys += b.dz_err[t] * std::abs(w);
+        sys += b.dz_err[t] * std::abs(w) + filter.term(t, a, w);
         sq += term * term;
         abs_sum += std::abs(term);
       }
@@ -118,7 +123,7 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
       for (std::int64_t t = 0; t < n; ++t) {
         const double x = p.oracle.hidden[t * h + k];
         const double term = want.head.dlogits[t * v + a] * x;
-        sys += b.dz_err[t] * std::abs(x);
+        sys += b.dz_err[t] * std::abs(x) + filter.term(t, a, x);
         sq += term * term;
         abs_sum += std::abs(term);
       }

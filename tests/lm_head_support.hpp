@@ -18,6 +18,7 @@ struct HeadCase {
   bool banned = false;      // bias -inf on some tokens
   bool accumulate = false;  // dweight / dbias += (initial values nonzero)
   bool frozen = false;      // LmHeadOptions::frozen_weight: dweight / dbias not passed (they keep their fill)
+  double grad_filter = 0.0;  // LmHeadOptions::grad_filter (fused only)
   std::int64_t token_block = 32;
   std::int64_t vocab_tile = 64;
   DType dweight_dtype = DType::f32;
@@ -42,6 +43,7 @@ inline std::string case_name(const HeadCase& c) {
          (c.accumulate ? " accumulate" : "") + " block=" + std::to_string(c.token_block) +
          " tile=" + std::to_string(c.vocab_tile) + " dW=" + to_string(c.dweight_dtype) +
          " dh=" + to_string(c.dhidden_dtype) + (c.baseline ? " baseline" : " fused") +
+         (c.grad_filter != 0.0 ? " grad_filter=" + std::to_string(c.grad_filter) : "") +
          (c.hidden_pad + c.weight_pad + c.dweight_pad + c.dhidden_pad != 0
               ? " pads(h,w,dw,dh)=" + std::to_string(c.hidden_pad) + "," + std::to_string(c.weight_pad) + "," +
                     std::to_string(c.dweight_pad) + "," + std::to_string(c.dhidden_pad)
@@ -103,6 +105,7 @@ struct HeadOutputs {
   std::vector<std::byte> dhidden, dweight;  // dense, whatever the case's padding
   std::vector<float> dbias;
   Metrics metrics;
+  LmHeadStepStats stats;  // the fused plan's
   std::string schedule;
   std::size_t padding_bytes_written = 0;  // output padding bytes (HeadCase::*_pad) the run changed
 
@@ -118,6 +121,44 @@ struct HeadOutputs {
     }
     return out;
   }
+};
+
+// What the filtered backward (LmHeadOptions::grad_filter) may add to a
+// gradient's error against the oracle. It leaves out entries with |dz_tv| <
+// eps w_t, w_t = (|a_t| + |b_t|) s the row's coefficients
+// (docs/filtered_backward.md), and only such entries, so each of them may be
+// missing from its dhidden and dW sums. An entry counts as possibly left out
+// when its oracle |dz| is below twice that (room for the f32 coefficients and
+// the bf16 rounding of the dz the kernel tests) plus its systematic error
+// dz_err; it may then add (|dz| + dz_err) times the sum's other factor.
+class FilterSlack {
+ public:
+  // row_weight[t]: the oracle's |a_t| + |b_t| (a = |dL/dlogp| / tau, b = |dL/dEnt| dx/dz').
+  FilterSlack(const HeadCase& c, const std::vector<double>& dlogits, const std::vector<double>& row_weight,
+              const std::vector<double>& dz_err)
+      : v_(c.spec.vocab), dlogits_(dlogits), dz_err_(dz_err) {
+    if (c.grad_filter == 0.0) return;
+    const double eps = c.grad_filter > 0.0 ? c.grad_filter
+                                           : std::ldexp(1.0, c.dtype == DType::bf16 ? -12 : -28);
+    const double s = std::max(1.0, static_cast<double>(c.spec.config.logit_scale)) *
+                     std::max(1.0, static_cast<double>(c.spec.config.temperature));
+    may_skip_.assign(dlogits.size(), 0);
+    for (std::size_t i = 0; i < dlogits.size(); ++i) {
+      const auto t = static_cast<std::int64_t>(i) / v_;
+      may_skip_[i] = std::abs(dlogits[i]) < 2.0 * eps * row_weight[t] * s + dz_err[t] ? 1 : 0;
+    }
+  }
+  // The slack entry (t, a) adds to a sum where its other factor is `other`.
+  double term(std::int64_t t, std::int64_t a, double other) const {
+    if (may_skip_.empty() || may_skip_[t * v_ + a] == 0) return 0.0;
+    return (std::abs(dlogits_[t * v_ + a]) + dz_err_[t]) * std::abs(other);
+  }
+
+ private:
+  std::int64_t v_;
+  const std::vector<double>& dlogits_;
+  const std::vector<double>& dz_err_;
+  std::vector<char> may_skip_;
 };
 
 struct HeadProblem {
@@ -266,7 +307,8 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
       {c.dhidden_pad != 0 ? dhidden_buf.data() : o.dhidden.data(), c.dhidden_dtype, n, h, dhidden_ld},
       {c.dweight_pad != 0 ? dweight_buf.data() : o.dweight.data(), c.dweight_dtype, wrows, wcols, dweight_ld},
       o.dbias,
-      &o.metrics};
+      &o.metrics,
+      &o.stats};
   if (c.frozen) {
     out.dweight = {};
     out.dbias = {};
@@ -287,6 +329,7 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
     opt.dhidden_dtype = c.dhidden_dtype;
     opt.accumulate_weight_grads = c.accumulate;
     opt.frozen_weight = c.frozen;
+    opt.grad_filter = c.grad_filter;
     opt.max_threads = max_threads;
     LmHeadLossPlan plan(shape, s.config, opt);
     o.schedule = plan.describe();

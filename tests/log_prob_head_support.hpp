@@ -96,6 +96,7 @@ inline LmHeadOptions log_prob_options(const LogProbCase& c, int max_threads = 0)
   opt.dhidden_dtype = c.head.dhidden_dtype;
   opt.accumulate_weight_grads = c.head.accumulate;
   opt.frozen_weight = c.head.frozen;
+  opt.grad_filter = c.head.grad_filter;
   opt.max_threads = max_threads;
   return opt;
 }
@@ -177,7 +178,7 @@ inline void expect_log_prob_matches_oracle(const LogProbCase& c, const LogProbHo
   const double f16 = bf16 ? 1.0 / 2048.0 : 0.0;
   const std::vector<double> logits = oracle::lm_head_logits(p.oracle.lm);
 
-  std::vector<double> tol_logp(n), dz_err(n);
+  std::vector<double> tol_logp(n), dz_err(n), row_weight(n);
   for (std::int64_t t = 0; t < n; ++t) {
     double zmag = 0.0, xmax = 1.0;
     for (std::int64_t a = 0; a < v; ++a) {
@@ -215,6 +216,7 @@ inline void expect_log_prob_matches_oracle(const LogProbCase& c, const LogProbHo
     const double dp_abs = 3.0 * tol_logp[t] + 4.0 * kEpsF32 + f16;
     const double mean_err = tol_logp[t] * (3.0 + std::log(static_cast<double>(v)));
     dz_err[t] = a * dp_abs + b * (dp_abs * max_centered + max_p * (scale * tol_z + mean_err) + f16);
+    row_weight[t] = a + b;
     // Through a logit softcap / scale the row is the general one of dz_error_bound.
     if (s.config.logit_softcap || s.config.logit_scale != 1.0F) {
       dz_err[t] = dz_error_bound(s.config, a, b, tol_logp[t], 2.0 * xmax, static_cast<double>(v), bf16);
@@ -226,6 +228,7 @@ inline void expect_log_prob_matches_oracle(const LogProbCase& c, const LogProbHo
     EXPECT_NEAR(got.entropy[t], want.entropy[t], tol_logp[t] * (2.0 + std::log(static_cast<double>(v))));
   }
 
+  const FilterSlack filter(c.head, want.dlogits, row_weight, dz_err);
   const double dz_round = bf16 ? 4.0 / 512.0 / std::sqrt(3.0) : 0.0;
   const std::vector<float> dh = to_float(got.dhidden.data(), c.head.dhidden_dtype, static_cast<std::size_t>(n * h));
   const double dh_out = c.head.dhidden_dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
@@ -235,7 +238,7 @@ inline void expect_log_prob_matches_oracle(const LogProbCase& c, const LogProbHo
       for (std::int64_t a = 0; a < v; ++a) {
         const double w = p.oracle.lm.weight[a * h + k];
         const double term = want.dlogits[t * v + a] * w;
-        sys += dz_err[t] * std::abs(w);
+        sys += dz_err[t] * std::abs(w) + filter.term(t, a, w);
         sq += term * term;
         abs_sum += std::abs(term);
       }
@@ -255,7 +258,7 @@ inline void expect_log_prob_matches_oracle(const LogProbCase& c, const LogProbHo
       for (std::int64_t t = 0; t < n; ++t) {
         const double x = p.oracle.lm.hidden[t * h + k];
         const double term = want.dlogits[t * v + a] * x;
-        sys += dz_err[t] * std::abs(x);
+        sys += dz_err[t] * std::abs(x) + filter.term(t, a, x);
         sq += term * term;
         abs_sum += std::abs(term);
       }

@@ -61,6 +61,10 @@ struct LmHeadShape {
   std::int64_t global_vocab = 0;
 };
 
+// LmHeadOptions::grad_filter's automatic threshold: the machine epsilon of the
+// weight's dtype / 32 (2^-12 for bf16, 2^-28 for f32), as Cut Cross-Entropy.
+inline constexpr double kGradFilterAuto = -1.0;
+
 struct LmHeadOptions {
   // 0 = chosen by the plan from the workspace budget; otherwise rows per
   // token block (rounded to the GEMM row quantum) / columns per vocab tile.
@@ -79,6 +83,14 @@ struct LmHeadOptions {
   // (half of the backward's FLOPs) are not run. dhidden is bitwise the one a
   // plan without this option computes.
   bool frozen_weight = false;
+  // The filtered backward (docs/filtered_backward.md): 0 = off, every gradient
+  // exact; kGradFilterAuto; or a threshold eps > 0. Per token block, the
+  // vocabulary columns in which every active row's dlogits entry is below eps
+  // times the row's coefficient in magnitude (|g_tv| < eps (|a_t| + |b_t|) s,
+  // see the page) are left out of dW and dhidden; loss, logp, entropy, KL,
+  // metrics and dbias stay bitwise the unfiltered ones. A block whose kept
+  // columns exceed half the vocabulary runs unfiltered.
+  double grad_filter = 0.0;
   Allocator* allocator = nullptr;  // nullptr = default_allocator()
   // Several processes (grpo/communicator.hpp); none = this process alone.
   // Not offered with accumulate_weight_grads under data parallelism (the
@@ -129,6 +141,11 @@ struct LmHeadStepStats {
   //   dweight_gemm_s   the dW GEMM calls; dhidden_gemm_s the dhidden GEMM calls
   // The rest of the wall time (loss coefficients, gathers, copies, waits at
   // the end of each parallel loop) is the step time minus these / threads.
+  // Under LmHeadOptions::grad_filter: rows x vocab columns of the dhidden /
+  // dW GEMMs the filter left out (2 H FLOPs each), summed over the blocks
+  // (the GEMM rows above times V is what they would run unfiltered). 0 without it.
+  std::int64_t dhidden_skipped_row_columns = 0;
+  std::int64_t dweight_skipped_row_columns = 0;
   double forward_gemm_s = 0.0;
   double forward_stage_s = 0.0;
   double dlogits_s = 0.0;

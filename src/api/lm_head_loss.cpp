@@ -84,6 +84,11 @@ void validate_head_options(const LmHeadShape& shape, const LmHeadOptions& option
   if (options.frozen_weight && options.accumulate_weight_grads) {
     throw Error("options.accumulate_weight_grads", "has no dweight to add into: options.frozen_weight is set");
   }
+  const double f = options.grad_filter;
+  if (!(f >= 0.0 && f < 1.0) && f != kGradFilterAuto) {
+    throw Error("options.grad_filter",
+                "must be 0 (off), kGradFilterAuto or a threshold in (0, 1); got " + std::to_string(f));
+  }
 }
 
 }  // namespace detail

@@ -220,6 +220,14 @@ std::string describe_gemms(const LmHeadPlanData& plan) {
     if (!plan.options.frozen_weight) s += std::string(",dweight:") + plan.dweight.back().full[0]->implementation();
     s += std::string(",dhidden:") + plan.dhidden.back().full->implementation();
   }
+  if (plan.kept_cap > 0) {
+    // grad_filter=2^-12 for a power of two, else the threshold as given.
+    int e = 0;
+    const float m = std::frexp(plan.grad_filter, &e);
+    s += " grad_filter=" + (m == 0.5F ? "2^" + std::to_string(e - 1) : std::to_string(plan.grad_filter)) +
+         " (per token block, the kept vocab columns in groups of " + std::to_string(plan.kept_tile) + ", up to " +
+         std::to_string(plan.kept_cap) + " of " + std::to_string(plan.shape.vocab) + ")";
+  }
   return s;
 }
 

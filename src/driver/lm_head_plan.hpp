@@ -48,6 +48,11 @@ inline constexpr std::int64_t kForwardRows = 160;
 // than sizing the block after the slots) keeps the token block, and so the
 // order of every reduction, independent of the thread count.
 inline constexpr std::size_t kSlotBudgetDivisor = 8;
+// The filtered backward (LmHeadOptions::grad_filter) runs its GEMMs over a
+// block's kept vocabulary columns in groups of this many (the last one
+// zero-padded): dW of one group is a [kKeptTile, H] f32 slot buffer, then
+// added into the kept rows of dW.
+inline constexpr std::int64_t kKeptTile = 256;
 
 // A value with a "full" and a "remainder" variant (last block, last tile, last chunk).
 template <class T>
@@ -121,6 +126,14 @@ struct LmHeadPlanData {
   kernels::Elem store_type = kernels::Elem::f32;  // block buffer before backward
   DType dlogits_dtype = DType::f32;               // block buffer during backward (= GEMM dtype)
   WorkspaceLayout layout;                         // booked by book_workspace (lm_head_schedule.cpp)
+  // The filtered backward (LmHeadOptions::grad_filter; LmHeadStep::backward):
+  // eps (0: off), the kept columns' GEMM group (kKeptTile, or less for a
+  // small vocabulary) and the most kept columns a block may have and still
+  // run filtered (a multiple of kept_tile, <= V: the row stride of the
+  // compacted dlogits, written in place over the block buffer).
+  float grad_filter = 0.0F;
+  std::int64_t kept_tile = 0;
+  std::int64_t kept_cap = 0;
 
   std::unique_ptr<kernels::GemmEngine> engine;
   // Forward logits tile: [forward_rows] x [tile or last tile].
@@ -130,6 +143,12 @@ struct LmHeadPlanData {
   std::vector<FullAndLast<std::array<std::unique_ptr<kernels::Gemm>, 2>>> dweight;
   // dhidden chunk: [chunk kind].
   std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden;
+  // The filtered backward's, indexed alike: dW of a group of kept columns
+  // into a slot's f32 [kept_tile, H] (empty with frozen_weight); dhidden
+  // chunk += kept dlogits [k, kept_tile] x the group's gathered W rows
+  // [kept_tile, chunk] (ld hidden_chunk) [chunk kind].
+  std::vector<std::unique_ptr<kernels::Gemm>> dweight_kept;
+  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden_kept;
   std::size_t max_scratchpad = 0;
   // Bytes of the packed hidden rows: every forward chunk of a block, or the
   // block's active rows for dW, whichever is more (0: the backend packs nothing).

@@ -2,6 +2,7 @@
 // workspace budget, the oneDNN GEMMs for every shape the schedule produces,
 // and the workspace layout.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 
@@ -47,6 +48,44 @@ GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std:
   return g;
 }
 
+// The filtered backward's dW of one group of kept columns: the compacted
+// dlogits' columns [k, kept_tile] (ld kept_cap) transposed x the active
+// hidden rows [k, H] -> f32 [kept_tile, H] (a slot's buffer), for either
+// weight layout (the rows are added into dW's kept rows or columns after).
+GemmSpec dweight_kept_spec(const LmHeadPlanData& p, std::int64_t k) {
+  const LmHeadShape& s = p.shape;
+  GemmSpec g;
+  g.a = {p.dlogits_dtype, p.kept_tile, k, 1, p.kept_cap};
+  g.b = {s.dtype, k, s.hidden, s.hidden_ld, 1};
+  g.c = {DType::f32, p.kept_tile, s.hidden, s.hidden, 1};
+  g.shared = kernels::SharedOperand::b;  // the active hidden rows, for every group
+  return g;
+}
+
+// The filtered backward's dhidden chunk: += compacted dlogits [k, kept_tile]
+// (ld kept_cap) x the group's W rows gathered into [kept_tile, cols] (ld
+// hidden_chunk) -> f32 [k, cols] (ld H).
+GemmSpec dhidden_kept_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
+  const LmHeadShape& s = p.shape;
+  GemmSpec g;
+  g.a = {p.dlogits_dtype, k, p.kept_tile, p.kept_cap, 1};
+  g.b = {s.dtype, p.kept_tile, cols, p.hidden_chunk, 1};
+  g.c = {DType::f32, k, cols, s.hidden, 1};
+  g.accumulate = true;
+  return g;
+}
+
+// The slot's GEMM tile: the forward's logits tile; under the filter also the
+// kept columns' f32 dW buffer and the gathered W rows (never at once).
+std::size_t slot_tile_bytes(const LmHeadPlanData& p) {
+  std::size_t b = static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float);
+  if (p.kept_cap > 0) {
+    b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.shape.hidden) * sizeof(float));
+    b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.hidden_chunk) * size_of(p.shape.dtype));
+  }
+  return b;
+}
+
 std::size_t store_bytes(const LmHeadPlanData& p) { return p.store_type == kernels::Elem::f32 ? 4 : 2; }
 
 // Books every region of the step's workspace. Before the GEMMs exist
@@ -74,7 +113,8 @@ WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) 
   w.book(Region::quantile, 0, needs_all_rows(p.config) ? rows * sizeof(float) : 0);
   w.book(Region::exchange, p.scale_out ? p.scale_out->bytes_per_row() : 0,
          p.scale_out ? p.scale_out->fixed_bytes() : 0);
-  w.book_slot(static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float), p.max_scratchpad);
+  w.book(Region::kept_columns, 0, p.kept_cap > 0 ? KeptColumns::bytes(s.vocab, p.tiles) : 0);
+  w.book_slot(slot_tile_bytes(p), p.max_scratchpad);
   return w;
 }
 
@@ -99,6 +139,8 @@ void create_gemms(LmHeadPlanData& p) {
       static_cast<std::size_t>(p.block_rows_alloc / p.forward_rows) * p.forward.full->shared_packed_bytes();
   p.dweight.clear();
   p.dhidden.clear();
+  p.dweight_kept.clear();
+  p.dhidden_kept.clear();
   if (!p.options.forward_only) {
     const std::int64_t last_chunk = s.hidden - (p.hidden_chunks - 1) * p.hidden_chunk;
     const std::int64_t chunk = std::min(p.hidden_chunk, s.hidden);
@@ -112,6 +154,14 @@ void create_gemms(LmHeadPlanData& p) {
       auto& dh = p.dhidden.emplace_back();
       dh.full = make(dhidden_spec(s, p.dlogits_dtype, k, chunk));
       dh.last = make(dhidden_spec(s, p.dlogits_dtype, k, last_chunk));
+      if (p.kept_cap == 0) continue;
+      if (!p.options.frozen_weight) {
+        p.dweight_kept.push_back(make(dweight_kept_spec(p, k)));
+        packed = std::max(packed, p.dweight_kept.back()->shared_packed_bytes());
+      }
+      auto& dhk = p.dhidden_kept.emplace_back();
+      dhk.full = make(dhidden_kept_spec(p, k, chunk));
+      dhk.last = make(dhidden_kept_spec(p, k, last_chunk));
     }
   }
   p.max_scratchpad = scratch;
@@ -184,6 +234,17 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->dlogits_dtype = shape.dtype;
   p->engine = std::make_unique<kernels::GemmEngine>();
   p->entropy_bonus = config.entropy_coef != 0.0F;
+  if (options.grad_filter != 0.0 && !options.forward_only) {
+    // auto: eps(weight dtype) / 32: 2^-7 / 32 for bf16, 2^-23 / 32 for f32.
+    p->grad_filter = options.grad_filter == kGradFilterAuto
+                         ? std::ldexp(1.0F, shape.dtype == DType::bf16 ? -12 : -28)
+                         : static_cast<float>(options.grad_filter);
+    // A block runs filtered while its kept columns fit in half of V, in
+    // groups of kKeptTile columns (fewer, a multiple of kRowQuantum, for a
+    // small vocabulary; one under 2 kRowQuantum columns is never filtered).
+    p->kept_tile = std::min(kKeptTile, shape.vocab / 2 / kRowQuantum * kRowQuantum);
+    if (p->kept_tile > 0) p->kept_cap = shape.vocab / 2 / p->kept_tile * p->kept_tile;
+  }
 
   // The schedule is a function of the shape, the options and the budget: the
   // thread count only decides how many slots run at once (see kSlotBudgetDivisor).

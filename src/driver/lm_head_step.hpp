@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 
 #include "driver/lm_head_plan.hpp"
@@ -84,7 +85,7 @@ struct LmHeadStep {
         dl_size(size_of(plan.dlogits_dtype)),
         act_row_bytes(static_cast<std::size_t>(plan.shape.hidden_ld) * in_size),
         vocab_major(plan.shape.layout == WeightLayout::vocab_major),
-        ws(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus),
+        ws(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus, plan.shape.vocab, plan.tiles),
         exchange(call_exchange) {}
 
   float* slot_tile(int slot) const { return reinterpret_cast<float*>(ws.slots + slot * p.layout.slot_bytes); }
@@ -188,6 +189,11 @@ struct LmHeadStep {
   //   b_r = entropy_coef[r] (dL/dEnt), r the block row.
   // The statistics and stored logits of active row i sit at row active[i]
   // (the fused forward's block) or, when compacted, at row i (forward_gathered).
+  // Without the filter each vocab tile's task writes its dlogits and runs its
+  // dW GEMM while they are in cache; with it (LmHeadOptions::grad_filter) the
+  // tiles first write dlogits and mark the kept columns, then the block runs
+  // either the same dW GEMMs (kept columns past kept_cap: bitwise the
+  // unfiltered block) or backward_kept().
   void backward(std::int64_t b0, std::int64_t nb, std::int64_t na, bool compacted, const float* logp_coef,
                 const float* entropy_coef, bool* dweight_written) {
     const std::int64_t hidden = p.shape.hidden;
@@ -199,44 +205,29 @@ struct LmHeadStep {
     }
     const std::int64_t padded = (na + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
     const bool dweight = !p.options.frozen_weight;
+    const bool filter = p.kept_cap > 0;
     stats.dhidden_gemm_rows += padded;
     stats.active_rows += na;
     if (dweight) stats.dweight_gemm_rows += padded;
-    {  // what this block's backward moves (LmHeadStepStats::schedule_bytes)
-      const double dl_bytes = static_cast<double>(padded) * static_cast<double>(vocab) * static_cast<double>(dl_size);
-      const double w_bytes = static_cast<double>(vocab) * static_cast<double>(hidden) * static_cast<double>(in_size);
-      stats.schedule_bytes += static_cast<double>(padded) * static_cast<double>(vocab) * store_size + dl_bytes;
-      stats.schedule_bytes += w_bytes + static_cast<double>(p.hidden_chunks) * dl_bytes;
-      if (dweight) {
-        const double dw = static_cast<double>(vocab) * static_cast<double>(hidden) *
-                          static_cast<double>(size_of(p.options.dweight_dtype));
-        stats.schedule_bytes += dl_bytes + dw * (*dweight_written ? 2.0 : 1.0);
-      }
-    }
     const int accumulate = *dweight_written ? 1 : 0;
     const kernels::Elem dl_type = elem_of(p.dlogits_dtype);
     const std::size_t dw_size = size_of(p.options.dweight_dtype);
     const DweightTile dw_tile{p.shape};
     float* dbias = out.dbias.empty() ? nullptr : out.dbias.data();
-    // The active hidden rows packed once for every vocab tile's dW GEMM (all
-    // of this block's dW GEMMs pack them alike: only the dlogits side differs).
-    const void* packed_act = nullptr;
-    if (dweight) {
-      const kernels::Gemm& any = *p.dweight[padded / kRowQuantum - 1].full[0];
-      if (any.shared_packed_bytes() > 0) {
-        any.pack_shared(ws.hidden_act.data(), ws.packed_hidden.data());
-        packed_act = ws.packed_hidden.data();
-      }
-    }
     // The call's gradient scale (LmHeadInputs::grad_scale) rides on the row coefficients.
     const auto call_scale = static_cast<float>(in.grad_scale);
     const float logp_scale = transform.grad_scale * call_scale;
     const float entropy_scale = transform.entropy_grad_scale * call_scale;
+    // The filter's bound on a row's |g_v| / eps: |a| + |b|, times s under a softcap (|dz'/dz| <= s).
+    const float chain = transform.capped() ? transform.softcap_scale : 1.0F;
 
-    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
+    // The tile's dlogits rows (+ dbias), and under the filter its kept columns.
+    const auto tile_dlogits = [&](std::int64_t j) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
       dlogits_clock.time([&] {
+        std::uint8_t* mark = filter ? ws.kept.mark.data() + c0 : nullptr;
+        if (filter) std::memset(mark, 0, static_cast<std::size_t>(cols));
         for (std::int64_t i = 0; i < na; ++i) {
           const std::int64_t r = ws.rows.active[i];
           const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
@@ -249,30 +240,104 @@ struct LmHeadStep {
             u = {u.a, entropy_coef[r] * entropy_scale, ws.rows.lse[s] - ws.rows.entropy[s], true};
           }
           // Row i <= s: the compacted output never overwrites a stored row not yet read.
+          std::byte* g = block_at(i, c0, dl_size);
           dlogits_row(k, transform, block_at(s, c0, store_size), p.store_type, cols, 1.0F,
-                      ws.tile_stats[s * p.tiles + j].max, ws.rows.lse[s], u, tgt, block_at(i, c0, dl_size), dl_type,
+                      ws.tile_stats[s * p.tiles + j].max, ws.rows.lse[s], u, tgt, g, dl_type,
                       dbias != nullptr ? dbias + c0 : nullptr);
+          if (filter) k.mark_kept(g, dl_type, cols, p.grad_filter * (std::fabs(u.a) + std::fabs(u.b)) * chain, mark);
         }
         for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
+        if (!filter) return;
+        std::int32_t* kept = ws.kept.column.data() + c0;
+        std::int64_t n = 0;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          if (mark[c] != 0) kept[n++] = static_cast<std::int32_t>(c0 + c);
+        }
+        ws.kept.count[j] = n;
       });
-      if (!dweight) return;  // frozen weight: the tile's dlogits feed dhidden alone
+    };
+    // The active hidden rows packed once for every dW GEMM of the block (all
+    // of them pack the rows alike: only the dlogits side differs).
+    const auto pack_active = [&](const kernels::Gemm& any) -> const void* {
+      if (any.shared_packed_bytes() == 0) return nullptr;
+      any.pack_shared(ws.hidden_act.data(), ws.packed_hidden.data());
+      return ws.packed_hidden.data();
+    };
+    const void* packed_act = nullptr;
+    // The tile's dW GEMM (dense: every column of the tile).
+    const auto tile_dweight = [&](std::int64_t j, int slot) {
+      const std::int64_t c0 = j * vt;
       const kernels::Gemm& gemm = *p.dweight[padded / kRowQuantum - 1].pick(j == p.tiles - 1)[accumulate];
       auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * dw_size;
       const std::array<const void*, 2> ab = dw_tile.operands(block_at(0, c0, dl_size), ws.hidden_act.data());
       dweight_clock.time(
           [&] { bindings.at(gemm, slot).run(ab[0], ab[1], dw, nullptr, slot_scratch(slot), packed_act); });
-    });
-    *dweight_written = dweight;
+    };
 
-    const auto& dhidden_gemms = p.dhidden[padded / kRowQuantum - 1];
-    for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
-      const std::int64_t h0 = chunk * p.hidden_chunk;
-      const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
-      dhidden_clock.time([&] {
-        bindings.at(gemm, slot)
-            .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
+    std::int64_t kept_total = vocab;  // columns the backward GEMMs run over
+    bool kept_path = false;           // the filtered GEMMs (backward_kept)
+    if (!filter) {
+      if (dweight) packed_act = pack_active(*p.dweight[padded / kRowQuantum - 1].full[0]);
+      for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
+        tile_dlogits(j);
+        if (dweight) tile_dweight(j, slot);  // frozen weight: the tile's dlogits feed dhidden alone
       });
-    });
+    } else {
+      for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) { tile_dlogits(j); });
+      // Every tile's kept columns, in column order, from kept.column[0].
+      kept_total = 0;
+      for (std::int64_t j = 0; j < p.tiles; ++j) {
+        const std::int64_t n = ws.kept.count[j];
+        std::memmove(ws.kept.column.data() + kept_total, ws.kept.column.data() + j * vt, n * sizeof(std::int32_t));
+        kept_total += n;
+      }
+      kept_path = kept_total <= p.kept_cap && kept_total < vocab;
+      if (!kept_path) {  // too many to pay: the unfiltered block, bitwise
+        kept_total = vocab;
+        if (dweight) {
+          packed_act = pack_active(*p.dweight[padded / kRowQuantum - 1].full[0]);
+          for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) { tile_dweight(j, slot); });
+        }
+      }
+    }
+    {  // what this block's backward moves (LmHeadStepStats::schedule_bytes)
+      const std::int64_t run = kept_path ? kept_groups(kept_total) * p.kept_tile : vocab;  // GEMM columns
+      const auto cols = static_cast<double>(run);
+      const double dl_bytes = static_cast<double>(padded) * cols * static_cast<double>(dl_size);
+      const double w_bytes = cols * static_cast<double>(hidden) * static_cast<double>(in_size);
+      // The stored logits read and the dlogits written (and under the filter
+      // the kept ones moved into the compact matrix).
+      stats.schedule_bytes +=
+          static_cast<double>(padded) * static_cast<double>(vocab) * (store_size + static_cast<double>(dl_size)) +
+          (kept_path ? 2.0 * dl_bytes : 0.0);
+      stats.schedule_bytes += w_bytes + static_cast<double>(p.hidden_chunks) * dl_bytes;
+      const double row_columns = static_cast<double>(padded) * static_cast<double>(vocab - run);
+      stats.dhidden_skipped_row_columns += static_cast<std::int64_t>(row_columns);
+      if (dweight) {
+        stats.dweight_skipped_row_columns += static_cast<std::int64_t>(row_columns);
+        const double dw_all = static_cast<double>(vocab) * static_cast<double>(hidden) * static_cast<double>(dw_size);
+        const double dw_kept = cols * static_cast<double>(hidden) * static_cast<double>(dw_size);
+        // Unfiltered: dW written (and read when accumulating). Filtered: the
+        // kept rows read and written, after a zero fill of all of dW when
+        // nothing is there yet.
+        stats.schedule_bytes += dl_bytes + (kept_path ? 2.0 * dw_kept + (*dweight_written ? 0.0 : dw_all)
+                                                      : dw_all * (*dweight_written ? 2.0 : 1.0));
+      }
+    }
+    if (kept_path) {
+      backward_kept(padded, kept_total, dweight, dweight_written);
+    } else {
+      const auto& dhidden_gemms = p.dhidden[padded / kRowQuantum - 1];
+      for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
+        const std::int64_t h0 = chunk * p.hidden_chunk;
+        const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
+        dhidden_clock.time([&] {
+          bindings.at(gemm, slot)
+              .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
+        });
+      });
+    }
+    *dweight_written = *dweight_written || dweight;
     exchange.sum_dhidden(ws.dhidden_act.data(), na * hidden);
 
     std::int64_t i = 0;
@@ -303,6 +368,123 @@ struct LmHeadStep {
   }
 
  private:
+  std::int64_t kept_groups(std::int64_t kept) const { return (kept + p.kept_tile - 1) / p.kept_tile; }
+
+  // The filtered backward of a block whose kept columns (kept.column[0,
+  // kept)) fit in kept_cap: the block buffer's dlogits [padded, V] compacted in
+  // place to [padded, kept_cap] (the kept columns, then zeros up to a whole
+  // group), dW of each group of kept_tile columns into a slot buffer added
+  // into dW's kept rows, and dhidden from the groups against their gathered
+  // W rows, in group order.
+  void backward_kept(std::int64_t padded, std::int64_t kept, bool dweight, const bool* dweight_written) {
+    const std::int64_t hidden = p.shape.hidden;
+    const std::int64_t vocab = p.shape.vocab;
+    const std::int64_t cap = p.kept_cap;
+    const std::int64_t groups = kept_groups(kept);
+    const std::int32_t* column = ws.kept.column.data();
+    const std::size_t esz = dl_size;
+    std::byte* dl = ws.block.data();
+    dlogits_clock.time([&] {
+      // Element (i, c) moves from i V + column[c] to i cap + c: never past where
+      // it came from, never onto an element not yet moved (cap <= V, columns ascending).
+      for (std::int64_t i = 0; i < padded; ++i) {
+        std::byte* to = dl + static_cast<std::size_t>(i * cap) * esz;
+        const std::byte* from = dl + static_cast<std::size_t>(i * vocab) * esz;
+        if (esz == 2) {
+          auto* t = reinterpret_cast<std::uint16_t*>(to);
+          const auto* f = reinterpret_cast<const std::uint16_t*>(from);
+          for (std::int64_t c = 0; c < kept; ++c) t[c] = f[column[c]];
+        } else {
+          auto* t = reinterpret_cast<float*>(to);
+          const auto* f = reinterpret_cast<const float*>(from);
+          for (std::int64_t c = 0; c < kept; ++c) t[c] = f[column[c]];
+        }
+        std::memset(to + static_cast<std::size_t>(kept) * esz, 0,
+                    static_cast<std::size_t>(groups * p.kept_tile - kept) * esz);
+      }
+    });
+    const auto group_dlogits = [&](std::int64_t g) { return dl + static_cast<std::size_t>(g * p.kept_tile) * esz; };
+
+    if (dweight) {
+      const kernels::Elem dw_type = elem_of(p.options.dweight_dtype);
+      const std::size_t dw_size = size_of(p.options.dweight_dtype);
+      auto* dw = static_cast<std::byte*>(out.dweight.data);
+      if (!*dweight_written) {  // overwrite mode, first block: the columns left out get zeros
+        for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) {
+          const std::int64_t c0 = j * p.schedule.vocab_tile;
+          const std::int64_t cols = std::min(p.schedule.vocab_tile, vocab - c0);
+          if (vocab_major) {
+            for (std::int64_t v = c0; v < c0 + cols; ++v) {
+              std::memset(dw + static_cast<std::size_t>(v * p.shape.dweight_ld) * dw_size, 0,
+                          static_cast<std::size_t>(hidden) * dw_size);
+            }
+          } else {
+            for (std::int64_t h = 0; h < hidden; ++h) {
+              std::memset(dw + static_cast<std::size_t>(h * p.shape.dweight_ld + c0) * dw_size, 0,
+                          static_cast<std::size_t>(cols) * dw_size);
+            }
+          }
+        });
+      }
+      const kernels::Gemm& gemm = *p.dweight_kept[padded / kRowQuantum - 1];
+      const void* packed = nullptr;
+      if (gemm.shared_packed_bytes() > 0) {
+        gemm.pack_shared(ws.hidden_act.data(), ws.packed_hidden.data());
+        packed = ws.packed_hidden.data();
+      }
+      for_each_item(groups, p.schedule.slots, [&](std::int64_t g, int slot) {
+        float* rows = slot_tile(slot);  // [kept_tile, H]
+        dweight_clock.time([&] {
+          bindings.at(gemm, slot).run(group_dlogits(g), ws.hidden_act.data(), rows, nullptr, slot_scratch(slot), packed);
+          const std::int64_t n = std::min(p.kept_tile, kept - g * p.kept_tile);
+          for (std::int64_t c = 0; c < n; ++c) {
+            const std::int64_t v = column[g * p.kept_tile + c];
+            const float* src = rows + c * hidden;
+            if (vocab_major) {
+              k.add_row(src, dw + static_cast<std::size_t>(v * p.shape.dweight_ld) * dw_size, dw_type, hidden);
+              continue;
+            }
+            for (std::int64_t h = 0; h < hidden; ++h) {
+              k.add_row(src + h, dw + static_cast<std::size_t>(h * p.shape.dweight_ld + v) * dw_size, dw_type, 1);
+            }
+          }
+        });
+      });
+    }
+
+    std::memset(ws.dhidden_act.data(), 0, static_cast<std::size_t>(padded * hidden) * sizeof(float));
+    const auto& gemms = p.dhidden_kept[padded / kRowQuantum - 1];
+    for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
+      const std::int64_t h0 = chunk * p.hidden_chunk;
+      const std::int64_t cols = std::min(p.hidden_chunk, hidden - h0);
+      const kernels::Gemm& gemm = *gemms.pick(chunk == p.hidden_chunks - 1);
+      auto* w_rows = reinterpret_cast<std::byte*>(slot_tile(slot));  // [kept_tile, hidden_chunk], input dtype
+      const std::size_t row_bytes = static_cast<std::size_t>(p.hidden_chunk) * in_size;
+      dhidden_clock.time([&] {
+        for (std::int64_t g = 0; g < groups; ++g) {
+          for (std::int64_t c = 0; c < p.kept_tile; ++c) {
+            std::byte* to = w_rows + static_cast<std::size_t>(c) * row_bytes;
+            const std::int64_t at = g * p.kept_tile + c;
+            if (at >= kept) {
+              std::memset(to, 0, static_cast<std::size_t>(cols) * in_size);
+            } else if (vocab_major) {
+              std::memcpy(to, weight_at_vocab(column[at]) + static_cast<std::size_t>(h0) * in_size,
+                          static_cast<std::size_t>(cols) * in_size);
+            } else {
+              const std::byte* from = weight_at_vocab(column[at]);
+              for (std::int64_t h = 0; h < cols; ++h) {
+                std::memcpy(to + static_cast<std::size_t>(h) * in_size,
+                            from + static_cast<std::size_t>((h0 + h) * p.shape.weight_ld) * in_size, in_size);
+              }
+            }
+          }
+          bindings.at(gemm, slot)
+              .run(group_dlogits(g), w_rows, ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
+        }
+      });
+    });
+  }
+
   // The forward of nb rows: chunk_source(c) is the GEMM's A operand for rows
   // [c * forward_rows, (c + 1) * forward_rows) (forward_rows rows of stride
   // hidden_ld), row_of(r) the batch row of block row r.

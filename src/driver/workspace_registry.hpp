@@ -36,6 +36,7 @@ enum class Region : std::uint8_t {
   entropy_coef,   // [block rows] dLoss/dEnt (entropy bonus only)
   quantile,       // [N] floats: the top-entropy quantile's scratch (only when it is used)
   exchange,       // the exchanges of a plan over several processes (ScaleOutPlan)
+  kept_columns,   // the filtered backward's: KeptColumns
   count,          // the number of regions
 };
 inline constexpr std::size_t kRegionCount = static_cast<std::size_t>(Region::count);
@@ -59,6 +60,19 @@ struct BatchArrays {
   static std::size_t arrays(bool entropy_bonus) { return entropy_bonus ? 5 : 4; }
   std::span<float> coef, entropy, logp, kl;
   std::span<float> entropy_coef;  // empty without an entropy bonus
+};
+
+// The filtered backward's per-block bookkeeping (LmHeadOptions::grad_filter):
+// a mark per vocab column, the kept columns (each tile's at its first column,
+// then all of them from 0), and each tile's count.
+struct KeptColumns {
+  static std::size_t bytes(std::int64_t vocab, std::int64_t tiles) {
+    return static_cast<std::size_t>(vocab) * (sizeof(std::uint8_t) + sizeof(std::int32_t)) +
+           static_cast<std::size_t>(tiles) * sizeof(std::int64_t);
+  }
+  std::span<std::int64_t> count;  // [tiles]
+  std::span<std::int32_t> column;
+  std::span<std::uint8_t> mark;
 };
 
 struct WorkspaceLayout {
@@ -139,11 +153,12 @@ struct StepRegions {
   std::span<float> entropy_coef;
   std::span<float> quantile;
   std::span<std::byte> exchange;
+  KeptColumns kept;
   std::byte* slots = nullptr;
 
-  // block_rows: rows per block (block_rows_alloc); batch_rows: N.
+  // block_rows: rows per block (block_rows_alloc); batch_rows: N; vocab, tiles: the kept columns' (when booked).
   StepRegions(std::byte* ws, const WorkspaceLayout& l, std::int64_t block_rows, std::int64_t batch_rows,
-              bool entropy_bonus) {
+              bool entropy_bonus, std::int64_t vocab, std::int64_t tiles) {
     const auto bytes = [&](Region r) {
       return std::span<std::byte>(ws + l.at(r), l.bytes[static_cast<std::size_t>(r)]);
     };
@@ -177,6 +192,14 @@ struct StepRegions {
     entropy_coef = floats(Region::entropy_coef);
     quantile = floats(Region::quantile);
     exchange = bytes(Region::exchange);
+    if (l.bytes[static_cast<std::size_t>(Region::kept_columns)] > 0) {
+      std::byte* at = ws + l.at(Region::kept_columns);
+      kept.count = {reinterpret_cast<std::int64_t*>(at), static_cast<std::size_t>(tiles)};
+      at += static_cast<std::size_t>(tiles) * sizeof(std::int64_t);
+      kept.column = {reinterpret_cast<std::int32_t*>(at), static_cast<std::size_t>(vocab)};
+      at += static_cast<std::size_t>(vocab) * sizeof(std::int32_t);
+      kept.mark = {reinterpret_cast<std::uint8_t*>(at), static_cast<std::size_t>(vocab)};
+    }
     slots = ws + l.slots;
   }
 };

@@ -80,6 +80,13 @@ struct StageKernels {
                               float a, float b, float mean, float cap_k, float cap_s, std::int64_t target, void* out,
                               Elem out_type, float* dbias);
 
+  // The filtered backward's column marks over one dlogits row g (f32 or
+  // bf16): kept[v] = 1 where |g_v| >= threshold; other marks are left as they are.
+  void (*mark_kept)(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept);
+  // out_v = out_v + in_v over a row, out f32 or bf16 (the sum rounded to
+  // nearest even): a dW row the filtered backward adds into.
+  void (*add_row)(const float* in, void* out, Elem out_type, std::int64_t n);
+
   // True when every element is finite (no NaN, no +-inf).
   bool (*all_finite)(const void* data, Elem type, std::int64_t n);
   // True when no element is NaN or +inf (-inf allowed: banned tokens in a bias).

@@ -467,6 +467,46 @@ float max_abs_avx512(const void* data, Elem type, std::int64_t n) {
   return std::numeric_limits<float>::infinity();
 }
 
+template <Elem T>
+void mark_kept_of(const void* g, std::int64_t n, float threshold, std::uint8_t* kept) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 t = _mm512_set1_ps(threshold);
+  const __m128i one = _mm_set1_epi8(1);
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const __mmask16 m = _mm512_cmp_ps_mask(_mm512_and_ps(load<T>(g, i), magnitude), t, _CMP_GE_OQ);
+    if (m != 0) _mm_mask_storeu_epi8(kept + i, m, one);
+  }
+  if (i < n) {
+    const __mmask16 m = _mm512_mask_cmp_ps_mask(tail_mask(n - i), _mm512_and_ps(load_tail<T>(g, i, n - i, 0.0F), magnitude),
+                                                t, _CMP_GE_OQ);
+    if (m != 0) _mm_mask_storeu_epi8(kept + i, m, one);
+  }
+}
+
+void mark_kept_avx512(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept) {
+  if (type == Elem::f32) {
+    mark_kept_of<Elem::f32>(g, n, threshold, kept);
+  } else {
+    mark_kept_of<Elem::bf16>(g, n, threshold, kept);
+  }
+}
+
+template <Elem T>
+void add_row_of(const float* in, void* out, std::int64_t n) {
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store<T>(out, i, load<T>(out, i) + load<Elem::f32>(in, i));
+  if (i < n) store_tail<T>(out, i, n - i, load_tail<T>(out, i, n - i, 0.0F) + load_tail<Elem::f32>(in, i, n - i, 0.0F));
+}
+
+void add_row_avx512(const float* in, void* out, Elem out_type, std::int64_t n) {
+  if (out_type == Elem::f32) {
+    add_row_of<Elem::f32>(in, out, n);
+  } else {
+    add_row_of<Elem::bf16>(in, out, n);
+  }
+}
+
 void f32_to_bf16_avx512(const float* in, std::uint16_t* out, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store<Elem::bf16>(out, i, load<Elem::f32>(in, i));
@@ -492,6 +532,8 @@ const StageKernels& avx512_table() {
                                   dlogits_entropy_row_avx512,
                                   softcap_avx512,
                                   dlogits_softcap_row_avx512,
+                                  mark_kept_avx512,
+                                  add_row_avx512,
                                   all_finite_avx512,
                                   no_nan_or_pos_inf_avx512,
                                   max_abs_avx512,

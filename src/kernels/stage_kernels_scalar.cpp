@@ -225,6 +225,24 @@ void bf16_to_f32_scalar(const std::uint16_t* in, float* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
 }
 
+void mark_kept_scalar(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float x = type == Elem::f32 ? static_cast<const float*>(g)[i]
+                                      : bf16_to_float(static_cast<const std::uint16_t*>(g)[i]);
+    if (std::fabs(x) >= threshold) kept[i] = 1;
+  }
+}
+
+void add_row_scalar(const float* in, void* out, Elem out_type, std::int64_t n) {
+  if (out_type == Elem::f32) {
+    auto* o = static_cast<float*>(out);
+    for (std::int64_t i = 0; i < n; ++i) o[i] += in[i];
+    return;
+  }
+  auto* o = static_cast<std::uint16_t*>(out);
+  for (std::int64_t i = 0; i < n; ++i) o[i] = float_to_bf16(bf16_to_float(o[i]) + in[i]);
+}
+
 }  // namespace
 
 float bf16_to_float(std::uint16_t v) {
@@ -256,6 +274,8 @@ const StageKernels& scalar_table() {
                                   dlogits_entropy_row_scalar,
                                   softcap_scalar,
                                   dlogits_softcap_row_scalar,
+                                  mark_kept_scalar,
+                                  add_row_scalar,
                                   all_finite_scalar,
                                   no_nan_or_pos_inf_scalar,
                                   max_abs_scalar,

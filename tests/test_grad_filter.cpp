@@ -1,0 +1,210 @@
+// The filtered backward (LmHeadOptions::grad_filter, docs/filtered_backward.md):
+// - on, both heads: dW, dhidden within the derived bound against the double
+//   oracle at tile-edge shapes, f32 and bf16, both layouts (the exact path's
+//   bound plus, per entry the rule may leave out, that entry's term), and
+//   the skip counters show that it did skip;
+// - on: loss, logp, entropy, KL, metrics and dbias bitwise the unfiltered
+//   step's (only dW and dhidden change);
+// - a threshold below every entry skips nothing and is bitwise the exact step;
+// - bitwise deterministic across thread counts; refusals; describe().
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "lm_head_oracle_check.hpp"
+#include "log_prob_head_support.hpp"
+
+namespace grpo::test {
+namespace {
+
+// Peaked rows (logits of std 16: a few columns per row above 2^-12), vocabularies from
+// under one 64-column tile to several, blocks of 32 rows.
+std::vector<HeadCase> filter_cases() {
+  // (B, T, V, H): rows around the 32-row block, vocabularies around the
+  // 64-column tile and wide enough that a block's kept columns can be fewer
+  // than all of them.
+  const std::int64_t shapes[][4] = {{1, 7, 127, 24},  {1, 31, 256, 16},  {2, 16, 321, 40}, {3, 11, 193, 8},
+                                    {1, 65, 170, 20}, {5, 7, 129, 300}, {2, 20, 100, 33}, {1, 40, 257, 16}};
+  const LossType types[] = {LossType::grpo, LossType::dapo, LossType::cispo, LossType::bnpo};
+  std::vector<HeadCase> cases;
+  for (int i = 0; i < 16; ++i) {
+    HeadCase c;
+    const auto& sh = shapes[i % std::size(shapes)];
+    c.spec.batch = sh[0];
+    c.spec.seq_len = sh[1];
+    c.spec.vocab = sh[2];
+    c.hidden = sh[3];
+    c.spec.config = config_for(types[i % std::size(types)]);
+    c.spec.config.beta = i % 3 == 1 ? 0.04F : 0.0F;
+    c.spec.config.temperature = i % 4 == 3 ? 0.8F : 1.0F;
+    c.spec.logit_scale = 16.0;
+    c.spec.per_token_advantages = i % 5 == 4;
+    c.spec.seed = 9100 + i;
+    c.dtype = i % 2 == 0 ? DType::bf16 : DType::f32;
+    c.layout = (i / 2) % 2 == 0 ? WeightLayout::vocab_major : WeightLayout::hidden_major;
+    c.bias = i % 3 == 0;
+    c.accumulate = i % 4 == 2;
+    c.dhidden_dtype = i % 7 == 5 ? DType::bf16 : DType::f32;
+    c.dweight_dtype = c.dtype == DType::bf16 && !c.accumulate && i % 4 == 0 ? DType::bf16 : DType::f32;
+    // auto (2^-12 for bf16; 2^-28 for f32 skips little at these shapes) or a coarser threshold.
+    c.grad_filter = c.dtype == DType::bf16 && i % 4 == 0 ? kGradFilterAuto : 1e-3;
+    cases.push_back(c);
+  }
+  // An entropy bonus and a softcap: their terms enter dz and the rule's w_t.
+  for (int i = 0; i < 2; ++i) {
+    HeadCase c = cases[i];
+    c.spec.seed = 9200 + i;
+    if (i == 0) c.spec.config.entropy_coef = 0.01F;
+    if (i == 1) {
+      c.spec.config.logit_softcap = 80.0F;
+      c.spec.config.logit_scale = 1.5F;
+    }
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+void expect_bitwise(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what;
+}
+
+void expect_same_metrics(const Metrics& a, const Metrics& b) {
+  EXPECT_EQ(std::memcmp(&a, &b, sizeof(Metrics)), 0);
+}
+
+class FilteredHead : public ::testing::TestWithParam<HeadCase> {};
+
+TEST_P(FilteredHead, WithinTheDerivedBoundAndExactElsewhere) {
+  const HeadCase& c = GetParam();
+  const HeadProblem p = make_head_problem(c);
+  const HeadOutputs got = run_head(c, p);
+  expect_head_matches_oracle(c, p, got);
+  // Only dW and dhidden change.
+  HeadCase exact_case = c;
+  exact_case.grad_filter = 0.0;
+  const HeadOutputs exact = run_head(exact_case, p);
+  expect_bitwise(got.logp, exact.logp, "logp");
+  expect_bitwise(got.entropy, exact.entropy, "entropy");
+  expect_bitwise(got.kl, exact.kl, "kl");
+  expect_bitwise(got.dbias, exact.dbias, "dbias");
+  expect_same_metrics(got.metrics, exact.metrics);
+  EXPECT_EQ(exact.stats.dhidden_skipped_row_columns, 0);
+  // These rows are peaked: every block leaves columns out.
+  EXPECT_GT(got.stats.dhidden_skipped_row_columns, 0) << got.schedule;
+  EXPECT_EQ(got.stats.dweight_skipped_row_columns, got.stats.dhidden_skipped_row_columns);
+  EXPECT_NE(got.schedule.find("grad_filter="), std::string::npos) << got.schedule;
+  // Bitwise the same on 1 and 2 threads.
+  const HeadOutputs one = run_head(c, p, 1);
+  EXPECT_EQ(one.dhidden, got.dhidden);
+  EXPECT_EQ(one.dweight, got.dweight);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fused, FilteredHead, ::testing::ValuesIn(filter_cases()));
+
+// A frozen head keeps the same columns (the rule reads dlogits alone): its
+// dhidden is bitwise the filtered step's with dW, and no dW GEMM ran.
+TEST(GradFilter, FrozenWeightFiltersDhiddenAlike) {
+  for (HeadCase c : filter_cases()) {
+    c.accumulate = false;
+    SCOPED_TRACE(case_name(c));
+    const HeadProblem p = make_head_problem(c, /*with_oracle=*/false);
+    const HeadOutputs with_dw = run_head(c, p);
+    c.frozen = true;
+    const HeadOutputs frozen = run_head(c, p);
+    EXPECT_EQ(frozen.dhidden, with_dw.dhidden);
+    EXPECT_EQ(frozen.stats.dhidden_skipped_row_columns, with_dw.stats.dhidden_skipped_row_columns);
+    EXPECT_EQ(frozen.stats.dweight_skipped_row_columns, 0);
+  }
+}
+
+// A threshold below every entry keeps every column: no block runs filtered,
+// and the step is bitwise the unfiltered one.
+TEST(GradFilter, NothingSkippableSkipsNothing) {
+  for (HeadCase c : filter_cases()) {
+    if (c.spec.config.logit_softcap) continue;  // tanh saturates: entries can be exactly 0
+    c.spec.logit_scale = 1.0;                   // flat rows: no p under 1e-30
+    c.grad_filter = 1e-30;
+    c.accumulate = false;  // make_head_problem's forward-only probe (no oracle) runs without dweight_init
+    SCOPED_TRACE(case_name(c));
+    const HeadProblem p = make_head_problem(c, /*with_oracle=*/false);
+    const HeadOutputs got = run_head(c, p);
+    HeadCase exact_case = c;
+    exact_case.grad_filter = 0.0;
+    const HeadOutputs exact = run_head(exact_case, p);
+    EXPECT_EQ(got.stats.dhidden_skipped_row_columns, 0);
+    EXPECT_EQ(got.stats.dweight_skipped_row_columns, 0);
+    EXPECT_EQ(got.dhidden, exact.dhidden);
+    EXPECT_EQ(got.dweight, exact.dweight);
+    expect_bitwise(got.logp, exact.logp, "logp");
+  }
+}
+
+class FilteredLogProbHead : public ::testing::TestWithParam<LogProbCase> {};
+
+TEST_P(FilteredLogProbHead, WithinTheDerivedBoundAndExactElsewhere) {
+  const LogProbCase& c = GetParam();
+  const LogProbHostProblem p = make_log_prob_problem(c);
+  const LogProbRun got = run_log_prob(c, p);
+  expect_log_prob_matches_oracle(c, p, got);
+  LogProbCase exact_case = c;
+  exact_case.head.grad_filter = 0.0;
+  const LogProbRun exact = run_log_prob(exact_case, p);
+  expect_bitwise(got.logp, exact.logp, "logp");
+  expect_bitwise(got.entropy, exact.entropy, "entropy");
+  expect_bitwise(got.dbias, exact.dbias, "dbias");
+  EXPECT_GT(got.backward_stats.dhidden_skipped_row_columns, 0) << got.schedule;
+  EXPECT_NE(got.schedule.find("grad_filter="), std::string::npos) << got.schedule;
+}
+
+std::vector<LogProbCase> log_prob_filter_cases() {
+  std::vector<LogProbCase> cases;
+  int i = 0;
+  for (const HeadCase& h : filter_cases()) {
+    if (i++ % 2 != 0 || h.spec.config.logit_softcap) continue;
+    LogProbCase c;
+    c.head = h;
+    c.head.spec.config = LossConfig{};
+    c.head.spec.config.temperature = h.spec.config.temperature;
+    c.entropy_upstream = i % 4 == 1;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Generic, FilteredLogProbHead, ::testing::ValuesIn(log_prob_filter_cases()));
+
+TEST(GradFilter, RefusesThresholdsOutsideTheRule) {
+  const LmHeadShape shape{.batch = 1, .seq_len = 4, .hidden = 8, .vocab = 64};
+  for (const double bad : {-0.5, 1.0, 2.0, std::numeric_limits<double>::quiet_NaN(),
+                           std::numeric_limits<double>::infinity()}) {
+    LmHeadOptions o;
+    o.grad_filter = bad;
+    try {
+      LmHeadLossPlan plan(shape, LossConfig{}, o);
+      ADD_FAILURE() << "grad_filter " << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "options.grad_filter") << e.what();
+    }
+    try {
+      LmHeadLogProbPlan plan(shape, LogProbConfig{}, o);
+      ADD_FAILURE() << "grad_filter " << bad << " accepted by the generic head";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "options.grad_filter") << e.what();
+    }
+  }
+}
+
+TEST(GradFilter, DescribeNamesTheFilterOnlyWhenOn) {
+  const LmHeadShape shape{.batch = 1, .seq_len = 4, .hidden = 8, .vocab = 1000, .dtype = DType::bf16};
+  LmHeadOptions o;
+  EXPECT_EQ(LmHeadLossPlan(shape, LossConfig{}, o).describe().find("grad_filter"), std::string::npos);
+  o.grad_filter = kGradFilterAuto;
+  const std::string d = LmHeadLossPlan(shape, LossConfig{}, o).describe();
+  EXPECT_NE(d.find("grad_filter=2^-12"), std::string::npos) << d;
+  o.forward_only = true;  // nothing to filter
+  EXPECT_EQ(LmHeadLossPlan(shape, LossConfig{}, o).describe().find("grad_filter"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace grpo::test
