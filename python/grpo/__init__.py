@@ -16,9 +16,14 @@ log-prob head: forward, and backward from upstream gradients).
 Refusals raise grpo.Error (a ValueError), grpo.ArgumentTypeError (a
 TypeError) or grpo.UnsupportedError (a NotImplementedError); each has
 .argument, the name of the refused argument. No output is written then.
+
+LmHeadOptions.grad_filter = grpo.GRAD_FILTER_AUTO (or a threshold in (0, 1))
+turns on the filtered backward (docs/filtered_backward.md); grpo.torch's
+entry points spell it grad_filter="auto".
 """
 
 from grpo._core import (
+    GRAD_FILTER_AUTO,
     ArgumentTypeError,
     DType,
     Error,
@@ -46,6 +51,7 @@ from grpo._plan_cache import PlanCache, default_plan_cache
 LmHeadStepStats = StepStats
 
 __all__ = [
+    "GRAD_FILTER_AUTO",
     "ArgumentTypeError",
     "DType",
     "Error",

@@ -124,12 +124,56 @@ LOSS_CONFIG: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "logit_scale": ("logit_scale", 1.0, _float),
 }
 
-# LmHeadOptions fields a keyword sets: field -> keyword.
-OPTION_KEYWORDS = {
-    "token_block": "token_block",
-    "vocab_tile": "vocab_tile",
-    "workspace_budget": "workspace_budget",
-    "max_threads": "num_threads",
+def _schedule_int(name, value):
+    """A schedule option: None = the library's default (None returned), else an integer >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float)
+                                                                      and value.is_integer()):
+        raise Refusal(name, f"must be an integer, got {value!r}")
+    if int(value) < 0:
+        raise Refusal(name, f"must be >= 0, got {value}")
+    return int(value)
+
+
+GRAD_FILTER_AUTO = _core.GRAD_FILTER_AUTO
+
+
+def grad_filter(name, value) -> float:
+    """LmHeadOptions.grad_filter from the keyword (docs/filtered_backward.md).
+
+    None / False / "off" / 0: off (0.0, every gradient exact); "auto":
+    GRAD_FILTER_AUTO (eps(weight dtype) / 32); a number in (0, 1): that
+    threshold. The library's own spelling of "auto" (-1.0) is refused here:
+    the keyword takes "auto".
+    """
+    if value is None or value is False or (isinstance(value, str) and value == "off"):
+        return 0.0
+    if isinstance(value, str):
+        if value == "auto":
+            return GRAD_FILTER_AUTO
+        raise Refusal(name, f"unknown value {value!r} (None / 'off', 'auto', or a threshold in (0, 1))")
+    if isinstance(value, bool):  # True: no threshold says which
+        raise Refusal(name, f"must be None / 'off', 'auto' or a threshold in (0, 1), got {value!r}")
+    try:
+        threshold = float(value)
+    except (TypeError, ValueError):
+        raise Refusal(name, f"must be None / 'off', 'auto' or a threshold in (0, 1), got {value!r}") from None
+    if threshold == 0.0:
+        return 0.0
+    if not 0.0 < threshold < 1.0:  # NaN fails this too
+        raise Refusal(name, f"must be a threshold in (0, 1) (or None / 'off', 'auto'), got {value!r}")
+    return threshold
+
+
+# LmHeadOptions fields a keyword sets: field -> (keyword, converter). A
+# converter returning None leaves the library's default.
+OPTION_KEYWORDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "token_block": ("token_block", _schedule_int),
+    "vocab_tile": ("vocab_tile", _schedule_int),
+    "workspace_budget": ("workspace_budget", _schedule_int),
+    "max_threads": ("num_threads", _schedule_int),
+    "grad_filter": ("grad_filter", grad_filter),
 }
 # LmHeadOptions fields grpo.torch derives from the tensors: field -> where from.
 OPTION_DERIVED = {
@@ -158,7 +202,7 @@ _check_coverage()
 
 # The keyword of each library argument name a refusal can carry.
 _CALLER = {f"config.{field}": kw for field, (kw, _d, _c) in LOSS_CONFIG.items()}
-_CALLER.update({f"options.{field}": kw for field, kw in OPTION_KEYWORDS.items()})
+_CALLER.update({f"options.{field}": kw for field, (kw, _c) in OPTION_KEYWORDS.items()})
 
 
 def loss_config(values: dict[str, Any]) -> _core.LossConfig:
@@ -174,19 +218,14 @@ def loss_config(values: dict[str, Any]) -> _core.LossConfig:
 def head_options(values: dict[str, Any], **derived) -> _core.LmHeadOptions:
     """LmHeadOptions from {keyword: value} (None = the library's default) and the derived fields."""
     options = _core.LmHeadOptions()
-    for field, kw in OPTION_KEYWORDS.items():
-        value = values.get(kw)
+    for field, (kw, convert) in OPTION_KEYWORDS.items():
+        value = convert(kw, values.get(kw))
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float)
-                                                                          and value.is_integer()):
-            raise Refusal(kw, f"must be an integer, got {value!r}")
-        if int(value) < 0:
-            raise Refusal(kw, f"must be >= 0, got {value}")
         try:
-            setattr(options, field, int(value))
+            setattr(options, field, value)
         except (TypeError, OverflowError):
-            raise Refusal(kw, f"is out of range: {value}") from None
+            raise Refusal(kw, f"is out of range: {values.get(kw)}") from None
     for field, value in derived.items():
         if field not in OPTION_DERIVED:
             raise KeyError(field)

@@ -59,6 +59,12 @@ def _refuse(argument: str, message: str, kind: type = grpo.Error) -> Exception:
     return error
 
 
+def _refused_keyword(refusal: _fields.Refusal, names: Optional[dict[str, str]] = None) -> Exception:
+    """A keyword conversion's refusal (grpo/_fields.py) as grpo.Error, naming the keyword as the caller spelled it."""
+    argument = (names or {}).get(refusal.argument, refusal.argument)
+    return _refuse(argument, str(refusal).split(": ", 2)[-1])
+
+
 def _check_cpu(t: torch.Tensor, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise _refuse(name, f"must be a torch.Tensor, got {type(t).__name__}", grpo.ArgumentTypeError)
@@ -132,14 +138,15 @@ def _head_shape(b: int, s: int, h: int, v: int, dtype, has_bias: bool, bias_dtyp
 
 
 def _head_options(threads: int, forward_only: bool, frozen: bool, workspace_budget: Optional[int],
-                  dtype) -> _core.LmHeadOptions:
+                  dtype, grad_filter=None) -> _core.LmHeadOptions:
     """The log-prob head's options: gradients in the inputs' dtype."""
     try:
-        return _fields.head_options(dict(num_threads=threads, workspace_budget=workspace_budget),
+        return _fields.head_options(dict(num_threads=threads, workspace_budget=workspace_budget,
+                                         grad_filter=grad_filter),
                                     forward_only=forward_only, frozen_weight=frozen, dweight_dtype=dtype,
                                     dhidden_dtype=dtype)
     except _fields.Refusal as refusal:
-        raise _refuse(refusal.argument, str(refusal).split(": ", 2)[-1]) from None
+        raise _refused_keyword(refusal) from None
 
 
 # --------------------------------------------------------------------------
@@ -217,8 +224,10 @@ def _grad_target(weight: torch.Tensor) -> Optional[torch.Tensor]:
     call's gradient alone (post-accumulate hooks and AccumulateGrad hooks, as
     DDP / FSDP use, are fine).
     """
+    if not weight.is_leaf or not weight.requires_grad:  # before .grad: a non-leaf's .grad warns
+        return None
     g = weight.grad
-    if g is None or not weight.is_leaf or not weight.requires_grad or type(g) is not torch.Tensor:
+    if g is None or type(g) is not torch.Tensor:
         return None
     if g.device.type != "cpu" or g.layout != torch.strided or g.requires_grad or g.shape != weight.shape:
         return None
@@ -388,8 +397,10 @@ class LmHeadLossResult:
     metrics: clip_ratio_low / high / region, kl_mean, entropy_mean (masked
     means over valid rows), num_valid.
     stats: what the kernel executed (step_stats()): GEMM rows (padding
-    included), active rows, executed_flops, kernel_s (the C++ call's wall
-    time) and the per-phase thread-seconds.
+    included), active rows, the row x vocab columns grad_filter left out of
+    the dhidden / dW GEMMs (dhidden_skipped_row_columns /
+    dweight_skipped_row_columns), executed_flops, kernel_s (the C++ call's
+    wall time) and the per-phase thread-seconds.
     """
 
     loss: torch.Tensor
@@ -401,12 +412,18 @@ class LmHeadLossResult:
 
 
 def step_stats(stats: grpo.StepStats, v: int, h: int) -> dict[str, float]:
-    """A StepStats as a dict, with executed_flops = 2 V H x (rows through the three GEMMs)."""
+    """A StepStats as a dict, with executed_flops = 2 H x (row x vocab columns the three GEMMs ran).
+
+    That is 2 V H x (rows through the three GEMMs) less 2 H x the row x
+    columns the filtered backward (grad_filter) left out of dhidden / dW.
+    """
     out = {name: getattr(stats, name) for name in (
-        "logits_gemm_rows", "backward_gemm_rows", "dweight_gemm_rows", "active_rows", "kernel_s",
+        "logits_gemm_rows", "backward_gemm_rows", "dweight_gemm_rows", "active_rows",
+        "dhidden_skipped_row_columns", "dweight_skipped_row_columns", "kernel_s",
         "forward_gemm_s", "forward_stage_s", "dlogits_s", "dweight_gemm_s", "dhidden_gemm_s")}
     rows = stats.logits_gemm_rows + stats.backward_gemm_rows + stats.dweight_gemm_rows
-    out["executed_flops"] = 2.0 * v * h * rows
+    skipped = stats.dhidden_skipped_row_columns + stats.dweight_skipped_row_columns
+    out["executed_flops"] = 2.0 * h * (v * rows - skipped)
     return out
 
 
@@ -452,6 +469,7 @@ def lm_head_grpo_loss(
     workspace_budget: Optional[int] = None,
     token_block: Optional[int] = None,
     vocab_tile: Optional[int] = None,
+    grad_filter: Any = None,
     plan_cache: Optional[grpo.PlanCache] = None,
     _names: Optional[dict[str, str]] = None,
 ) -> LmHeadLossResult:
@@ -468,6 +486,12 @@ def lm_head_grpo_loss(
     off_policy_mask_threshold, clip_ratio_c (verl's dual-clip), entropy_coef,
     top_entropy_quantile, logit_softcap / logit_scale. token_block /
     vocab_tile / workspace_budget / num_threads: the plan's schedule options.
+    grad_filter: the filtered backward (docs/filtered_backward.md): None /
+    "off" (default: every gradient exact), "auto" (threshold eps(weight
+    dtype) / 32, 2^-12 for bf16) or a threshold in (0, 1); per token block,
+    the vocab columns whose dlogits are below it (relative to each row's
+    coefficient) are left out of dhidden and dW. Loss, logp, entropy, KL and
+    metrics are bitwise the unfiltered ones; stats count what was left out.
 
     Gradients: the kernel computes them in the forward, in each parameter's
     dtype, scaled by the aggregation's normalizer inside the kernel (no pass
@@ -497,10 +521,10 @@ def lm_head_grpo_loss(
     try:
         _fields.loss_config(values)  # converts every keyword: a refusal names it
         plan_values = dict(num_threads=num_threads, workspace_budget=workspace_budget, token_block=token_block,
-                           vocab_tile=vocab_tile)
+                           vocab_tile=vocab_tile, grad_filter=grad_filter)
         _fields.head_options(plan_values)  # refuses a bad schedule keyword before any tensor is looked at
     except _fields.Refusal as refusal:
-        raise _refuse(names.get(refusal.argument, refusal.argument), str(refusal).split(": ", 2)[-1]) from None
+        raise _refused_keyword(refusal, names) from None
 
     for t, key in ((hidden, "hidden"), (weight, "weight")):
         _check_cpu(t, names[key])
@@ -715,7 +739,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
     `compiled` and `chunk_size` (Liger's torch.compile and chunking knobs) are
     accepted and have no effect. Extra keyword-only arguments: num_threads
     (default torch.get_num_threads()), temperature_on_logp, workspace_budget,
-    plan_cache, grad_into (see lm_head_grpo_loss).
+    plan_cache, grad_into, grad_filter (see lm_head_grpo_loss).
 
     Not supported (NotImplementedError naming the argument): computing
     reference log-probs from ref_input / ref_weight / ref_bias (pass
@@ -752,6 +776,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         workspace_budget: Optional[int] = None,
         plan_cache: Optional[grpo.PlanCache] = None,
         grad_into: str = "auto",
+        grad_filter: Any = None,
     ):
         super().__init__()
         # Liger's own constructor checks, with its messages.
@@ -784,6 +809,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         self.workspace_budget = workspace_budget
         self.plan_cache = plan_cache
         self.grad_into = grad_into
+        self.grad_filter = grad_filter
         self._check_settings()
 
     def _check_settings(self) -> None:
@@ -797,6 +823,10 @@ class LmHeadGRPOLoss(torch.nn.Module):
                              "Use importance_sampling_level='token' instead.")
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise _refuse("max_completion_length", "must be provided for loss_type 'dr_grpo'")
+        try:
+            _fields.grad_filter("grad_filter", self.grad_filter)
+        except _fields.Refusal as refusal:
+            raise _refused_keyword(refusal) from None
         # Liger ignores delta for cispo and sapo; for the clipped types grpo
         # requires delta > 1 + epsilon_high (below it Liger's min(r, delta) is
         # below the clip range, a regime grpo does not compute).
@@ -863,7 +893,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
             vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
             vespo_lambda_neg=self.vespo_lambda_neg, num_threads=self.num_threads,
             workspace_budget=self.workspace_budget, plan_cache=self.plan_cache, grad_into=self.grad_into,
-            _names=_LIGER_NAMES)
+            grad_filter=self.grad_filter, _names=_LIGER_NAMES)
 
         metrics = []
         if self.beta != 0.0:
@@ -1097,6 +1127,7 @@ def fused_log_probs(
     logit_scale: float = 1.0,
     num_threads: Optional[int] = None,
     workspace_budget: Optional[int] = None,
+    grad_filter: Any = None,
     plan_cache: Optional[grpo.PlanCache] = None,
     grad_into: str = "auto",
     on_stats=None,
@@ -1141,7 +1172,10 @@ def fused_log_probs(
     before the temperature, as TRL applies final_logit_softcapping and its
     logit scale: z' = c tanh(s z / c), or s z without a cap (None).
     temperature_on_logp: grpo's other temperature convention
-    (logp = (z_y - LSE(z)) / tau, entropy of softmax(z)). Plans are cached per
+    (logp = (z_y - LSE(z)) / tau, entropy of softmax(z)). grad_filter: the
+    filtered backward, as lm_head_grpo_loss (None / "off", "auto" or a
+    threshold in (0, 1); logp and entropy stay bitwise, dhidden / dW leave
+    out the columns below it). Plans are cached per
     (N, H, V, dtypes, strides, temperature, options) in `plan_cache` (the
     process-wide one by default) and share its workspace; threads:
     `num_threads`, else torch.get_num_threads(). Refusals raise grpo.Error /
@@ -1149,6 +1183,10 @@ def fused_log_probs(
     """
     if grad_into not in ("auto", "new"):
         raise _refuse("grad_into", f"must be 'auto' or 'new', got {grad_into!r}")
+    try:
+        filter_value = _fields.grad_filter("grad_filter", grad_filter)
+    except _fields.Refusal as refusal:
+        raise _refused_keyword(refusal) from None
     outputs = tuple(outputs)
     for name in outputs:
         if name in _UNSUPPORTED_LOG_PROB_OUTPUTS:
@@ -1199,7 +1237,7 @@ def fused_log_probs(
     hidden_ld, weight_ld = _row_stride(rows), _row_stride(weight)
     key = (n, h, v, str(hidden.dtype), None if bias is None else str(bias.dtype), hidden_ld, weight_ld,
            float(temperature), bool(temperature_on_logp), None if logit_softcap is None else float(logit_softcap),
-           float(logit_scale), threads, needs_grad, frozen, workspace_budget)
+           float(logit_scale), threads, needs_grad, frozen, workspace_budget, filter_value)
 
     cache = plan_cache if plan_cache is not None else grpo.default_plan_cache()
 
@@ -1215,7 +1253,7 @@ def fused_log_probs(
             config.temperature_on_logp = bool(temperature_on_logp)
             config.logit_softcap = None if logit_softcap is None else float(logit_softcap)
             config.logit_scale = float(logit_scale)
-            options = _head_options(threads, not needs_grad, frozen, workspace_budget, dtype)
+            options = _head_options(threads, not needs_grad, frozen, workspace_budget, dtype, grad_filter)
             if accumulate:
                 options.accumulate_weight_grads = True
                 options.dweight_dtype = grad_dtype

@@ -75,7 +75,8 @@ using namespace nb::literals;
   X(dweight_dtype)                     \
   X(dhidden_dtype)                     \
   X(accumulate_weight_grads)           \
-  X(frozen_weight)
+  X(frozen_weight)                     \
+  X(grad_filter)
 // clang-format on
 // LmHeadOptions fields with no binding: Python plans use the default
 // allocator, and grpo::mpi (scale_out) has no Python binding.
@@ -453,6 +454,9 @@ NB_MODULE(_core, m) {
     for (const char* name : kUnboundOptions) unbound.append(name);
     options.attr("unbound_fields") = nb::tuple(unbound);
   }
+  // LmHeadOptions::grad_filter's automatic threshold (eps(weight dtype) / 32);
+  // grpo.torch spells it grad_filter="auto".
+  m.attr("GRAD_FILTER_AUTO") = grpo::kGradFilterAuto;
 
   nb::class_<grpo::Metrics>(m, "Metrics", "Masked means over the valid rows of one execute (grpo::Metrics).")
       .def_ro("loss", &grpo::Metrics::loss)
@@ -495,6 +499,7 @@ NB_MODULE(_core, m) {
 
   nb::class_<StepStats>(m, "StepStats",
                         "What one C++ call executed (grpo::LmHeadStepStats: GEMM rows, padding included, active rows, "
+                        "row x vocab columns the filtered backward left out of the dhidden / dW GEMMs, "
                         "per-phase thread-seconds) and kernel_s, its wall time (GIL released, validation included).")
       .def(nb::init<>())
       .def_prop_ro("logits_gemm_rows", [](const StepStats& s) { return s.step.logits_gemm_rows; })
@@ -503,6 +508,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("backward_gemm_rows", [](const StepStats& s) { return s.step.dhidden_gemm_rows; })
       .def_prop_ro("dweight_gemm_rows", [](const StepStats& s) { return s.step.dweight_gemm_rows; })
       .def_prop_ro("active_rows", [](const StepStats& s) { return s.step.active_rows; })
+      .def_prop_ro("dhidden_skipped_row_columns", [](const StepStats& s) { return s.step.dhidden_skipped_row_columns; })
+      .def_prop_ro("dweight_skipped_row_columns", [](const StepStats& s) { return s.step.dweight_skipped_row_columns; })
       .def_prop_ro("forward_gemm_s", [](const StepStats& s) { return s.step.forward_gemm_s; })
       .def_prop_ro("forward_stage_s", [](const StepStats& s) { return s.step.forward_stage_s; })
       .def_prop_ro("dlogits_s", [](const StepStats& s) { return s.step.dlogits_s; })

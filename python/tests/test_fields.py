@@ -65,7 +65,7 @@ def test_every_options_field_is_bound_or_declared_unbound():
     keywords = inspect.signature(gt.lm_head_grpo_loss).parameters
     for field in bound:
         if field in _fields.OPTION_KEYWORDS:
-            assert _fields.OPTION_KEYWORDS[field] in keywords
+            assert _fields.OPTION_KEYWORDS[field][0] in keywords
         else:
             assert field in _fields.OPTION_DERIVED, f"LmHeadOptions.{field}: neither a keyword nor derived"
 
@@ -148,13 +148,28 @@ def test_each_keyword_reaches_its_config_field_and_the_plan_key(field, capture):
                                                                                          default_options)
 
 
-@pytest.mark.parametrize("keyword,field,value", [("token_block", "token_block", 64), ("vocab_tile", "vocab_tile", 16),
-                                                 ("workspace_budget", "workspace_budget", 1 << 20),
-                                                 ("num_threads", "max_threads", 1)])
-def test_each_options_keyword_reaches_its_field(keyword, field, value, capture):
+@pytest.mark.parametrize("keyword,field,value,expected", [
+    ("token_block", "token_block", 64, 64), ("vocab_tile", "vocab_tile", 16, 16),
+    ("workspace_budget", "workspace_budget", 1 << 20, 1 << 20), ("num_threads", "max_threads", 3, 3),
+    ("grad_filter", "grad_filter", "auto", grpo.GRAD_FILTER_AUTO), ("grad_filter", "grad_filter", 0.25, 0.25)])
+def test_each_options_keyword_reaches_its_field_and_the_plan_key(keyword, field, value, expected, capture):
+    assert _fields.OPTION_KEYWORDS[field][0] == keyword
     case = make_case(seed=3)
+    call(case)
+    default_key = _fields.plan_key(capture["config"], capture["options"])
     call(case, **{keyword: value})
-    assert getattr(capture["options"], field) == value
+    assert getattr(capture["options"], field) == expected
+    assert _fields.plan_key(capture["config"], capture["options"]) != default_key
+
+
+@pytest.mark.parametrize("value", [None, False, "off", 0, 0.0])
+def test_grad_filter_off_spellings_are_the_default_option(value, capture):
+    case = make_case(seed=3)
+    call(case)
+    default_key = _fields.plan_key(capture["config"], capture["options"])
+    call(case, grad_filter=value)
+    assert capture["options"].grad_filter == 0.0
+    assert _fields.plan_key(capture["config"], capture["options"]) == default_key
 
 
 def test_derived_options_follow_the_tensors(capture):

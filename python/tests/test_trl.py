@@ -175,3 +175,30 @@ def test_refuses_a_model_without_the_fused_head():
 
     with pytest.raises(ValueError, match="fused LM head"):
         patch_grpo_trainer(Fake())
+
+
+def test_patch_forwards_grad_filter(monkeypatch):
+    """patch_grpo_trainer(grad_filter=...) reaches fused_log_probs, and the head's plans carry the filter."""
+    import grpo.torch as gt
+    from grpo.integrations import trl as integration
+
+    trainer = tiny_trainer(max_steps=1)
+    with pytest.raises(grpo.Error) as info:
+        patch_grpo_trainer(trainer, grad_filter="fast")
+    assert info.value.argument == "grad_filter" and not is_patched(trainer.model)
+    cache = grpo.PlanCache()
+    patch_grpo_trainer(trainer, plan_cache=cache, grad_filter="auto")
+    seen = []
+    original = gt.fused_log_probs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("grad_filter"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(integration.gt, "fused_log_probs", spy)
+    ids = torch.randint(3, 64, (2, 6))
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 3)
+    logps.sum().backward()
+    assert seen and all(value == "auto" for value in seen), seen
+    described = [plan.describe() for (kind, _key), plan in cache._plans.items() if kind == "lm_head_log_prob"]
+    assert any("grad_filter=" in d for d in described), described

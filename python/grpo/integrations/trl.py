@@ -54,6 +54,7 @@ import torch
 
 import grpo
 import grpo.torch as gt
+from grpo import _fields
 
 __all__ = ["patch_grpo_trainer", "is_patched"]
 
@@ -81,7 +82,8 @@ class _Dispatch:
             bias = bias.to(compute_dtype)
         logp, entropy = gt.fused_log_probs(hidden, weight, bias, targets, temperature, outputs,
                                            logit_softcap=final_logit_softcapping, logit_scale=float(logit_scale),
-                                           plan_cache=settings["plan_cache"], num_threads=settings["num_threads"])
+                                           plan_cache=settings["plan_cache"], num_threads=settings["num_threads"],
+                                           grad_filter=settings.get("grad_filter"))
         return logp, entropy, None, None, None
 
 
@@ -137,17 +139,24 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def patch_grpo_trainer(trainer, *, num_threads: Optional[int] = None,
-                       plan_cache: Optional[grpo.PlanCache] = None):
+                       plan_cache: Optional[grpo.PlanCache] = None, grad_filter: Any = None):
     """Route a TRL 1.16 GRPOTrainer's per-token log-probs and entropy through grpo.torch.fused_log_probs.
 
     Patches the policy (the PEFT base model under PEFT) and the reference
     model when there is one; idempotent; returns the trainer. TRL's loss code
     is untouched: only the LM-head primitive its fused head calls changes.
     num_threads / plan_cache: as fused_log_probs (default torch's thread
-    count and the process-wide plan cache).
+    count and the process-wide plan cache). grad_filter: the filtered
+    backward of the head (fused_log_probs' grad_filter; None / "off",
+    "auto" or a threshold in (0, 1); docs/filtered_backward.md), checked
+    here. Patching again replaces the settings.
     """
+    try:
+        _fields.grad_filter("grad_filter", grad_filter)
+    except _fields.Refusal as refusal:
+        raise gt._refused_keyword(refusal) from None
     _install_dispatch()
-    settings = {"num_threads": num_threads, "plan_cache": plan_cache}
+    settings = {"num_threads": num_threads, "plan_cache": plan_cache, "grad_filter": grad_filter}
     from accelerate.utils import is_peft_model
 
     model = trainer.model
