@@ -35,6 +35,8 @@ same data order (TRL's sampler seeded by GRPOConfig.seed), same GRPOConfig:
   grpo_loss  (not run by default: --arms trl,grpo,grpo_loss) grpo's head for
              the reference model and, in compute_loss, grpo's fused loss
              (use_fused_loss below).
+  grpo_filtered  (not run by default) grpo_loss with the filtered backward
+             (grad_filter="auto": docs/filtered_backward.md).
 
 Each step is split by timers around TRL's own methods:
   generation     GRPOTrainer._generate (tokenize, model.generate, decode)
@@ -75,7 +77,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ARMS = ("trl", "grpo")
-ALL_ARMS = ARMS + ("grpo_loss",)
+ALL_ARMS = ARMS + ("grpo_loss", "grpo_filtered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,8 +361,9 @@ def make_callback(phases: Phases, out_path: str):
 # --------------------------------------------------------------------------- grpo's fused loss in the trainer
 
 
-def use_fused_loss(trainer) -> None:
-    """The policy's log-probs and loss of compute_loss from grpo.torch.lm_head_grpo_loss (the grpo_loss arm).
+def use_fused_loss(trainer, grad_filter=None) -> None:
+    """The policy's log-probs and loss of compute_loss from grpo.torch.lm_head_grpo_loss (the grpo_loss arm;
+    grad_filter="auto": the grpo_filtered arm).
 
     Where it fits TRL 1.16's GRPOTrainer._compute_loss: loss types grpo's
     kernel has, token-level or sequence-level ratios, no entropy mask / bonus,
@@ -414,7 +417,7 @@ def use_fused_loss(trainer) -> None:
             kl_bias_correction=args.use_bias_correction_kl, temperature=trainer.temperature,
             max_completion_length=trainer.max_completion_length, num_items_in_batch=float(normalizer),
             sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-            return_entropy=True)
+            return_entropy=True, **({} if grad_filter is None else {"grad_filter": grad_filter}))
         loss = res.loss
         if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "sapo") and mode == "train":
             loss = loss / trainer.current_gradient_accumulation_steps
@@ -478,12 +481,12 @@ def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: 
         save_strategy="no", disable_tqdm=True)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=count_reward_for(setup), args=args,
                           train_dataset=dataset(setup), processing_class=make_tokenizer(setup))
-    if arm in ("grpo", "grpo_loss"):
+    if arm in ("grpo", "grpo_loss", "grpo_filtered"):
         from grpo.integrations.trl import patch_grpo_trainer
 
         patch_grpo_trainer(trainer)
-        if arm == "grpo_loss":
-            use_fused_loss(trainer)
+        if arm != "grpo":
+            use_fused_loss(trainer, grad_filter="auto" if arm == "grpo_filtered" else None)
     elif arm != "trl":
         raise ValueError(f"unknown arm {arm!r} (one of {', '.join(ALL_ARMS)})")
     instrument(trainer, phases)
@@ -619,7 +622,8 @@ def plot(out_dir: str, arms: list[str]) -> str | None:
     ax1.legend()
     ax2.legend(fontsize=8)
     names = {"trl": "TRL as is (trl)", "grpo": "grpo's head patched in (grpo)",
-             "grpo_loss": "grpo's head and fused loss (grpo_loss)"}
+             "grpo_loss": "grpo's head and fused loss (grpo_loss)",
+             "grpo_filtered": "grpo_loss, filtered backward (grpo_filtered)"}
     fig.suptitle("GRPO on CPU with TRL 1.16: " + " vs ".join(names.get(a, a) for a in arms))
     fig.tight_layout()
     path = os.path.join(out_dir, "train_ab.png")
@@ -634,6 +638,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="microbench/results/train_ab")
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--reuse", default="", metavar="ARM,...",
+                        help="arms of --arms not run again: their <arm>.jsonl / .info.json already in --out (from an "
+                             "earlier run of the same setup) go into the summary as they are")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps per arm (default 100; 2 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 steps: checks the script end to end")
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "grpo_train_ab"))
@@ -660,7 +667,14 @@ def main(argv=None) -> int:
     model_dir, cached = ensure_model(setup, opts.cache_dir)
     warm_start_s = time.perf_counter() - start
     arms = opts.arms.split(",")
+    reused = [a for a in opts.reuse.split(",") if a]
+    for arm in reused:
+        if arm not in arms or not os.path.exists(os.path.join(opts.out, f"{arm}.jsonl")):
+            raise SystemExit(f"--reuse {arm}: not in --arms, or no {arm}.jsonl in {opts.out}")
     for arm in arms:
+        if arm in reused:
+            print(f"== arm {arm}: reused from {opts.out}/{arm}.jsonl", flush=True)
+            continue
         cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--model-dir", model_dir, "--out", opts.out]
         cmd += ["--smoke"] if opts.smoke else []
         cmd += [f"--set={k}={v}" for k, v in fields.items()]
