@@ -14,6 +14,8 @@ void DiffStats::add(double a, double b, std::int64_t index) {
     return;
   }
   const double d = std::abs(a - b);
+  sum_sq_diff += d * d;
+  sum_sq_ref += b * b;
   if (d > max_abs || worst < 0) {
     if (d > max_abs) max_abs = d;
     worst = index;
@@ -27,6 +29,8 @@ void DiffStats::merge(const DiffStats& o) {
   max_ref = std::max(max_ref, o.max_ref);
   count += o.count;
   nonfinite += o.nonfinite;
+  sum_sq_diff += o.sum_sq_diff;
+  sum_sq_ref += o.sum_sq_ref;
 }
 
 bool CheckRow::passed() const {
@@ -35,8 +39,8 @@ bool CheckRow::passed() const {
 
 bool print_verdict(const std::string& title, const std::vector<CheckRow>& rows) {
   std::printf("%s\n", title.c_str());
-  std::printf("%-9s %-22s %12s %12s %12s %12s %10s  %s\n", "quantity", "pair", "max_abs", "max_rel", "tol_abs",
-              "tol_rel", "max|ref|", "verdict");
+  std::printf("%-9s %-30s %12s %12s %12s %12s %10s %10s  %s\n", "quantity", "pair", "max_abs", "max_rel", "tol_abs",
+              "tol_rel", "max|ref|", "l2_rel", "verdict");
   bool all = true;
   for (const CheckRow& r : rows) {
     const bool ok = r.passed();
@@ -45,8 +49,9 @@ bool print_verdict(const std::string& title, const std::vector<CheckRow>& rows) 
     if (r.diff.nonfinite > 0) verdict += " (" + std::to_string(r.diff.nonfinite) + " non-finite)";
     if (r.diff.count == 0) verdict += " (nothing compared)";
     if (!ok && r.diff.worst >= 0) verdict += " worst at " + std::to_string(r.diff.worst);
-    std::printf("%-9s %-22s %12.3e %12.3e %12.3e %12.3e %10.3e  %s\n", r.quantity.c_str(), r.pair.c_str(),
-                r.diff.max_abs, r.diff.rel(), r.tolerance.abs, r.tolerance.rel, r.diff.max_ref, verdict.c_str());
+    std::printf("%-9s %-30s %12.3e %12.3e %12.3e %12.3e %10.3e %10.3e  %s\n", r.quantity.c_str(), r.pair.c_str(),
+                r.diff.max_abs, r.diff.rel(), r.tolerance.abs, r.tolerance.rel, r.diff.max_ref, r.diff.rel_l2(),
+                verdict.c_str());
   }
   std::printf("%s\n", all ? "gradcheck: PASS" : "gradcheck: FAIL");
   return all;

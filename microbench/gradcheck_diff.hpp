@@ -2,6 +2,7 @@
 // grpo-gradcheck prints.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -19,10 +20,14 @@ struct DiffStats {
   std::int64_t worst = -1;
   std::int64_t count = 0;
   std::int64_t nonfinite = 0;  // non-finite values in a or b
+  double sum_sq_diff = 0.0;    // sum (a - b)^2 and sum b^2 over the finite pairs
+  double sum_sq_ref = 0.0;
 
   void add(double a, double b, std::int64_t index);
   void merge(const DiffStats& other);
   double rel() const { return max_ref > 0.0 ? max_abs / max_ref : max_abs; }
+  // ||a - b||_2 / ||b||_2: the error of the whole quantity (printed, not checked).
+  double rel_l2() const { return sum_sq_ref > 0.0 ? std::sqrt(sum_sq_diff / sum_sq_ref) : std::sqrt(sum_sq_diff); }
 };
 
 struct CheckRow {

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include <tbb/task_arena.h>
 #include <CLI/CLI.hpp>
@@ -52,8 +54,9 @@ LmHeadOutputs outputs_of(const GradcheckConfig& c, HeadResult& r) {
   return o;
 }
 
-HeadResult run_fused(const GradcheckConfig& c, const Problem& p, std::string& describe) {
+HeadResult run_fused(const GradcheckConfig& c, const Problem& p, std::string& describe, double grad_filter = 0.0) {
   LmHeadOptions o;
+  o.grad_filter = grad_filter;
   o.token_block = c.token_block;
   o.vocab_tile = c.vocab_tile;
   o.workspace_budget = c.workspace_budget;
@@ -61,7 +64,16 @@ HeadResult run_fused(const GradcheckConfig& c, const Problem& p, std::string& de
   const LmHeadLossPlan plan(p.lm_head_shape(), p.config, o);
   describe = plan.describe();
   HeadResult r = allocate_result(c);
-  plan.execute(p.lm_head_inputs(), outputs_of(c, r));
+  LmHeadStepStats stats;
+  LmHeadOutputs out = outputs_of(c, r);
+  out.stats = &stats;
+  plan.execute(p.lm_head_inputs(), out);
+  if (grad_filter != 0.0 && stats.dhidden_gemm_rows > 0) {
+    describe += "; left out: " +
+                std::to_string(static_cast<double>(stats.dhidden_skipped_row_columns) /
+                               (static_cast<double>(stats.dhidden_gemm_rows) * static_cast<double>(c.shape.vocab))) +
+                " of the backward GEMMs' rows x V";
+  }
   return r;
 }
 
@@ -122,10 +134,25 @@ int main(int argc, char** argv) {
   app.add_option("--config", config_path, "configs/gradcheck/<name>.yaml")->required();
   app.add_flag("--test-perturb-gradient", perturb_gradient,
                "test only: corrupt one element of the fused dhidden; the check must then fail");
+  std::string grad_filter_arg;
+  app.add_option("--grad-filter", grad_filter_arg,
+                 "also run the fused plan with LmHeadOptions::grad_filter (auto or a threshold in (0, 1)) and check "
+                 "it against the oracle and beside the exact fused path (docs/filtered_backward.md)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
+  }
+  double grad_filter = 0.0;
+  if (!grad_filter_arg.empty()) {
+    char* end = nullptr;
+    grad_filter = grad_filter_arg == "auto" ? kGradFilterAuto : std::strtod(grad_filter_arg.c_str(), &end);
+    if (grad_filter_arg != "auto" && (end == grad_filter_arg.c_str() || *end != '\0' || !(grad_filter > 0.0) ||
+                                      !(grad_filter < 1.0))) {
+      std::fprintf(stderr, "grpo-gradcheck: --grad-filter must be auto or a threshold in (0, 1), got %s\n",
+                   grad_filter_arg.c_str());
+      return 2;
+    }
   }
   GradcheckConfig c;
   try {
@@ -160,6 +187,13 @@ int main(int argc, char** argv) {
                   fused.metrics.clip_ratio_low, fused.metrics.clip_ratio_high, fused.metrics.clip_ratio_region,
                   fused.metrics.entropy_mean, static_cast<long long>(fused.metrics.num_valid));
       if (perturb_gradient) perturb(fused, c.tolerance.at("dhidden"));
+      HeadResult filtered;
+      if (grad_filter != 0.0) {
+        t0 = std::chrono::steady_clock::now();
+        std::string filtered_describe;
+        filtered = run_fused(c, p, filtered_describe, grad_filter);
+        std::printf("  filtered: %s (%.1f s)\n", filtered_describe.c_str(), since(t0));
+      }
       t0 = std::chrono::steady_clock::now();
       const HeadResult base = run_baseline(c, p);
       std::printf("  unfused baseline, %s logits (%.1f s)\n", to_string(c.baseline_logits_dtype), since(t0));
@@ -176,10 +210,11 @@ int main(int argc, char** argv) {
       };
       if (c.oracle != OracleMode::none) {
         t0 = std::chrono::steady_clock::now();
-        const std::vector<const HeadResult*> fast = {&fused, &base};
+        std::vector<const HeadResult*> fast = {&fused, &base};
+        if (grad_filter != 0.0) fast.push_back(&filtered);
         const ReferenceResult ref = c.oracle == OracleMode::lm_head ? reference_lm_head(p) : reference_loss(p, fast);
         std::printf("  double reference (oracle: %s) (%.1f s)\n", to_string(c.oracle), since(t0));
-        const char* names[] = {"fused vs oracle", "baseline vs oracle"};
+        const char* names[] = {"fused vs oracle", "baseline vs oracle", "fused filtered vs oracle"};
         for (std::size_t i = 0; i < fast.size(); ++i) {
           DiffStats dw;
           if (c.oracle == OracleMode::loss) {
