@@ -116,9 +116,11 @@ struct LmHeadInputs {
 // What a step executed, for FLOP accounting (a benchmark's executed GFLOP/s):
 // rows that went through the logits GEMM (N per pass over the blocks; 2N when
 // the plan recomputes logits), through the dhidden GEMM and through the dW
-// GEMM (the same rows, or none with frozen_weight), zero padding to the GEMM
-// row quantum included, rows with a zero coefficient excluded. Each row costs
-// 2 * V * H FLOPs per GEMM.
+// GEMM (the same rows, or none with frozen_weight), zero padding included
+// (the backward pads a block's active rows to a multiple of 32, and past 512
+// rows (oneDNN's GEMMs) or 4096 (ours, e.g. AMX bf16) by under 1/8 or 1/64 of
+// them: the plan holds one GEMM per padded row count), rows with a zero
+// coefficient excluded. Each row costs 2 * V * H FLOPs per GEMM.
 struct LmHeadStepStats {
   std::int64_t logits_gemm_rows = 0;
   std::int64_t dhidden_gemm_rows = 0;
@@ -131,7 +133,7 @@ struct LmHeadStepStats {
   // block. Inputs and outputs of size N x H are left out (small beside these).
   double schedule_bytes = 0.0;
   // Rows with a nonzero upstream coefficient (the backward GEMMs' rows before
-  // the padding to the row quantum), summed over the passes.
+  // the padding), summed over the passes.
   std::int64_t active_rows = 0;
   // Where the time went, in thread-seconds summed over the threads (a
   // steady_clock pair around each piece of work inside the tasks):
@@ -171,6 +173,18 @@ struct LmHeadSchedule {
   int slots = 0;
   bool recompute_logits = false;  // sequence-level IS whose sequences span blocks
   std::size_t workspace_bytes = 0;
+  // The plan's own memory, beside the workspace: its GEMM objects (oneDNN
+  // primitives with their JIT code, or our backends' objects) and one set of
+  // per-call GEMM bindings. gemm_count is exact; plan_bytes is an estimate:
+  // the larger of the process's heap growth and anonymous resident growth
+  // while the plan created them, so another thread's allocations at that
+  // moment count too, and a oneDNN primitive already in oneDNN's process-wide
+  // cache (a plan of the same shapes) counts only for the plan that made it.
+  // Each execute() running beside another adds one more binding set.
+  // workspace_bytes (workspace_size()) stays the caller-provided workspace
+  // alone: plan memory is held for the plan's life, not lent per call.
+  std::size_t gemm_count = 0;
+  std::size_t plan_bytes = 0;
 };
 
 class LmHeadLossPlan {
@@ -182,7 +196,8 @@ class LmHeadLossPlan {
 
   std::size_t workspace_size() const;
   const LmHeadSchedule& schedule() const;
-  // One line: token block, vocab tile, slots (printed as threads=), GEMM passes, workspace bytes.
+  // One line: token block, vocab tile, slots (printed as threads=), GEMM passes, workspace bytes,
+  // the plan's own bytes and GEMM count.
   std::string describe() const;
 
   // Validates every argument (shapes, ids, finiteness), then computes.

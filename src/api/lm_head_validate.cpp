@@ -220,6 +220,14 @@ std::string describe_gemms(const LmHeadPlanData& plan) {
     if (!plan.options.frozen_weight) s += std::string(",dweight:") + plan.dweight.back().full[0]->implementation();
     s += std::string(",dhidden:") + plan.dhidden.back().full->implementation();
   }
+  // The plan's own memory beside the workspace (LmHeadSchedule::plan_bytes: measured, an estimate).
+  s +=
+      " plan=" + std::to_string(plan.schedule.plan_bytes) + "B (" + std::to_string(plan.schedule.gemm_count) + " gemms";
+  if (!plan.dhidden.empty()) {
+    s += "; backward rows padded to " + std::to_string(plan.row_ladder.entries().size()) + " sizes up to " +
+         std::to_string(plan.row_ladder.entries().back());
+  }
+  s += ")";
   if (plan.kept_cap > 0) {
     // grad_filter=2^-12 for a power of two, else the threshold as given.
     int e = 0;

@@ -81,8 +81,10 @@ void check_outputs_apart(std::span<const NamedRange> outputs, std::span<const Na
 // The call's workspace: the caller's (at least `need` bytes, 64-byte aligned;
 // Error("workspace") otherwise) or, when the caller passed none, `need` bytes
 // from the plan's allocator held by `owned` for the call.
-// describe()'s GEMM part: the backend of each GEMM kind the plan runs, e.g.
-// " gemm=forward:grpo:amx_bf16,dweight:grpo:amx_bf16,dhidden:grpo:amx_bf16".
+// describe()'s GEMM part: the backend of each GEMM kind the plan runs and the
+// plan's own memory, e.g. " gemm=forward:grpo:amx_bf16,dweight:grpo:amx_bf16,
+// dhidden:grpo:amx_bf16 plan=123456B (92 gemms; backward rows padded to 15
+// sizes up to 480)".
 std::string describe_gemms(const LmHeadPlanData& plan);
 
 std::byte* call_workspace(std::span<std::byte> given, std::size_t need, Allocator* allocator, Buffer& owned);

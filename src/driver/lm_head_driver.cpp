@@ -36,7 +36,7 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
     // Exact zeros (masked, clipped, A = 0) drop out of both GEMMs.
     const std::int64_t na =
         step.select_active(rows, [&](std::int64_t r) { return c[r] != 0.0F || (e != nullptr && e[r] != 0.0F); });
-    step.gather_active(b0, na, (na + kRowQuantum - 1) / kRowQuantum * kRowQuantum);
+    step.gather_active(b0, na, p.row_ladder.padded(na));
     step.backward(b0, rows, na, false, c, e, &dweight_written);
   };
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -21,11 +22,21 @@
 
 namespace grpo::detail {
 
-// Active rows of a block are padded with zero rows to a multiple of this, so
-// the backward GEMMs come in ceil(block / 32) shapes that the plan creates up
-// front. Zero rows add exact zeros. 32 = two AVX-512 rows of 16 f32 lanes, the
-// M blocking of oneDNN's avx512 kernels.
+// Active rows of a block are padded with zero rows to a rung of the plan's
+// RowLadder (below), every rung a multiple of this. Zero rows add exact zeros.
+// 32 = two AVX-512 rows of 16 f32 lanes, the M blocking of oneDNN's avx512
+// kernels.
 inline constexpr std::int64_t kRowQuantum = 32;
+// Rungs per doubling of the backward GEMMs' row ladder (RowLadder). oneDNN:
+// a matmul primitive with its JIT code and its two slots' bindings measured
+// ~57 KiB at H = 8, V = 16 (13142 of them held 726 MiB after one call at
+// T = 70000, f32), so 8 rungs: every multiple of 32 up to 512 rows (the f32
+// headline block, 320 rows, pads as before), padding under 1/8 past 256.
+// Our backends (GemmTraits::m_independent): ~0.5 KiB an object and ~0.14 KiB
+// a binding, so 64 rungs: every multiple of 32 up to 4096 (the bf16 headline
+// block, 640), padding under 1/64 past 2048.
+inline constexpr std::int64_t kLadderRungsOnednn = 8;
+inline constexpr std::int64_t kLadderRungsOwn = 64;
 // Columns of dhidden per backward task: 4096 / 256 = 16 tasks at the headline
 // shape, enough to balance 2-8 threads; each is a K = V GEMM that streams its
 // column slice of W once (measured 760-830 GFLOP/s bf16 on 2 cores).
@@ -53,6 +64,38 @@ inline constexpr std::size_t kSlotBudgetDivisor = 8;
 // zero-padded): dW of one group is a [kKeptTile, H] f32 slot buffer, then
 // added into the kept rows of dW.
 inline constexpr std::int64_t kKeptTile = 256;
+
+// The padded row counts a block's backward GEMMs are created for (one GEMM
+// shape per rung), in one place for the plan (create_gemms) and the step
+// (LmHeadStep::backward): every multiple of kRowQuantum up to 2 * kRowQuantum
+// * rungs, then `rungs` per doubling, each a multiple of kRowQuantum, the last
+// exactly top (the block's allocated rows, a multiple of kRowQuantum). Past
+// kRowQuantum * rungs active rows, padded(active) < active * (1 + 1 / rungs)
+// (a step is bit_floor(rung) / rungs). So a plan holds O(rungs * log(block))
+// backward GEMMs, not block / 32 of them. Depends on the block and the
+// backends alone, never on the thread count.
+class RowLadder {
+ public:
+  RowLadder() = default;
+  // rungs: a power of two.
+  RowLadder(std::int64_t top, std::int64_t rungs) {
+    for (std::int64_t r = kRowQuantum; r < top;) {
+      rows_.push_back(r);
+      r += std::max(kRowQuantum, static_cast<std::int64_t>(std::bit_floor(static_cast<std::uint64_t>(r))) / rungs);
+    }
+    rows_.push_back(top);
+  }
+  const std::vector<std::int64_t>& entries() const { return rows_; }
+  // The rung for `active` rows (1 <= active <= top): the smallest entry >= active.
+  std::size_t index_of(std::int64_t active) const {
+    return static_cast<std::size_t>(std::lower_bound(rows_.begin(), rows_.end(), active) - rows_.begin());
+  }
+  // active rounded up to its rung (0 stays 0: no GEMM runs).
+  std::int64_t padded(std::int64_t active) const { return active == 0 ? 0 : rows_[index_of(active)]; }
+
+ private:
+  std::vector<std::int64_t> rows_;
+};
 
 // A value with a "full" and a "remainder" variant (last block, last tile, last chunk).
 template <class T>
@@ -138,7 +181,9 @@ struct LmHeadPlanData {
   std::unique_ptr<kernels::GemmEngine> engine;
   // Forward logits tile: [forward_rows] x [tile or last tile].
   FullAndLast<std::unique_ptr<kernels::Gemm>> forward;
-  // Backward, indexed by padded active rows / kRowQuantum - 1.
+  // The backward GEMMs' padded rows; the vectors below are indexed by its rungs.
+  RowLadder row_ladder;
+  // Backward, indexed by row_ladder.index_of(padded active rows).
   // dweight tile: [tile kind][overwrite=0 / accumulate=1].
   std::vector<FullAndLast<std::array<std::unique_ptr<kernels::Gemm>, 2>>> dweight;
   // dhidden chunk: [chunk kind].

@@ -1,8 +1,13 @@
 // Plan building for the fused LM head: token block and vocab tile from the
-// workspace budget, the oneDNN GEMMs for every shape the schedule produces,
-// and the workspace layout.
+// workspace budget, the GEMMs for every shape the schedule produces (the
+// backward ones per rung of the row ladder), the workspace layout, and the
+// plan's own bytes.
+#include <malloc.h>  // mallinfo2 (glibc)
+#include <unistd.h>  // sysconf
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <string>
 
@@ -118,13 +123,65 @@ WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) 
   return w;
 }
 
-void create_gemms(LmHeadPlanData& p) {
+// What the process holds, seen two ways (see bytes_since).
+struct MemorySample {
+  std::size_t heap = 0;           // malloc's bytes in use (glibc mallinfo2), 0 where unavailable
+  std::size_t anon_resident = 0;  // resident anonymous pages (/proc/self/statm), 0 where unavailable
+};
+
+MemorySample sample_memory() {
+  MemorySample m;
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  const struct mallinfo2 mi = mallinfo2();
+  m.heap = mi.uordblks + mi.hblkhd;  // small chunks in use + chunks malloc mapped on its own
+#endif
+  // statm: resident pages, then those backed by a file or shared memory; the
+  // difference is anonymous memory (a library's code paged in is not counted).
+  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+    std::size_t size = 0, resident = 0, shared = 0;
+    if (std::fscanf(f, "%zu %zu %zu", &size, &resident, &shared) == 3 && resident >= shared) {
+      m.anon_resident = (resident - shared) * static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+    }
+    std::fclose(f);
+  }
+  return m;
+}
+
+// The plan's own bytes allocated since `before` (LmHeadSchedule::plan_bytes):
+// the larger of the heap's growth and the anonymous resident growth. Each
+// misses what the other sees: malloc's count misses oneDNN's JIT code (Xbyak
+// maps it with mmap: ~20% of a f32 primitive's bytes at H = 8, V = 16), the
+// resident count misses objects placed in heap pages already resident (freed
+// by an earlier plan or try). Both are process-wide: another thread's
+// allocations (or frees) in the window are counted (or subtracted) too. And
+// a primitive oneDNN's process-wide cache already held (another plan of the
+// same shapes) costs this plan nothing here; the cache keeps recently used
+// primitives alive (1024 by default) after their plans are destroyed.
+std::size_t bytes_since(const MemorySample& before) {
+  const MemorySample now = sample_memory();
+  const auto growth = [](std::size_t from, std::size_t to) { return to > from ? to - from : std::size_t{0}; };
+  return std::max(growth(before.heap, now.heap), growth(before.anon_resident, now.anon_resident));
+}
+
+// Every GEMM of the plan, gone (before another try of the block builds its own).
+void release_gemms(LmHeadPlanData& p) {
+  p.gemms.clear();
+  p.forward = {};
+  p.dweight.clear();
+  p.dhidden.clear();
+  p.dweight_kept.clear();
+  p.dhidden_kept.clear();
+}
+
+// Builds the GEMMs for the plan's block; returns the bytes they took (bytes_since).
+std::size_t create_gemms(LmHeadPlanData& p) {
   const LmHeadShape& s = p.shape;
   const std::int64_t vt = p.schedule.vocab_tile;
   const std::int64_t last_tile = s.vocab - (p.tiles - 1) * vt;
   const kernels::GemmEngine& e = *p.engine;
+  release_gemms(p);
+  const MemorySample before = sample_memory();
   std::size_t scratch = 0;
-  p.gemms.clear();
   auto make = [&](const GemmSpec& spec) {
     auto g = std::make_unique<Gemm>(e, spec);
     scratch = std::max(scratch, g->scratchpad_bytes());
@@ -137,18 +194,29 @@ void create_gemms(LmHeadPlanData& p) {
   // Full and last tiles pack the shared hidden rows alike (only W's side differs).
   std::size_t packed =
       static_cast<std::size_t>(p.block_rows_alloc / p.forward_rows) * p.forward.full->shared_packed_bytes();
-  p.dweight.clear();
-  p.dhidden.clear();
-  p.dweight_kept.clear();
-  p.dhidden_kept.clear();
+  p.row_ladder = RowLadder();
   if (!p.options.forward_only) {
     const std::int64_t last_chunk = s.hidden - (p.hidden_chunks - 1) * p.hidden_chunk;
     const std::int64_t chunk = std::min(p.hidden_chunk, s.hidden);
-    for (std::int64_t k = kRowQuantum; k <= p.block_rows_alloc; k += kRowQuantum) {
+    // The dense rungs when every backward GEMM is one of ours (GemmTraits::
+    // m_independent: ours are, oneDNN's are not), whose objects are cheap
+    // (see kLadderRungsOwn); the backend does not depend on the rows.
+    const auto ours = [](const GemmSpec& spec) { return kernels::gemm_traits(spec).m_independent; };
+    const DweightTile dw_tile{s};
+    bool cheap = ours(dhidden_spec(s, p.dlogits_dtype, kRowQuantum, chunk));
+    if (!p.options.frozen_weight) {
+      cheap = cheap && ours(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, kRowQuantum, vt, false));
+    }
+    if (p.kept_cap > 0) {
+      cheap = cheap && ours(dhidden_kept_spec(p, kRowQuantum, chunk)) &&
+              (p.options.frozen_weight || ours(dweight_kept_spec(p, kRowQuantum)));
+    }
+    p.row_ladder = RowLadder(p.block_rows_alloc, cheap ? kLadderRungsOwn : kLadderRungsOnednn);
+    for (const std::int64_t k : p.row_ladder.entries()) {
       auto& dw = p.dweight.emplace_back();
       for (int acc = 0; acc < 2 && !p.options.frozen_weight; ++acc) {
-        dw.full[acc] = make(DweightTile{s}.spec(p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
-        dw.last[acc] = make(DweightTile{s}.spec(p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
+        dw.full[acc] = make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
+        dw.last[acc] = make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
       }
       if (!p.options.frozen_weight) packed = std::max(packed, dw.full[0]->shared_packed_bytes());
       auto& dh = p.dhidden.emplace_back();
@@ -166,6 +234,7 @@ void create_gemms(LmHeadPlanData& p) {
   }
   p.max_scratchpad = scratch;
   p.packed_hidden_bytes = packed;
+  return bytes_since(before);
 }
 
 std::string budget_error(std::size_t budget, std::size_t need) {
@@ -321,7 +390,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     p->schedule.token_block = block;
     if (whole_block) p->forward_rows = round_up(block, kRowQuantum);
     p->block_rows_alloc = round_up(block, p->forward_rows);
-    create_gemms(*p);
+    p->schedule.plan_bytes = create_gemms(*p);
     const WorkspaceRegistry regions = book_workspace(*p, /*packed_estimate=*/false);
     // Slots (concurrent tile tasks): one per thread, as many as the budget
     // holds beside everything else, at least one.
@@ -341,6 +410,15 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     throw Error("options.token_block", "token block " + std::to_string(nb) + " needs " +
                                            std::to_string(p->layout.total) + " bytes, over the workspace budget " +
                                            std::to_string(budget));
+  }
+  p->schedule.gemm_count = p->gemms.size();
+  {
+    // One set of bindings built now rather than by the first execute(), so
+    // that the plan's bytes count it (and the first call allocates no more
+    // than later ones).
+    const MemorySample before = sample_memory();
+    { const BindingPool::Lease first = p->bindings.acquire(); }  // back to the pool at the brace
+    p->schedule.plan_bytes += bytes_since(before);
   }
   return p;
 }

@@ -203,7 +203,7 @@ struct LmHeadStep {
       for (std::int64_t r = 0; r < nb; ++r) zero_dhidden_row(b0 + r);
       return;
     }
-    const std::int64_t padded = (na + kRowQuantum - 1) / kRowQuantum * kRowQuantum;
+    const std::int64_t padded = p.row_ladder.padded(na);
     const bool dweight = !p.options.frozen_weight;
     const bool filter = p.kept_cap > 0;
     stats.dhidden_gemm_rows += padded;
@@ -267,7 +267,7 @@ struct LmHeadStep {
     // The tile's dW GEMM (dense: every column of the tile).
     const auto tile_dweight = [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
-      const kernels::Gemm& gemm = *p.dweight[padded / kRowQuantum - 1].pick(j == p.tiles - 1)[accumulate];
+      const kernels::Gemm& gemm = *p.dweight[p.row_ladder.index_of(padded)].pick(j == p.tiles - 1)[accumulate];
       auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * dw_size;
       const std::array<const void*, 2> ab = dw_tile.operands(block_at(0, c0, dl_size), ws.hidden_act.data());
       dweight_clock.time(
@@ -277,7 +277,7 @@ struct LmHeadStep {
     std::int64_t kept_total = vocab;  // columns the backward GEMMs run over
     bool kept_path = false;           // the filtered GEMMs (backward_kept)
     if (!filter) {
-      if (dweight) packed_act = pack_active(*p.dweight[padded / kRowQuantum - 1].full[0]);
+      if (dweight) packed_act = pack_active(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
       for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
         tile_dlogits(j);
         if (dweight) tile_dweight(j, slot);  // frozen weight: the tile's dlogits feed dhidden alone
@@ -295,7 +295,7 @@ struct LmHeadStep {
       if (!kept_path) {  // too many to pay: the unfiltered block, bitwise
         kept_total = vocab;
         if (dweight) {
-          packed_act = pack_active(*p.dweight[padded / kRowQuantum - 1].full[0]);
+          packed_act = pack_active(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
           for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) { tile_dweight(j, slot); });
         }
       }
@@ -327,7 +327,7 @@ struct LmHeadStep {
     if (kept_path) {
       backward_kept(padded, kept_total, dweight, dweight_written);
     } else {
-      const auto& dhidden_gemms = p.dhidden[padded / kRowQuantum - 1];
+      const auto& dhidden_gemms = p.dhidden[p.row_ladder.index_of(padded)];
       for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
         const std::int64_t h0 = chunk * p.hidden_chunk;
         const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);
@@ -426,7 +426,7 @@ struct LmHeadStep {
           }
         });
       }
-      const kernels::Gemm& gemm = *p.dweight_kept[padded / kRowQuantum - 1];
+      const kernels::Gemm& gemm = *p.dweight_kept[p.row_ladder.index_of(padded)];
       const void* packed = nullptr;
       if (gemm.shared_packed_bytes() > 0) {
         gemm.pack_shared(ws.hidden_act.data(), ws.packed_hidden.data());
@@ -453,7 +453,7 @@ struct LmHeadStep {
     }
 
     std::memset(ws.dhidden_act.data(), 0, static_cast<std::size_t>(padded * hidden) * sizeof(float));
-    const auto& gemms = p.dhidden_kept[padded / kRowQuantum - 1];
+    const auto& gemms = p.dhidden_kept[p.row_ladder.index_of(padded)];
     for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
       const std::int64_t h0 = chunk * p.hidden_chunk;
       const std::int64_t cols = std::min(p.hidden_chunk, hidden - h0);

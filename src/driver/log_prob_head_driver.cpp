@@ -47,8 +47,10 @@ void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, 
       return step.valid(row) && (dlogp[row] != 0.0F || (with_entropy && dentropy[row] != 0.0F));
     });
     if (na > 0) {
-      // Padded to whole forward calls (>= the backward GEMMs' row quantum).
-      step.gather_active(b0, na, (na + p.forward_rows - 1) / p.forward_rows * p.forward_rows);
+      // Padded to whole forward calls and to the backward GEMMs' rung (both
+      // within the block's allocated rows).
+      step.gather_active(
+          b0, na, std::max((na + p.forward_rows - 1) / p.forward_rows * p.forward_rows, p.row_ladder.padded(na)));
       step.forward_gathered(b0, na);
     }
     step.backward(b0, rows, na, true, dlogp.data() + b0, with_entropy ? dentropy.data() + b0 : nullptr,
