@@ -147,8 +147,8 @@ int main(int argc, char** argv) {
   if (!grad_filter_arg.empty()) {
     char* end = nullptr;
     grad_filter = grad_filter_arg == "auto" ? kGradFilterAuto : std::strtod(grad_filter_arg.c_str(), &end);
-    if (grad_filter_arg != "auto" && (end == grad_filter_arg.c_str() || *end != '\0' || !(grad_filter > 0.0) ||
-                                      !(grad_filter < 1.0))) {
+    if (grad_filter_arg != "auto" &&
+        (end == grad_filter_arg.c_str() || *end != '\0' || !(grad_filter > 0.0) || !(grad_filter < 1.0))) {
       std::fprintf(stderr, "grpo-gradcheck: --grad-filter must be auto or a threshold in (0, 1), got %s\n",
                    grad_filter_arg.c_str());
       return 2;

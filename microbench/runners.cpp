@@ -404,8 +404,7 @@ double executed_flops(const BenchConfig& c, const LmHeadStepStats& rows) {
   const double per_row = 2.0 * static_cast<double>(c.shape.vocab) * static_cast<double>(c.shape.hidden);
   const double per_row_column = 2.0 * static_cast<double>(c.shape.hidden);
   return per_row * static_cast<double>(rows.logits_gemm_rows + rows.dhidden_gemm_rows + rows.dweight_gemm_rows) -
-         per_row_column *
-             static_cast<double>(rows.dhidden_skipped_row_columns + rows.dweight_skipped_row_columns);
+         per_row_column * static_cast<double>(rows.dhidden_skipped_row_columns + rows.dweight_skipped_row_columns);
 }
 
 double nominal_bytes(const BenchConfig& c) {

@@ -15,9 +15,9 @@ struct HeadCase {
   DType dtype = DType::f32;
   WeightLayout layout = WeightLayout::vocab_major;
   bool bias = false;
-  bool banned = false;      // bias -inf on some tokens
-  bool accumulate = false;  // dweight / dbias += (initial values nonzero)
-  bool frozen = false;      // LmHeadOptions::frozen_weight: dweight / dbias not passed (they keep their fill)
+  bool banned = false;       // bias -inf on some tokens
+  bool accumulate = false;   // dweight / dbias += (initial values nonzero)
+  bool frozen = false;       // LmHeadOptions::frozen_weight: dweight / dbias not passed (they keep their fill)
   double grad_filter = 0.0;  // LmHeadOptions::grad_filter (fused only)
   std::int64_t token_block = 32;
   std::int64_t vocab_tile = 64;
@@ -138,8 +138,7 @@ class FilterSlack {
               const std::vector<double>& dz_err)
       : v_(c.spec.vocab), dlogits_(dlogits), dz_err_(dz_err) {
     if (c.grad_filter == 0.0) return;
-    const double eps = c.grad_filter > 0.0 ? c.grad_filter
-                                           : std::ldexp(1.0, c.dtype == DType::bf16 ? -12 : -28);
+    const double eps = c.grad_filter > 0.0 ? c.grad_filter : std::ldexp(1.0, c.dtype == DType::bf16 ? -12 : -28);
     const double s = std::max(1.0, static_cast<double>(c.spec.config.logit_scale)) *
                      std::max(1.0, static_cast<double>(c.spec.config.temperature));
     may_skip_.assign(dlogits.size(), 0);

@@ -23,7 +23,7 @@ std::vector<HeadCase> filter_cases() {
   // (B, T, V, H): rows around the 32-row block, vocabularies around the
   // 64-column tile and wide enough that a block's kept columns can be fewer
   // than all of them.
-  const std::int64_t shapes[][4] = {{1, 7, 127, 24},  {1, 31, 256, 16},  {2, 16, 321, 40}, {3, 11, 193, 8},
+  const std::int64_t shapes[][4] = {{1, 7, 127, 24},  {1, 31, 256, 16}, {2, 16, 321, 40}, {3, 11, 193, 8},
                                     {1, 65, 170, 20}, {5, 7, 129, 300}, {2, 20, 100, 33}, {1, 40, 257, 16}};
   const LossType types[] = {LossType::grpo, LossType::dapo, LossType::cispo, LossType::bnpo};
   std::vector<HeadCase> cases;
@@ -69,9 +69,7 @@ void expect_bitwise(const std::vector<float>& a, const std::vector<float>& b, co
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << what;
 }
 
-void expect_same_metrics(const Metrics& a, const Metrics& b) {
-  EXPECT_EQ(std::memcmp(&a, &b, sizeof(Metrics)), 0);
-}
+void expect_same_metrics(const Metrics& a, const Metrics& b) { EXPECT_EQ(std::memcmp(&a, &b, sizeof(Metrics)), 0); }
 
 class FilteredHead : public ::testing::TestWithParam<HeadCase> {};
 
@@ -176,8 +174,8 @@ INSTANTIATE_TEST_SUITE_P(Generic, FilteredLogProbHead, ::testing::ValuesIn(log_p
 
 TEST(GradFilter, RefusesThresholdsOutsideTheRule) {
   const LmHeadShape shape{.batch = 1, .seq_len = 4, .hidden = 8, .vocab = 64};
-  for (const double bad : {-0.5, 1.0, 2.0, std::numeric_limits<double>::quiet_NaN(),
-                           std::numeric_limits<double>::infinity()}) {
+  for (const double bad :
+       {-0.5, 1.0, 2.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
     LmHeadOptions o;
     o.grad_filter = bad;
     try {

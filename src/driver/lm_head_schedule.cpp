@@ -305,9 +305,8 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->entropy_bonus = config.entropy_coef != 0.0F;
   if (options.grad_filter != 0.0 && !options.forward_only) {
     // auto: eps(weight dtype) / 32: 2^-7 / 32 for bf16, 2^-23 / 32 for f32.
-    p->grad_filter = options.grad_filter == kGradFilterAuto
-                         ? std::ldexp(1.0F, shape.dtype == DType::bf16 ? -12 : -28)
-                         : static_cast<float>(options.grad_filter);
+    p->grad_filter = options.grad_filter == kGradFilterAuto ? std::ldexp(1.0F, shape.dtype == DType::bf16 ? -12 : -28)
+                                                            : static_cast<float>(options.grad_filter);
     // A block runs filtered while its kept columns fit in half of V, in
     // groups of kKeptTile columns (fewer, a multiple of kRowQuantum, for a
     // small vocabulary; one under 2 kRowQuantum columns is never filtered).

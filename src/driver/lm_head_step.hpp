@@ -435,7 +435,8 @@ struct LmHeadStep {
       for_each_item(groups, p.schedule.slots, [&](std::int64_t g, int slot) {
         float* rows = slot_tile(slot);  // [kept_tile, H]
         dweight_clock.time([&] {
-          bindings.at(gemm, slot).run(group_dlogits(g), ws.hidden_act.data(), rows, nullptr, slot_scratch(slot), packed);
+          bindings.at(gemm, slot)
+              .run(group_dlogits(g), ws.hidden_act.data(), rows, nullptr, slot_scratch(slot), packed);
           const std::int64_t n = std::min(p.kept_tile, kept - g * p.kept_tile);
           for (std::int64_t c = 0; c < n; ++c) {
             const std::int64_t v = column[g * p.kept_tile + c];

@@ -478,8 +478,8 @@ void mark_kept_of(const void* g, std::int64_t n, float threshold, std::uint8_t* 
     if (m != 0) _mm_mask_storeu_epi8(kept + i, m, one);
   }
   if (i < n) {
-    const __mmask16 m = _mm512_mask_cmp_ps_mask(tail_mask(n - i), _mm512_and_ps(load_tail<T>(g, i, n - i, 0.0F), magnitude),
-                                                t, _CMP_GE_OQ);
+    const __mmask16 m = _mm512_mask_cmp_ps_mask(
+        tail_mask(n - i), _mm512_and_ps(load_tail<T>(g, i, n - i, 0.0F), magnitude), t, _CMP_GE_OQ);
     if (m != 0) _mm_mask_storeu_epi8(kept + i, m, one);
   }
 }

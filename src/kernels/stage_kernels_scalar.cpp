@@ -227,8 +227,8 @@ void bf16_to_f32_scalar(const std::uint16_t* in, float* out, std::int64_t n) {
 
 void mark_kept_scalar(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept) {
   for (std::int64_t i = 0; i < n; ++i) {
-    const float x = type == Elem::f32 ? static_cast<const float*>(g)[i]
-                                      : bf16_to_float(static_cast<const std::uint16_t*>(g)[i]);
+    const float x =
+        type == Elem::f32 ? static_cast<const float*>(g)[i] : bf16_to_float(static_cast<const std::uint16_t*>(g)[i]);
     if (std::fabs(x) >= threshold) kept[i] = 1;
   }
 }
