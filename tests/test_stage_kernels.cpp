@@ -597,6 +597,60 @@ TEST_P(StageKernelsTest, Conversions) {
   }
 }
 
+// The filtered backward's two row kernels against plain loops: mark_kept
+// sets exactly the marks of |g| >= threshold and leaves the others as they
+// were; add_row adds in f32 and rounds a bf16 row once (nearest even).
+TEST_P(StageKernelsTest, FilterRows) {
+  for (Place place : kPlaces) {
+    const std::uint32_t seed = 6000u + 7u * std::uint32_t(n_);
+    SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n_ << " place=" << int(place));
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0F, 1.0F);
+    Guarded g32(n_, 4, place);
+    Guarded g16(n_, 2, place);
+    for (std::int64_t i = 0; i < n_; ++i) {
+      const float x = normal(rng) * (i % 3 == 0 ? 1e-4F : 1.0F);  // a third far below the threshold
+      g32.as<float>()[i] = i % 11 == 5 ? -0.5F : x;               // and some exactly at it, negative
+      g16.as<std::uint16_t>()[i] = float_to_bf16(g32.as<float>()[i]);
+    }
+    for (const Elem type : {Elem::f32, Elem::bf16}) {
+      const void* g = type == Elem::f32 ? static_cast<const void*>(g32.as<float>()) : g16.as<std::uint16_t>();
+      std::vector<std::uint8_t> marks(static_cast<std::size_t>(n_) + 1, 0);
+      for (std::int64_t i = 0; i < n_; ++i) marks[i] = i % 7 == 3 ? 1 : 0;  // earlier rows' marks stay
+      marks[n_] = 9;                                                        // past the row: untouched
+      const std::vector<std::uint8_t> before = marks;
+      k_->mark_kept(g, type, n_, 0.5F, marks.data());
+      for (std::int64_t i = 0; i < n_; ++i) {
+        const float x = type == Elem::f32 ? g32.as<float>()[i] : bf16_to_float(g16.as<std::uint16_t>()[i]);
+        ASSERT_EQ(marks[i], std::fabs(x) >= 0.5F ? 1 : before[i]) << "i=" << i;
+      }
+      EXPECT_EQ(marks[n_], 9);
+    }
+    Guarded add(n_, 4, place);
+    for (std::int64_t i = 0; i < n_; ++i) add.as<float>()[i] = normal(rng);
+    Guarded out32(n_, 4, place);
+    Guarded out16(n_, 2, place);
+    for (std::int64_t i = 0; i < n_; ++i) {
+      out32.as<float>()[i] = normal(rng);
+      out16.as<std::uint16_t>()[i] = float_to_bf16(out32.as<float>()[i]);
+    }
+    std::vector<float> want32(static_cast<std::size_t>(n_));
+    std::vector<std::uint16_t> want16(static_cast<std::size_t>(n_));
+    for (std::int64_t i = 0; i < n_; ++i) {
+      want32[i] = out32.as<float>()[i] + add.as<float>()[i];
+      want16[i] = float_to_bf16(bf16_to_float(out16.as<std::uint16_t>()[i]) + add.as<float>()[i]);
+    }
+    k_->add_row(add.as<float>(), out32.as<float>(), Elem::f32, n_);
+    k_->add_row(add.as<float>(), out16.as<std::uint16_t>(), Elem::bf16, n_);
+    EXPECT_TRUE(out32.outside_untouched());
+    EXPECT_TRUE(out16.outside_untouched());
+    for (std::int64_t i = 0; i < n_; ++i) {
+      ASSERT_EQ(out32.as<float>()[i], want32[i]) << "i=" << i;
+      ASSERT_EQ(out16.as<std::uint16_t>()[i], want16[i]) << "i=" << i;
+    }
+  }
+}
+
 std::string param_name(const testing::TestParamInfo<StageKernelsTest::ParamType>& info) {
   return std::string(std::get<0>(info.param) == Path::scalar ? "scalar" : "avx512") + "_n" +
          std::to_string(std::get<1>(info.param));
