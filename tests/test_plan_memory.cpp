@@ -18,6 +18,12 @@
 namespace grpo::test {
 namespace {
 
+#if defined(__SANITIZE_ADDRESS__)
+constexpr std::size_t kPlanBytesDivisor = 4;
+#else
+constexpr std::size_t kPlanBytesDivisor = 8;
+#endif
+
 using detail::kRowQuantum;
 using detail::RowLadder;
 
@@ -90,9 +96,11 @@ TEST(PlanMemory, GemmCountAndBytesDoNotGrowWithTheBlock) {
     // Bytes: a plan measures its own (process-wide, so another thread could
     // add to it; none runs here). Bound: an eighth of the budget (the whole
     // budget is 256 MiB; the workspace takes 12-27 MiB here), whichever T.
+    // Under AddressSanitizer every allocation carries redzones (measured: 36
+    // MiB for the f32 plan that takes 21 MiB without): a quarter there.
     EXPECT_GT(a.plan_bytes, 0U);
-    EXPECT_LE(a.plan_bytes, options.workspace_budget / 8);
-    EXPECT_LE(b.plan_bytes, options.workspace_budget / 8);
+    EXPECT_LE(a.plan_bytes, options.workspace_budget / kPlanBytesDivisor);
+    EXPECT_LE(b.plan_bytes, options.workspace_budget / kPlanBytesDivisor);
     // describe() names both.
     for (const LmHeadLossPlan* p : {&small, &big}) {
       const std::string d = p->describe();
