@@ -256,13 +256,6 @@ struct LmHeadStep {
         ws.kept.count[j] = n;
       });
     };
-    // The active hidden rows packed once for every dW GEMM of the block (all
-    // of them pack the rows alike: only the dlogits side differs).
-    const auto pack_active = [&](const kernels::Gemm& any) -> const void* {
-      if (any.shared_packed_bytes() == 0) return nullptr;
-      any.pack_shared(ws.hidden_act.data(), ws.packed_hidden.data());
-      return ws.packed_hidden.data();
-    };
     const void* packed_act = nullptr;
     // The tile's dW GEMM (dense: every column of the tile).
     const auto tile_dweight = [&](std::int64_t j, int slot) {
@@ -277,7 +270,7 @@ struct LmHeadStep {
     std::int64_t kept_total = vocab;  // columns the backward GEMMs run over
     bool kept_path = false;           // the filtered GEMMs (backward_kept)
     if (!filter) {
-      if (dweight) packed_act = pack_active(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
+      if (dweight) packed_act = pack_active_rows(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
       for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
         tile_dlogits(j);
         if (dweight) tile_dweight(j, slot);  // frozen weight: the tile's dlogits feed dhidden alone
@@ -295,7 +288,7 @@ struct LmHeadStep {
       if (!kept_path) {  // too many to pay: the unfiltered block, bitwise
         kept_total = vocab;
         if (dweight) {
-          packed_act = pack_active(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
+          packed_act = pack_active_rows(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
           for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) { tile_dweight(j, slot); });
         }
       }
@@ -361,13 +354,26 @@ struct LmHeadStep {
   void zero_dweight() const {
     if (p.options.frozen_weight) return;
     const std::size_t elem = size_of(out.dweight.dtype);
-    for (std::int64_t r = 0; r < out.dweight.rows; ++r) {
-      std::memset(static_cast<std::byte*>(out.dweight.data) + static_cast<std::size_t>(r * out.dweight.ld) * elem, 0,
-                  static_cast<std::size_t>(out.dweight.cols) * elem);
-    }
+    // In runs of rows over the slots: a whole [V, H] dW is gigabytes.
+    constexpr std::int64_t kRows = 256;
+    for_each_item((out.dweight.rows + kRows - 1) / kRows, p.schedule.slots, [&](std::int64_t chunk, int /*slot*/) {
+      for (std::int64_t r = chunk * kRows; r < std::min(out.dweight.rows, (chunk + 1) * kRows); ++r) {
+        std::memset(static_cast<std::byte*>(out.dweight.data) + static_cast<std::size_t>(r * out.dweight.ld) * elem, 0,
+                    static_cast<std::size_t>(out.dweight.cols) * elem);
+      }
+    });
   }
 
  private:
+  // The block's active hidden rows packed once for every dW GEMM that takes
+  // them (gemm's shared operand; all of a block's dW GEMMs pack them alike,
+  // only the dlogits side differs); null when the backend reads them as they are.
+  const void* pack_active_rows(const kernels::Gemm& gemm) const {
+    if (gemm.shared_packed_bytes() == 0) return nullptr;
+    gemm.pack_shared(ws.hidden_act.data(), ws.packed_hidden.data());
+    return ws.packed_hidden.data();
+  }
+
   std::int64_t kept_groups(std::int64_t kept) const { return (kept + p.kept_tile - 1) / p.kept_tile; }
 
   // The filtered backward of a block whose kept columns (kept.column[0,
@@ -409,29 +415,9 @@ struct LmHeadStep {
       const kernels::Elem dw_type = elem_of(p.options.dweight_dtype);
       const std::size_t dw_size = size_of(p.options.dweight_dtype);
       auto* dw = static_cast<std::byte*>(out.dweight.data);
-      if (!*dweight_written) {  // overwrite mode, first block: the columns left out get zeros
-        for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) {
-          const std::int64_t c0 = j * p.schedule.vocab_tile;
-          const std::int64_t cols = std::min(p.schedule.vocab_tile, vocab - c0);
-          if (vocab_major) {
-            for (std::int64_t v = c0; v < c0 + cols; ++v) {
-              std::memset(dw + static_cast<std::size_t>(v * p.shape.dweight_ld) * dw_size, 0,
-                          static_cast<std::size_t>(hidden) * dw_size);
-            }
-          } else {
-            for (std::int64_t h = 0; h < hidden; ++h) {
-              std::memset(dw + static_cast<std::size_t>(h * p.shape.dweight_ld + c0) * dw_size, 0,
-                          static_cast<std::size_t>(cols) * dw_size);
-            }
-          }
-        });
-      }
+      if (!*dweight_written) zero_dweight();  // overwrite mode, first block: the columns left out get zeros
       const kernels::Gemm& gemm = *p.dweight_kept[p.row_ladder.index_of(padded)];
-      const void* packed = nullptr;
-      if (gemm.shared_packed_bytes() > 0) {
-        gemm.pack_shared(ws.hidden_act.data(), ws.packed_hidden.data());
-        packed = ws.packed_hidden.data();
-      }
+      const void* packed = pack_active_rows(gemm);
       for_each_item(groups, p.schedule.slots, [&](std::int64_t g, int slot) {
         float* rows = slot_tile(slot);  // [kept_tile, H]
         dweight_clock.time([&] {
