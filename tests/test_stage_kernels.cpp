@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdlib>
@@ -599,7 +600,8 @@ TEST_P(StageKernelsTest, Conversions) {
 
 // The filtered backward's two row kernels against plain loops: mark_kept
 // sets exactly the marks of |g| >= threshold and leaves the others as they
-// were; add_row adds in f32 and rounds a bf16 row once (nearest even).
+// were, and returns the sum of the |g| below it in its fixed lane order; add_row adds in f32 and rounds a bf16 row once
+// (nearest even).
 TEST_P(StageKernelsTest, FilterRows) {
   for (Place place : kPlaces) {
     const std::uint32_t seed = 6000u + 7u * std::uint32_t(n_);
@@ -619,11 +621,16 @@ TEST_P(StageKernelsTest, FilterRows) {
       for (std::int64_t i = 0; i < n_; ++i) marks[i] = i % 7 == 3 ? 1 : 0;  // earlier rows' marks stay
       marks[n_] = 9;                                                        // past the row: untouched
       const std::vector<std::uint8_t> before = marks;
-      k_->mark_kept(g, type, n_, 0.5F, marks.data());
+      const float below = k_->mark_kept(g, type, n_, 0.5F, marks.data());
+      std::array<float, 16> lane{};  // |g| below the threshold, element i in lane i mod 16
       for (std::int64_t i = 0; i < n_; ++i) {
         const float x = type == Elem::f32 ? g32.as<float>()[i] : bf16_to_float(g16.as<std::uint16_t>()[i]);
         ASSERT_EQ(marks[i], std::fabs(x) >= 0.5F ? 1 : before[i]) << "i=" << i;
+        if (std::fabs(x) < 0.5F) lane[static_cast<std::size_t>(i % 16)] += std::fabs(x);
       }
+      float want_below = 0.0F;
+      for (const float l : lane) want_below += l;
+      EXPECT_EQ(below, want_below);  // bitwise: the same lanes in the same order on every path
       EXPECT_EQ(marks[n_], 9);
     }
     Guarded add(n_, 4, place);

@@ -26,6 +26,7 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
   LossAccumulator acc(p.config, p.shape.batch, p.shape.seq_len, inputs.batch, max_abs_coef);
   exchange.begin(acc, counts);
   bool dweight_written = p.options.accumulate_weight_grads;  // accumulate: always add
+  if (backward) step.prepare_tail();                         // the filtered backward's bases (grad_filter), from W
   // dbias is zeroed (overwrite mode) just before the first backward, after the
   // first coefficients: a refusal there leaves it untouched.
   bool dbias_ready = outputs.dbias.empty() || p.options.accumulate_weight_grads;
@@ -86,6 +87,7 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
     }
   }
   if (backward && !dbias_ready) std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
+  if (backward) step.finish_tail();
   if (backward && !dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
   exchange.end(outputs, acc);
   if (outputs.stats != nullptr) *outputs.stats = step.step_stats();

@@ -64,6 +64,25 @@ inline constexpr std::size_t kSlotBudgetDivisor = 8;
 // zero-padded): dW of one group is a [kKeptTile, H] f32 slot buffer, then
 // added into the kept rows of dW.
 inline constexpr std::int64_t kKeptTile = 256;
+// The filtered backward gives the left-out entries back in a subspace of
+// this many directions (LmHeadStep's tail correction): dhidden in a basis of
+// W's rows, dW in a basis of the block's hidden rows. The left-out entries
+// of a trained model's logits are each tiny but many (~150k per row at Qwen's
+// vocabulary), and their sum points along the few directions most rows of W
+// share; 8 directions, the first their plain sum, take that coherent part.
+inline constexpr std::int64_t kTailRank = 8;
+// Columns of the tail GEMM operands that carry a rank-k value split in two
+// bf16 halves (hi, lo), and of the dW apply GEMM's [hi, hi, lo] x [hi; lo; hi]
+// (padded to the AMX tile's 32 rows of K).
+inline constexpr std::int64_t kTailPair = 2 * kTailRank;
+inline constexpr std::int64_t kTailApplyLd = 32;
+// A row whose entries under the filter's threshold add up to more than this
+// share of its scale (|a| + |b|, see the rule) is a dense row: a nearly
+// uniform distribution, whose left-out mass is most of its gradient and
+// points along E_p[W] - mean W, a direction no fixed basis holds. Its
+// dhidden is computed over every column (up to kRowQuantum such rows per
+// block, else the block runs the exact GEMMs).
+inline constexpr float kDenseRowMass = 0.25F;
 
 // The padded row counts a block's backward GEMMs are created for (one GEMM
 // shape per rung), in one place for the plan (create_gemms) and the step
@@ -177,6 +196,13 @@ struct LmHeadPlanData {
   float grad_filter = 0.0F;
   std::int64_t kept_tile = 0;
   std::int64_t kept_cap = 0;
+  // With bf16 dlogits the kept entries also carry their rounding's remainder
+  // (lo = g - bf16(g), a second bf16 GEMM pass): per block row, room for this
+  // many kept columns' remainders (Region::kept_lo); a block keeping more runs
+  // the exact GEMMs. 0 with f32 dlogits (nothing to carry).
+  std::int64_t kept_lo_cap = 0;
+  // The tail correction's rank (kTailRank; 0: filter off).
+  std::int64_t tail_rank = 0;
 
   std::unique_ptr<kernels::GemmEngine> engine;
   // Forward logits tile: [forward_rows] x [tile or last tile].
@@ -194,6 +220,21 @@ struct LmHeadPlanData {
   // [kept_tile, chunk] (ld hidden_chunk) [chunk kind].
   std::vector<std::unique_ptr<kernels::Gemm>> dweight_kept;
   std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden_kept;
+  // dweight_kept accumulating (the remainders' pass), with kept_lo_cap.
+  std::vector<std::unique_ptr<kernels::Gemm>> dweight_kept_lo;
+  // The tail correction's (tail_rank > 0; see LmHeadStep::tail_block), per
+  // rung: dlogits tile [k, cols] x A tile [cols, kTailPair] -> f32 [k,
+  // kTailPair]; dlogits tile^T [cols, k] x the hidden rows' coordinates [k,
+  // kTailPair] -> f32 [cols, kTailPair] (empty with frozen_weight); the active
+  // hidden rows [k, H] x the hidden basis^T [H, kTailRank] -> f32.
+  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> tail_dhidden;
+  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> tail_dweight;
+  std::vector<std::unique_ptr<kernels::Gemm>> tail_hidden;
+  // Per call: W's basis rows [kRowQuantum, H] x W tile^T -> f32 [kRowQuantum,
+  // cols] (A = W B^T), and dW tile += C [cols, kTailApplyLd] x D
+  // [kTailApplyLd, H] (either layout; empty with frozen_weight).
+  FullAndLast<std::unique_ptr<kernels::Gemm>> tail_project;
+  FullAndLast<std::unique_ptr<kernels::Gemm>> tail_apply;
   std::size_t max_scratchpad = 0;
   // Bytes of the packed hidden rows: every forward chunk of a block, or the
   // block's active rows for dW, whichever is more (0: the backend packs nothing).
@@ -235,6 +276,11 @@ struct BlockChoice {
   std::int64_t token_block = 0;
   std::int64_t forward_rows = 0;
 };
+
+// The tail correction's workspace dimensions (rank 0 when it is off).
+inline TailRegions::Dims tail_dims(const LmHeadPlanData& p) {
+  return {p.shape.vocab, p.shape.hidden, p.tiles, p.tail_rank, size_of(p.dlogits_dtype), size_of(p.shape.dtype)};
+}
 
 // The vocab tile a plan of this shape and options uses.
 inline std::int64_t plan_vocab_tile(const LmHeadShape& shape, const LmHeadOptions& options) {

@@ -80,6 +80,55 @@ GemmSpec dhidden_kept_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t
   return g;
 }
 
+// The tail correction's GEMMs (LmHeadStep::tail_block). dhidden's: the
+// block's dlogits tile [k, cols] (ld V) x A's rows [cols, kTailPair].
+GemmSpec tail_dhidden_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
+  GemmSpec g;
+  g.a = {p.dlogits_dtype, k, cols, p.shape.vocab, 1};
+  g.b = {p.dlogits_dtype, cols, kTailPair, kTailPair, 1};
+  g.c = {DType::f32, k, kTailPair, kTailPair, 1};
+  return g;
+}
+
+// dW's: the dlogits tile transposed [cols, k] x the hidden rows' coordinates [k, kTailPair].
+GemmSpec tail_dweight_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
+  GemmSpec g;
+  g.a = {p.dlogits_dtype, cols, k, 1, p.shape.vocab};
+  g.b = {p.dlogits_dtype, k, kTailPair, kTailPair, 1};
+  g.c = {DType::f32, cols, kTailPair, kTailPair, 1};
+  return g;
+}
+
+// The hidden rows' coordinates: active hidden rows [k, H] x the basis^T [H, kTailRank].
+GemmSpec tail_hidden_spec(const LmHeadPlanData& p, std::int64_t k) {
+  const LmHeadShape& s = p.shape;
+  GemmSpec g;
+  g.a = {s.dtype, k, s.hidden, s.hidden_ld, 1};
+  g.b = {s.dtype, s.hidden, kTailRank, 1, s.hidden};
+  g.c = {DType::f32, k, kTailRank, kTailRank, 1};
+  return g;
+}
+
+// dW tile of cols vocab columns += C [cols, K] (ld kTailApplyLd) x D [K, H],
+// K = kTailApplyLd for bf16 dlogits (C's [hi, hi, lo] x D's [hi; lo; hi],
+// zero-padded), kTailRank for f32.
+GemmSpec tail_apply_spec(const LmHeadPlanData& p, std::int64_t cols) {
+  const LmHeadShape& s = p.shape;
+  const std::int64_t kk = p.dlogits_dtype == DType::bf16 ? kTailApplyLd : kTailRank;
+  GemmSpec g;
+  if (vocab_major(s)) {
+    g.a = {p.dlogits_dtype, cols, kk, kTailApplyLd, 1};
+    g.b = {p.dlogits_dtype, kk, s.hidden, s.hidden, 1};
+    g.c = {p.options.dweight_dtype, cols, s.hidden, s.dweight_ld, 1};
+  } else {
+    g.a = {p.dlogits_dtype, s.hidden, kk, 1, s.hidden};
+    g.b = {p.dlogits_dtype, kk, cols, 1, kTailApplyLd};
+    g.c = {p.options.dweight_dtype, s.hidden, cols, s.dweight_ld, 1};
+  }
+  g.accumulate = true;
+  return g;
+}
+
 // The slot's GEMM tile: the forward's logits tile; under the filter also the
 // kept columns' f32 dW buffer and the gathered W rows (never at once).
 std::size_t slot_tile_bytes(const LmHeadPlanData& p) {
@@ -87,6 +136,8 @@ std::size_t slot_tile_bytes(const LmHeadPlanData& p) {
   if (p.kept_cap > 0) {
     b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.shape.hidden) * sizeof(float));
     b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.hidden_chunk) * size_of(p.shape.dtype));
+    // The tail correction's W projection tile [kRowQuantum, tile] and dW coordinates [tile, kTailPair].
+    b = std::max(b, static_cast<std::size_t>(std::max(kRowQuantum, kTailPair) * p.schedule.vocab_tile) * sizeof(float));
   }
   return b;
 }
@@ -119,6 +170,10 @@ WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) 
   w.book(Region::exchange, p.scale_out ? p.scale_out->bytes_per_row() : 0,
          p.scale_out ? p.scale_out->fixed_bytes() : 0);
   w.book(Region::kept_columns, 0, p.kept_cap > 0 ? KeptColumns::bytes(s.vocab, p.tiles) : 0);
+  w.book(Region::kept_lo, static_cast<std::size_t>(p.kept_lo_cap) * size_of(p.dlogits_dtype));
+  const TailRegions::Dims tail = tail_dims(p);
+  w.book(Region::tail, tail.rank > 0 ? TailRegions::per_row_bytes(tail) : 0,
+         tail.rank > 0 ? TailRegions::fixed_bytes(tail) : 0);
   w.book_slot(slot_tile_bytes(p), p.max_scratchpad);
   return w;
 }
@@ -171,6 +226,12 @@ void release_gemms(LmHeadPlanData& p) {
   p.dhidden.clear();
   p.dweight_kept.clear();
   p.dhidden_kept.clear();
+  p.dweight_kept_lo.clear();
+  p.tail_dhidden.clear();
+  p.tail_dweight.clear();
+  p.tail_hidden.clear();
+  p.tail_project = {};
+  p.tail_apply = {};
 }
 
 // Builds the GEMMs for the plan's block; returns the bytes they took (bytes_since).
@@ -230,6 +291,32 @@ std::size_t create_gemms(LmHeadPlanData& p) {
       auto& dhk = p.dhidden_kept.emplace_back();
       dhk.full = make(dhidden_kept_spec(p, k, chunk));
       dhk.last = make(dhidden_kept_spec(p, k, last_chunk));
+      if (p.kept_lo_cap > 0 && !p.options.frozen_weight) {
+        GemmSpec lo = dweight_kept_spec(p, k);
+        lo.accumulate = true;
+        p.dweight_kept_lo.push_back(make(lo));
+      }
+      if (p.tail_rank == 0) continue;
+      auto& tdh = p.tail_dhidden.emplace_back();
+      tdh.full = make(tail_dhidden_spec(p, k, vt));
+      tdh.last = make(tail_dhidden_spec(p, k, last_tile));
+      auto& tdw = p.tail_dweight.emplace_back();
+      if (!p.options.frozen_weight) {
+        tdw.full = make(tail_dweight_spec(p, k, vt));
+        tdw.last = make(tail_dweight_spec(p, k, last_tile));
+      }
+      p.tail_hidden.push_back(make(tail_hidden_spec(p, k)));
+    }
+    if (p.tail_rank > 0) {
+      GemmSpec full = forward_spec(s, kRowQuantum, vt, vt);
+      GemmSpec last = forward_spec(s, kRowQuantum, last_tile, last_tile);
+      full.has_bias = last.has_bias = false;
+      p.tail_project.full = make(full);
+      p.tail_project.last = make(last);
+      if (!p.options.frozen_weight) {
+        p.tail_apply.full = make(tail_apply_spec(p, vt));
+        p.tail_apply.last = make(tail_apply_spec(p, last_tile));
+      }
     }
   }
   p.max_scratchpad = scratch;
@@ -312,6 +399,13 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     // small vocabulary; one under 2 kRowQuantum columns is never filtered).
     p->kept_tile = std::min(kKeptTile, shape.vocab / 2 / kRowQuantum * kRowQuantum);
     if (p->kept_tile > 0) p->kept_cap = shape.vocab / 2 / p->kept_tile * p->kept_tile;
+    if (p->kept_cap > 0) {
+      p->tail_rank = kTailRank;
+      // Room for the remainders of V / 8 kept columns (at least one group).
+      if (shape.dtype == DType::bf16) {
+        p->kept_lo_cap = std::min(p->kept_cap, std::max(p->kept_tile, shape.vocab / 8 / p->kept_tile * p->kept_tile));
+      }
+    }
   }
 
   // The schedule is a function of the shape, the options and the budget: the

@@ -45,6 +45,105 @@ class PhaseClock {
   std::atomic<std::int64_t> ns_{0};
 };
 
+// The tail correction's random signs: +-1 from (column, direction), a fixed
+// hash (the same in every call and on every machine); direction 0 is all +1
+// (the plain sum, the direction a trained head's rows share most).
+inline float tail_sign(std::int64_t column, std::int64_t direction) {
+  if (direction == 0) return 1.0F;
+  std::uint64_t x = static_cast<std::uint64_t>(column) * 0x9E3779B97F4A7C15ULL +
+                    static_cast<std::uint64_t>(direction) * 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 31;
+  x *= 0x94D049BB133111EBULL;
+  x ^= x >> 29;
+  return (x >> 63) != 0 ? -1.0F : 1.0F;
+}
+
+// An orthonormal basis of the span of rows y [k, n] (row stride ld_y):
+// modified Gram-Schmidt in double, twice (a row keeping less than 1e-6 of its
+// norm becomes zero), rounded to `type` into basis [k, n] (row stride
+// ld_basis); and dual [k, n] = (Bb Bb^T)^-1 Bb of the rounded rows Bb, so
+// x -> (x Bb^T) dual is the orthogonal projection onto their span even though
+// rounding left them not quite orthonormal. work: k (n + k) doubles.
+inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t k, std::int64_t n, double* work,
+                       std::byte* basis, std::int64_t ld_basis, DType type, float* dual) {
+  double* q = work;
+  double* m = work + k * n;
+  const auto dot = [&](const double* a, const double* b) {
+    double d = 0.0;
+    for (std::int64_t c = 0; c < n; ++c) d += a[c] * b[c];
+    return d;
+  };
+  for (std::int64_t r = 0; r < k; ++r) {
+    double* qr = q + r * n;
+    for (std::int64_t c = 0; c < n; ++c) qr[c] = y[r * ld_y + c];
+    const double norm0 = std::sqrt(dot(qr, qr));
+    for (int pass = 0; pass < 2; ++pass) {
+      for (std::int64_t t = 0; t < r; ++t) {
+        const double d = dot(q + t * n, qr);
+        for (std::int64_t c = 0; c < n; ++c) qr[c] -= d * q[t * n + c];
+      }
+    }
+    const double norm = std::sqrt(dot(qr, qr));
+    const double scale = norm0 > 0.0 && norm > 1e-6 * norm0 ? 1.0 / norm : 0.0;
+    for (std::int64_t c = 0; c < n; ++c) {
+      // The rounded value, kept in q for the Gram matrix below.
+      if (type == DType::bf16) {
+        const std::uint16_t b = kernels::float_to_bf16(static_cast<float>(qr[c] * scale));
+        reinterpret_cast<std::uint16_t*>(basis)[r * ld_basis + c] = b;
+        qr[c] = kernels::bf16_to_float(b);
+      } else {
+        const auto f = static_cast<float>(qr[c] * scale);
+        reinterpret_cast<float*>(basis)[r * ld_basis + c] = f;
+        qr[c] = f;
+      }
+    }
+  }
+  // M = Bb Bb^T (1 on the diagonal of a zero row: its dual row stays zero), Cholesky M = L L^T in place.
+  for (std::int64_t r = 0; r < k; ++r) {
+    for (std::int64_t t = 0; t <= r; ++t) m[r * k + t] = dot(q + r * n, q + t * n);
+    if (m[r * k + r] == 0.0) m[r * k + r] = 1.0;
+  }
+  for (std::int64_t r = 0; r < k; ++r) {
+    for (std::int64_t t = 0; t <= r; ++t) {
+      double v = m[r * k + t];
+      for (std::int64_t x = 0; x < t; ++x) v -= m[r * k + x] * m[t * k + x];
+      m[r * k + t] = r == t ? std::sqrt(v) : v / m[t * k + t];
+    }
+  }
+  // dual = M^-1 Bb, column by column: L z = b, L^T x = z.
+  for (std::int64_t c = 0; c < n; ++c) {
+    double z[kTailRank];
+    for (std::int64_t r = 0; r < k; ++r) {
+      double v = q[r * n + c];
+      for (std::int64_t x = 0; x < r; ++x) v -= m[r * k + x] * z[x];
+      z[r] = v / m[r * k + r];
+    }
+    for (std::int64_t r = k - 1; r >= 0; --r) {
+      double v = z[r];
+      for (std::int64_t x = r + 1; x < k; ++x) v -= m[x * k + r] * z[x];
+      z[r] = v / m[r * k + r];
+    }
+    for (std::int64_t r = 0; r < k; ++r) dual[r * n + c] = static_cast<float>(z[r]);
+  }
+}
+
+// A value of a tail operand in dlogits dtype.
+inline float tail_load(const std::byte* base, std::int64_t i, DType type) {
+  return type == DType::bf16 ? kernels::bf16_to_float(reinterpret_cast<const std::uint16_t*>(base)[i])
+                             : reinterpret_cast<const float*>(base)[i];
+}
+// v as (hi, lo) at i and i + offset: bf16(v) and bf16(v - hi), or v and 0 in f32.
+inline void tail_store_pair(std::byte* base, std::int64_t i, std::int64_t offset, float v, DType type) {
+  if (type == DType::bf16) {
+    auto* b = reinterpret_cast<std::uint16_t*>(base);
+    b[i] = kernels::float_to_bf16(v);
+    b[i + offset] = kernels::float_to_bf16(v - kernels::bf16_to_float(b[i]));
+  } else {
+    reinterpret_cast<float*>(base)[i] = v;
+    reinterpret_cast<float*>(base)[i + offset] = 0.0F;
+  }
+}
+
 struct LmHeadStep {
   const LmHeadPlanData& p;
   const LmHeadInputs& in;
@@ -61,6 +160,12 @@ struct LmHeadStep {
   StepExchange& exchange;  // the call's, see step_exchange.hpp
   LmHeadStepStats stats;
   PhaseClock forward_gemm_clock, forward_stage_clock, dlogits_clock, dweight_clock, dhidden_clock;
+  // The filtered backward: remainder columns claimed in kept_lo by the block's
+  // tiles; whether a block ran filtered (the tail's dW coordinates need
+  // applying) and whether this call's hidden basis exists.
+  std::atomic<std::int64_t> lo_claimed{0};
+  bool tail_used = false;
+  bool hidden_basis_ready = false;
 
   // stats with the phase times filled in.
   LmHeadStepStats step_stats() const {
@@ -85,7 +190,8 @@ struct LmHeadStep {
         dl_size(size_of(plan.dlogits_dtype)),
         act_row_bytes(static_cast<std::size_t>(plan.shape.hidden_ld) * in_size),
         vocab_major(plan.shape.layout == WeightLayout::vocab_major),
-        ws(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus, plan.shape.vocab, plan.tiles),
+        ws(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus, plan.shape.vocab, plan.tiles,
+           tail_dims(plan)),
         exchange(call_exchange) {}
 
   float* slot_tile(int slot) const { return reinterpret_cast<float*>(ws.slots + slot * p.layout.slot_bytes); }
@@ -222,13 +328,19 @@ struct LmHeadStep {
     const float chain = transform.capped() ? transform.softcap_scale : 1.0F;
 
     // The tile's dlogits rows (+ dbias), and under the filter its kept columns.
-    const auto tile_dlogits = [&](std::int64_t j) {
+    // With bf16 dlogits under the filter (kept_lo_cap > 0) the rows are
+    // computed in f32 twice, in the slot's tile: once to mark the kept
+    // columns, once to write them (rounded as the kernel rounds) with each
+    // kept entry's remainder g - bf16(g) into kept_lo.
+    const bool with_lo = p.kept_lo_cap > 0;
+    const auto tile_dlogits = [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
       dlogits_clock.time([&] {
         std::uint8_t* mark = filter ? ws.kept.mark.data() + c0 : nullptr;
         if (filter) std::memset(mark, 0, static_cast<std::size_t>(cols));
-        for (std::int64_t i = 0; i < na; ++i) {
+        // Row i's dlogits into out (dbias added when add_bias); its filter threshold returned.
+        const auto row_dlogits = [&](std::int64_t i, void* out, kernels::Elem out_type, bool add_bias) {
           const std::int64_t r = ws.rows.active[i];
           const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
           const std::int64_t row = b0 + r;
@@ -239,21 +351,46 @@ struct LmHeadStep {
           if (entropy_coef != nullptr) {
             u = {u.a, entropy_coef[r] * entropy_scale, ws.rows.lse[s] - ws.rows.entropy[s], true};
           }
-          // Row i <= s: the compacted output never overwrites a stored row not yet read.
-          std::byte* g = block_at(i, c0, dl_size);
           dlogits_row(k, transform, block_at(s, c0, store_size), p.store_type, cols, 1.0F,
-                      ws.tile_stats[s * p.tiles + j].max, ws.rows.lse[s], u, tgt, g, dl_type,
-                      dbias != nullptr ? dbias + c0 : nullptr);
-          if (filter) k.mark_kept(g, dl_type, cols, p.grad_filter * (std::fabs(u.a) + std::fabs(u.b)) * chain, mark);
+                      ws.tile_stats[s * p.tiles + j].max, ws.rows.lse[s], u, tgt, out, out_type,
+                      add_bias && dbias != nullptr ? dbias + c0 : nullptr);
+          return p.grad_filter * (std::fabs(u.a) + std::fabs(u.b)) * chain;
+        };
+        float* f = slot_tile(slot);  // with_lo: one row's f32 dlogits
+        for (std::int64_t i = 0; i < na; ++i) {
+          // Row i <= s: the compacted output never overwrites a stored row not yet read.
+          void* g = with_lo ? static_cast<void*>(f) : block_at(i, c0, dl_size);
+          const kernels::Elem g_type = with_lo ? kernels::Elem::f32 : dl_type;
+          const float threshold = row_dlogits(i, g, g_type, !with_lo);
+          if (!filter) continue;
+          ws.tail.below[i * p.tiles + j] = k.mark_kept(g, g_type, cols, threshold, mark);
+          if (j == 0) ws.tail.row_scale[i] = threshold / p.grad_filter;
+        }
+        if (filter) {
+          std::int32_t* kept = ws.kept.column.data() + c0;
+          std::int64_t n = 0;
+          for (std::int64_t c = 0; c < cols; ++c) {
+            if (mark[c] != 0) kept[n++] = static_cast<std::int32_t>(c0 + c);
+          }
+          ws.kept.count[j] = n;
+          if (with_lo) {
+            const std::int64_t at = lo_claimed.fetch_add(n, std::memory_order_relaxed);
+            ws.tail.lo_at[j] = at;
+            const bool room = at + n <= p.kept_lo_cap;
+            auto* lo = reinterpret_cast<std::uint16_t*>(ws.kept_lo.data());
+            for (std::int64_t i = 0; i < na; ++i) {
+              row_dlogits(i, f, kernels::Elem::f32, true);
+              auto* g = reinterpret_cast<std::uint16_t*>(block_at(i, c0, dl_size));
+              k.f32_to_bf16(f, g, cols);  // bit for bit the kernel's own bf16 output
+              if (!room) continue;
+              for (std::int64_t x = 0; x < n; ++x) {
+                const std::int64_t c = kept[x] - c0;
+                lo[i * p.kept_lo_cap + at + x] = kernels::float_to_bf16(f[c] - kernels::bf16_to_float(g[c]));
+              }
+            }
+          }
         }
         for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
-        if (!filter) return;
-        std::int32_t* kept = ws.kept.column.data() + c0;
-        std::int64_t n = 0;
-        for (std::int64_t c = 0; c < cols; ++c) {
-          if (mark[c] != 0) kept[n++] = static_cast<std::int32_t>(c0 + c);
-        }
-        ws.kept.count[j] = n;
       });
     };
     const void* packed_act = nullptr;
@@ -269,14 +406,16 @@ struct LmHeadStep {
 
     std::int64_t kept_total = vocab;  // columns the backward GEMMs run over
     bool kept_path = false;           // the filtered GEMMs (backward_kept)
+    std::int64_t dense = 0;           // its dense rows (tail.dense_row)
     if (!filter) {
       if (dweight) packed_act = pack_active_rows(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
       for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
-        tile_dlogits(j);
+        tile_dlogits(j, slot);
         if (dweight) tile_dweight(j, slot);  // frozen weight: the tile's dlogits feed dhidden alone
       });
     } else {
-      for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) { tile_dlogits(j); });
+      lo_claimed.store(0, std::memory_order_relaxed);
+      for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) { tile_dlogits(j, slot); });
       // Every tile's kept columns, in column order, from kept.column[0].
       kept_total = 0;
       for (std::int64_t j = 0; j < p.tiles; ++j) {
@@ -284,7 +423,10 @@ struct LmHeadStep {
         std::memmove(ws.kept.column.data() + kept_total, ws.kept.column.data() + j * vt, n * sizeof(std::int32_t));
         kept_total += n;
       }
-      kept_path = kept_total <= p.kept_cap && kept_total < vocab;
+      kept_path = kept_total <= p.kept_cap && kept_total < vocab &&
+                  (!with_lo || lo_claimed.load(std::memory_order_relaxed) <= p.kept_lo_cap);
+      if (kept_path) dense = dense_rows(na);
+      kept_path = kept_path && dense <= kRowQuantum;
       if (!kept_path) {  // too many to pay: the unfiltered block, bitwise
         kept_total = vocab;
         if (dweight) {
@@ -305,7 +447,9 @@ struct LmHeadStep {
           (kept_path ? 2.0 * dl_bytes : 0.0);
       stats.schedule_bytes += w_bytes + static_cast<double>(p.hidden_chunks) * dl_bytes;
       const double row_columns = static_cast<double>(padded) * static_cast<double>(vocab - run);
-      stats.dhidden_skipped_row_columns += static_cast<std::int64_t>(row_columns);
+      // The dense rows' dhidden runs over every column (a kRowQuantum-row GEMM).
+      stats.dhidden_skipped_row_columns +=
+          static_cast<std::int64_t>(row_columns) - (dense > 0 ? kRowQuantum * (vocab - run) : 0);
       if (dweight) {
         stats.dweight_skipped_row_columns += static_cast<std::int64_t>(row_columns);
         const double dw_all = static_cast<double>(vocab) * static_cast<double>(hidden) * static_cast<double>(dw_size);
@@ -318,7 +462,11 @@ struct LmHeadStep {
       }
     }
     if (kept_path) {
-      backward_kept(padded, kept_total, dweight, dweight_written);
+      if (p.tail_rank > 0) tail_block(padded, na, dweight);
+      if (dense > 0) gather_dense(dense);
+      backward_kept(padded, na, kept_total, dweight, dweight_written);
+      if (p.tail_rank > 0) tail_dhidden(na);
+      if (dense > 0) dense_dhidden(dense);
     } else {
       const auto& dhidden_gemms = p.dhidden[p.row_ladder.index_of(padded)];
       for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
@@ -351,6 +499,111 @@ struct LmHeadStep {
     }
   }
 
+  // The filtered backward's tail correction, per call (before any block): a
+  // rank-k basis B_w of W's rows (a randomized range finder: the sketch
+  // Omega W, Omega's first row all ones, the rest random signs, through the
+  // dhidden GEMMs of kRowQuantum rows), its dual, and A = W B_w^T per vocab
+  // column as bf16 (hi, lo) pairs (the tail_project GEMMs). Depends on W alone.
+  void prepare_tail() {
+    if (p.tail_rank == 0) return;
+    const std::int64_t k = p.tail_rank;
+    const std::int64_t vt = p.schedule.vocab_tile;
+    const std::int64_t vocab = p.shape.vocab;
+    const std::int64_t hidden = p.shape.hidden;
+    const DType dl = p.dlogits_dtype;
+    const TailRegions& t = ws.tail;
+    tail_used = false;
+    hidden_basis_ready = false;
+    // Omega [kRowQuantum, V] in the block buffer (rows past k zero).
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) {
+      const std::int64_t c0 = j * vt;
+      const std::int64_t cols = std::min(vt, vocab - c0);
+      for (std::int64_t r = 0; r < kRowQuantum; ++r) {
+        std::byte* row = block_at(r, c0, dl_size);
+        if (r >= k) {
+          std::memset(row, 0, static_cast<std::size_t>(cols) * dl_size);
+          continue;
+        }
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const float sgn = tail_sign(c0 + c, r);
+          if (dl == DType::bf16) {
+            reinterpret_cast<std::uint16_t*>(row)[c] = kernels::float_to_bf16(sgn);
+          } else {
+            reinterpret_cast<float*>(row)[c] = sgn;
+          }
+        }
+      }
+    });
+    const auto& sketch = p.dhidden[p.row_ladder.index_of(kRowQuantum)];
+    for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
+      const std::int64_t h0 = chunk * p.hidden_chunk;
+      bindings.at(*sketch.pick(chunk == p.hidden_chunks - 1), slot)
+          .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
+    });
+    // B_w as hidden rows [kRowQuantum, hidden_ld] in the stage buffer (rows past k zero).
+    std::memset(ws.stage.data(), 0, static_cast<std::size_t>(kRowQuantum) * act_row_bytes);
+    tail_basis(ws.dhidden_act.data(), hidden, k, hidden, t.work, ws.stage.data(), p.shape.hidden_ld, p.shape.dtype,
+               t.dual_w);
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
+      const std::int64_t c0 = j * vt;
+      const std::int64_t cols = std::min(vt, vocab - c0);
+      float* tile = slot_tile(slot);  // [kRowQuantum, cols]
+      bindings.at(*p.tail_project.pick(j == p.tiles - 1), slot)
+          .run(ws.stage.data(), weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        for (std::int64_t r = 0; r < k; ++r)
+          tail_store_pair(t.coord, (c0 + c) * kTailPair + r, k, tile[r * cols + c], dl);
+      }
+    });
+    if (!p.options.frozen_weight) {
+      std::memset(t.cdw, 0, static_cast<std::size_t>(vocab * k) * sizeof(float));
+      std::memset(t.left, 0, static_cast<std::size_t>(vocab));
+    }
+  }
+
+  // Adds the tail's dW part (tail_block's coordinates C_w of every column some
+  // block left out, times the hidden basis' dual) into dW: dW tile += C D
+  // through the tail_apply GEMMs. After the last block.
+  void finish_tail() {
+    if (!tail_used || p.options.frozen_weight) return;
+    const std::int64_t k = p.tail_rank;
+    const std::int64_t vt = p.schedule.vocab_tile;
+    const std::int64_t vocab = p.shape.vocab;
+    const DType dl = p.dlogits_dtype;
+    const TailRegions& t = ws.tail;
+    const DweightTile dw_tile{p.shape};
+    const std::size_t dw_size = size_of(p.options.dweight_dtype);
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
+      const std::int64_t c0 = j * vt;
+      const std::int64_t cols = std::min(vt, vocab - c0);
+      bool any = false;
+      for (std::int64_t c = c0; c < c0 + cols; ++c) {
+        std::byte* row = t.coord + static_cast<std::size_t>(c * kTailApplyLd) * dl_size;
+        std::memset(row, 0, static_cast<std::size_t>(kTailApplyLd) * dl_size);
+        if (t.left[c] == 0) continue;
+        any = true;
+        for (std::int64_t r = 0; r < k; ++r) {
+          const float v = t.cdw[c * k + r];
+          if (dl == DType::bf16) {  // [hi, hi, lo] against D's [hi; lo; hi]
+            tail_store_pair(row, r, 2 * k, v, dl);
+            reinterpret_cast<std::uint16_t*>(row)[k + r] = reinterpret_cast<std::uint16_t*>(row)[r];
+          } else {
+            reinterpret_cast<float*>(row)[r] = v;
+          }
+        }
+      }
+      if (!any) return;
+      const std::byte* c_rows = t.coord + static_cast<std::size_t>(c0 * kTailApplyLd) * dl_size;
+      auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * dw_size;
+      const bool vm = vocab_major;
+      dweight_clock.time([&] {
+        bindings.at(*p.tail_apply.pick(j == p.tiles - 1), slot)
+            .run(vm ? static_cast<const void*>(c_rows) : t.apply_b, vm ? static_cast<const void*>(t.apply_b) : c_rows,
+                 dw, nullptr, slot_scratch(slot), nullptr);
+      });
+    });
+  }
+
   void zero_dweight() const {
     if (p.options.frozen_weight) return;
     const std::size_t elem = size_of(out.dweight.dtype);
@@ -374,6 +627,180 @@ struct LmHeadStep {
     return ws.packed_hidden.data();
   }
 
+  // The tail correction of a block that runs filtered, before the kept
+  // columns are compacted (every dlogits entry still in the block buffer):
+  //   dhidden row t += (sum over left-out v of g_tv A_v) dual_w: the left-out
+  //     entries' sum projected onto span(B_w), as the tile GEMMs' g A over all
+  //     columns minus the kept columns' own terms, summed in tile order;
+  //   dW column v += (sum over t of g_tv H_t) dual_h for every left-out v,
+  //     H_t the hidden row's coordinates in a basis B_h of the hidden rows
+  //     (made from the call's first filtered block), accumulated in C_w over
+  //     the blocks and applied once by finish_tail.
+  // The error left is the left-out entries' part orthogonal to the basis.
+  void tail_block(std::int64_t padded, std::int64_t na, bool dweight) {
+    const std::int64_t k = p.tail_rank;
+    const std::int64_t vt = p.schedule.vocab_tile;
+    const std::int64_t vocab = p.shape.vocab;
+    const std::int64_t hidden = p.shape.hidden;
+    const std::int64_t rows = p.block_rows_alloc;
+    const DType dl = p.dlogits_dtype;
+    const TailRegions& t = ws.tail;
+    const std::size_t rung = p.row_ladder.index_of(padded);
+    tail_used = true;
+    if (dweight) {
+      if (!hidden_basis_ready) {
+        // The sketch of the active hidden rows, in dhidden_act rows [0, k) (free until backward_kept).
+        float* y = ws.dhidden_act.data();
+        std::memset(y, 0, static_cast<std::size_t>(k * hidden) * sizeof(float));
+        for (std::int64_t i = 0; i < na; ++i) {
+          const std::byte* h = ws.hidden_act.data() + static_cast<std::size_t>(i) * act_row_bytes;
+          for (std::int64_t r = 0; r < k; ++r) {
+            const float sgn = tail_sign(i, r);
+            for (std::int64_t c = 0; c < hidden; ++c) y[r * hidden + c] += sgn * tail_load(h, c, p.shape.dtype);
+          }
+        }
+        tail_basis(y, hidden, k, hidden, t.work, t.basis_h, hidden, p.shape.dtype, t.dual_h);
+        // The apply GEMM's D: [hi; lo; hi] of the dual (bf16, zero-padded to kTailApplyLd rows) or the dual (f32).
+        std::memset(t.apply_b, 0, static_cast<std::size_t>(kTailApplyLd * hidden) * dl_size);
+        for (std::int64_t r = 0; r < k; ++r) {
+          for (std::int64_t c = 0; c < hidden; ++c) {
+            tail_store_pair(t.apply_b, r * hidden + c, k * hidden, t.dual_h[r * hidden + c], dl);
+            if (dl == DType::bf16) {
+              reinterpret_cast<std::uint16_t*>(t.apply_b)[(2 * k + r) * hidden + c] =
+                  reinterpret_cast<std::uint16_t*>(t.apply_b)[r * hidden + c];
+            }
+          }
+        }
+        hidden_basis_ready = true;
+      }
+      dweight_clock.time([&] {
+        bindings.at(*p.tail_hidden[rung], 0)
+            .run(ws.hidden_act.data(), t.basis_h, t.hidden_f, nullptr, slot_scratch(0), nullptr);
+        for (std::int64_t i = 0; i < padded; ++i) {
+          for (std::int64_t r = 0; r < k; ++r) {
+            tail_store_pair(t.hidden_pair, i * kTailPair + r, k, t.hidden_f[i * k + r], dl);
+          }
+        }
+      });
+    }
+    const std::uint8_t* mark = ws.kept.mark.data();
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
+      const std::int64_t c0 = j * vt;
+      const std::int64_t cols = std::min(vt, vocab - c0);
+      const bool last = j == p.tiles - 1;
+      const std::byte* g = block_at(0, c0, dl_size);
+      float* part = t.partial + j * rows * kTailPair;
+      dhidden_clock.time([&] {
+        bindings.at(*p.tail_dhidden[rung].pick(last), slot)
+            .run(g, t.coord + static_cast<std::size_t>(c0 * kTailPair) * dl_size, part, nullptr, slot_scratch(slot),
+                 nullptr);
+        // Less the kept columns' own terms (the kept GEMMs have them).
+        for (std::int64_t c = 0; c < cols; ++c) {
+          if (mark[c0 + c] == 0) continue;
+          float a[kTailPair];
+          for (std::int64_t r = 0; r < kTailPair; ++r) a[r] = tail_load(t.coord, (c0 + c) * kTailPair + r, dl);
+          for (std::int64_t i = 0; i < na; ++i) {
+            const float gv = tail_load(g, i * vocab + c, dl);
+            for (std::int64_t r = 0; r < kTailPair; ++r) part[i * kTailPair + r] -= gv * a[r];
+          }
+        }
+      });
+      if (!dweight) return;
+      dweight_clock.time([&] {
+        float* coords = slot_tile(slot);  // [cols, kTailPair]
+        bindings.at(*p.tail_dweight[rung].pick(last), slot)
+            .run(g, t.hidden_pair, coords, nullptr, slot_scratch(slot), nullptr);
+        for (std::int64_t c = 0; c < cols; ++c) {
+          if (mark[c0 + c] != 0) continue;
+          t.left[c0 + c] = 1;
+          for (std::int64_t r = 0; r < k; ++r) {
+            t.cdw[(c0 + c) * k + r] += coords[c * kTailPair + r] + coords[c * kTailPair + k + r];
+          }
+        }
+      });
+    });
+    // dhidden's coordinates, the tiles summed in order.
+    for (std::int64_t i = 0; i < na; ++i) {
+      for (std::int64_t r = 0; r < k; ++r) {
+        float sum = 0.0F;
+        for (std::int64_t j = 0; j < p.tiles; ++j) {
+          const float* part = t.partial + (j * rows + i) * kTailPair;
+          sum += part[r] + part[k + r];
+        }
+        t.cdh[i * k + r] = sum;
+      }
+    }
+  }
+
+  // dhidden_act rows [0, na) += their tail coordinates x dual_w (after backward_kept).
+  void tail_dhidden(std::int64_t na) {
+    const std::int64_t k = p.tail_rank;
+    const std::int64_t hidden = p.shape.hidden;
+    const TailRegions& t = ws.tail;
+    constexpr std::int64_t kRows = 32;
+    for_each_item((na + kRows - 1) / kRows, p.schedule.slots, [&](std::int64_t chunk, int /*slot*/) {
+      dhidden_clock.time([&] {
+        for (std::int64_t i = chunk * kRows; i < std::min(na, (chunk + 1) * kRows); ++i) {
+          float* d = ws.dhidden_act.data() + i * hidden;
+          for (std::int64_t r = 0; r < k; ++r) {
+            const float c = t.cdh[i * k + r];
+            const float* dual = t.dual_w + r * hidden;
+            for (std::int64_t h = 0; h < hidden; ++h) d[h] += c * dual[h];
+          }
+        }
+      });
+    });
+  }
+
+  // The block's dense rows (kDenseRowMass) into tail.dense_row; their count
+  // (more than kRowQuantum: the caller runs the exact GEMMs).
+  std::int64_t dense_rows(std::int64_t na) const {
+    const TailRegions& t = ws.tail;
+    std::int64_t n = 0;
+    for (std::int64_t i = 0; i < na; ++i) {
+      float below = 0.0F;
+      for (std::int64_t j = 0; j < p.tiles; ++j) below += t.below[i * p.tiles + j];
+      if (!(below <= kDenseRowMass * t.row_scale[i])) {
+        if (n < kRowQuantum) t.dense_row[n] = i;
+        ++n;
+      }
+    }
+    return n;
+  }
+
+  // The dense rows' dlogits, every column, to tail.dense (before compaction); rows past them zero.
+  void gather_dense(std::int64_t dense) const {
+    const TailRegions& t = ws.tail;
+    const std::size_t row_bytes = static_cast<std::size_t>(p.shape.vocab) * dl_size;
+    for_each_item(kRowQuantum, p.schedule.slots, [&](std::int64_t x, int /*slot*/) {
+      std::byte* to = t.dense + x * row_bytes;
+      if (x < dense) {
+        std::memcpy(to, block_at(t.dense_row[x], 0, dl_size), row_bytes);
+      } else {
+        std::memset(to, 0, row_bytes);
+      }
+    });
+  }
+
+  // The dense rows' dhidden over every column (the dhidden GEMMs of
+  // kRowQuantum rows), in place of their filtered one.
+  void dense_dhidden(std::int64_t dense) {
+    const TailRegions& t = ws.tail;
+    const std::int64_t hidden = p.shape.hidden;
+    const auto& gemms = p.dhidden[p.row_ladder.index_of(kRowQuantum)];
+    for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
+      const std::int64_t h0 = chunk * p.hidden_chunk;
+      dhidden_clock.time([&] {
+        bindings.at(*gemms.pick(chunk == p.hidden_chunks - 1), slot)
+            .run(t.dense, weight_at_hidden(h0), t.dense_out + h0, nullptr, slot_scratch(slot));
+      });
+    });
+    for (std::int64_t x = 0; x < dense; ++x) {
+      std::memcpy(ws.dhidden_act.data() + t.dense_row[x] * hidden, t.dense_out + x * hidden,
+                  static_cast<std::size_t>(hidden) * sizeof(float));
+    }
+  }
+
   std::int64_t kept_groups(std::int64_t kept) const { return (kept + p.kept_tile - 1) / p.kept_tile; }
 
   // The filtered backward of a block whose kept columns (kept.column[0,
@@ -381,8 +808,12 @@ struct LmHeadStep {
   // place to [padded, kept_cap] (the kept columns, then zeros up to a whole
   // group), dW of each group of kept_tile columns into a slot buffer added
   // into dW's kept rows, and dhidden from the groups against their gathered
-  // W rows, in group order.
-  void backward_kept(std::int64_t padded, std::int64_t kept, bool dweight, const bool* dweight_written) {
+  // W rows, in group order. With bf16 dlogits (kept_lo_cap) each GEMM runs
+  // again on the kept entries' remainders, compacted alike past the matrix:
+  // the kept part is then exact to ~2^-16, not bf16's 2^-9.
+  void backward_kept(std::int64_t padded, std::int64_t na, std::int64_t kept, bool dweight,
+                     const bool* dweight_written) {
+    const bool with_lo = p.kept_lo_cap > 0;
     const std::int64_t hidden = p.shape.hidden;
     const std::int64_t vocab = p.shape.vocab;
     const std::int64_t cap = p.kept_cap;
@@ -408,8 +839,25 @@ struct LmHeadStep {
         std::memset(to + static_cast<std::size_t>(kept) * esz, 0,
                     static_cast<std::size_t>(groups * p.kept_tile - kept) * esz);
       }
+      if (!with_lo) return;
+      // The remainders, from each tile's claim in kept_lo to the same places
+      // past the compacted matrix (the block's second half: 2 cap <= V).
+      const auto* from = reinterpret_cast<const std::uint16_t*>(ws.kept_lo.data());
+      auto* to = reinterpret_cast<std::uint16_t*>(dl) + padded * cap;
+      for (std::int64_t i = 0; i < padded; ++i) {
+        std::uint16_t* t = to + i * cap;
+        std::int64_t c = 0;
+        for (std::int64_t j = 0; j < p.tiles && i < na; ++j) {
+          const std::uint16_t* f = from + i * p.kept_lo_cap + ws.tail.lo_at[j];
+          for (std::int64_t x = 0; x < ws.kept.count[j]; ++x) t[c++] = f[x];
+        }
+        std::memset(t + c, 0, static_cast<std::size_t>(groups * p.kept_tile - c) * esz);
+      }
     });
     const auto group_dlogits = [&](std::int64_t g) { return dl + static_cast<std::size_t>(g * p.kept_tile) * esz; };
+    const auto group_lo = [&](std::int64_t g) {
+      return dl + static_cast<std::size_t>(padded * cap + g * p.kept_tile) * esz;
+    };
 
     if (dweight) {
       const kernels::Elem dw_type = elem_of(p.options.dweight_dtype);
@@ -423,6 +871,10 @@ struct LmHeadStep {
         dweight_clock.time([&] {
           bindings.at(gemm, slot)
               .run(group_dlogits(g), ws.hidden_act.data(), rows, nullptr, slot_scratch(slot), packed);
+          if (with_lo) {
+            bindings.at(*p.dweight_kept_lo[p.row_ladder.index_of(padded)], slot)
+                .run(group_lo(g), ws.hidden_act.data(), rows, nullptr, slot_scratch(slot), packed);
+          }
           const std::int64_t n = std::min(p.kept_tile, kept - g * p.kept_tile);
           for (std::int64_t c = 0; c < n; ++c) {
             const std::int64_t v = column[g * p.kept_tile + c];
@@ -467,6 +919,9 @@ struct LmHeadStep {
           }
           bindings.at(gemm, slot)
               .run(group_dlogits(g), w_rows, ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
+          if (with_lo) {
+            bindings.at(gemm, slot).run(group_lo(g), w_rows, ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
+          }
         }
       });
     });

@@ -37,6 +37,7 @@ void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, 
   const std::int64_t nb = p.schedule.token_block;
   const bool with_entropy = !dentropy.empty();
   bool dweight_written = p.options.accumulate_weight_grads;  // accumulate: always add
+  step.prepare_tail();                                       // the filtered backward's bases (grad_filter), from W
   if (!outputs.dbias.empty() && !p.options.accumulate_weight_grads) {
     std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
   }
@@ -56,6 +57,7 @@ void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, 
     step.backward(b0, rows, na, true, dlogp.data() + b0, with_entropy ? dentropy.data() + b0 : nullptr,
                   &dweight_written);
   }
+  step.finish_tail();
   if (!dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
   if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
 }

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 
 #include "kernels/stage_kernels.hpp"
 
@@ -37,13 +38,16 @@ enum class Region : std::uint8_t {
   quantile,       // [N] floats: the top-entropy quantile's scratch (only when it is used)
   exchange,       // the exchanges of a plan over several processes (ScaleOutPlan)
   kept_columns,   // the filtered backward's: KeptColumns
+  kept_lo,        // [block rows, kept_lo_cap] dlogits dtype: the kept entries' rounding remainders
+  tail,           // the filtered backward's tail correction: TailRegions
   count,          // the number of regions
 };
 inline constexpr std::size_t kRegionCount = static_cast<std::size_t>(Region::count);
 
 // Regions whose size grows with the token block: the search's estimate
 // allows each of them kWorkspaceAlign bytes for the rounding of its end.
-inline constexpr std::size_t kRowRegions = 8;  // block .. dhidden_act, packed_hidden, entropy_coef, exchange
+inline constexpr std::size_t kRowRegions =
+    10;  // block .. dhidden_act, packed_hidden, entropy_coef, exchange, kept_lo, tail
 
 // Per block row: the chosen logit, LSE, logp, entropy, coefficient, KL term
 // (floats), and the index of the row's place among the active rows.
@@ -73,6 +77,85 @@ struct KeptColumns {
   std::span<std::int64_t> count;  // [tiles]
   std::span<std::int32_t> column;
   std::span<std::uint8_t> mark;
+};
+
+// The filtered backward's tail correction (LmHeadStep::tail_block; k =
+// kTailRank), carved in one place for the booking and the views. Per call:
+// A = W B_w^T per vocab column as (hi, lo) pairs (at the end of the call the
+// same bytes hold C_w's rows for the dW apply GEMM), the duals of both bases,
+// the hidden basis, the apply GEMM's B, dW's coordinates C_w [V, k], which
+// columns some block left out, the remainders' place per tile, and double
+// scratch for the bases, the dense rows' dlogits and dhidden. Per block row:
+// the hidden rows' coordinates (f32 and as bf16 pairs), dhidden's
+// coordinates, each tile's partial sums, the |g| each tile may leave out and
+// the row's threshold scale.
+struct TailRegions {
+  struct Dims {
+    std::int64_t vocab = 0, hidden = 0, tiles = 0, rank = 0;
+    std::size_t dl_size = 0, in_size = 0;
+  };
+  std::byte* coord = nullptr;         // [V, kTailApplyLd] dlogits dtype
+  float* dual_w = nullptr;            // [k, H]
+  float* dual_h = nullptr;            // [k, H]
+  std::byte* basis_h = nullptr;       // [k, H] input dtype
+  std::byte* apply_b = nullptr;       // [kTailApplyLd, H] dlogits dtype
+  float* cdw = nullptr;               // [V, k]
+  std::uint8_t* left = nullptr;       // [V] 1: some block left the column out
+  std::int64_t* lo_at = nullptr;      // [tiles] each tile's first remainder column in kept_lo
+  double* work = nullptr;             // [k, H + k]
+  std::byte* dense = nullptr;         // [kRowQuantum, V] dlogits dtype: the dense rows' dlogits
+  float* dense_out = nullptr;         // [kRowQuantum, H] their dhidden
+  std::int64_t* dense_row = nullptr;  // [kRowQuantum] which active rows they are
+  std::byte* hidden_pair = nullptr;   // [rows, 2k] dlogits dtype
+  float* below = nullptr;             // [rows, tiles] |g| under the threshold per row and tile
+  float* row_scale = nullptr;         // [rows] the row's threshold / eps
+  float* hidden_f = nullptr;          // [rows, k]
+  float* cdh = nullptr;               // [rows, k]
+  float* partial = nullptr;           // [tiles, rows, 2k]
+
+  // Fixed and per-row bytes as booked (the fixed part with every carved piece's alignment).
+  static std::size_t fixed_bytes(const Dims& d) { return carve(d, 0, nullptr, nullptr) + 6 * kWorkspaceAlign; }
+  static std::size_t per_row_bytes(const Dims& d) {
+    const auto k = static_cast<std::size_t>(d.rank);
+    const auto tiles = static_cast<std::size_t>(d.tiles);
+    return 2 * k * d.dl_size + 2 * k * sizeof(float) + tiles * 2 * k * sizeof(float) + (tiles + 1) * sizeof(float);
+  }
+  TailRegions() = default;
+  TailRegions(std::byte* base, const Dims& d, std::int64_t rows) { carve(d, rows, this, base); }
+
+ private:
+  // Lays the pieces out from base (when v is set); returns their aligned bytes.
+  static std::size_t carve(const Dims& d, std::int64_t rows, TailRegions* v, std::byte* base) {
+    std::size_t at = 0;
+    const auto piece = [&](auto** to, std::size_t bytes) {
+      if (v != nullptr) *to = reinterpret_cast<std::remove_pointer_t<decltype(to)>>(base + at);
+      at += align_workspace(bytes);
+    };
+    const auto k = static_cast<std::size_t>(d.rank), h = static_cast<std::size_t>(d.hidden),
+               vocab = static_cast<std::size_t>(d.vocab), r = static_cast<std::size_t>(rows);
+    constexpr auto ld = static_cast<std::size_t>(32);  // kTailApplyLd = kRowQuantum (lm_head_plan.hpp)
+    TailRegions ignore;
+    TailRegions& t = v != nullptr ? *v : ignore;
+    piece(&t.coord, vocab * ld * d.dl_size);
+    piece(&t.dual_w, k * h * sizeof(float));
+    piece(&t.dual_h, k * h * sizeof(float));
+    piece(&t.basis_h, k * h * d.in_size);
+    piece(&t.apply_b, ld * h * d.dl_size);
+    piece(&t.cdw, vocab * k * sizeof(float));
+    piece(&t.left, vocab);
+    piece(&t.lo_at, static_cast<std::size_t>(d.tiles) * sizeof(std::int64_t));
+    piece(&t.work, k * (h + k) * sizeof(double));
+    piece(&t.dense, ld * vocab * d.dl_size);
+    piece(&t.dense_out, ld * h * sizeof(float));
+    piece(&t.dense_row, ld * sizeof(std::int64_t));
+    piece(&t.hidden_pair, r * 2 * k * d.dl_size);
+    piece(&t.below, r * static_cast<std::size_t>(d.tiles) * sizeof(float));
+    piece(&t.row_scale, r * sizeof(float));
+    piece(&t.hidden_f, r * k * sizeof(float));
+    piece(&t.cdh, r * k * sizeof(float));
+    piece(&t.partial, static_cast<std::size_t>(d.tiles) * r * 2 * k * sizeof(float));
+    return at;
+  }
 };
 
 struct WorkspaceLayout {
@@ -154,11 +237,14 @@ struct StepRegions {
   std::span<float> quantile;
   std::span<std::byte> exchange;
   KeptColumns kept;
+  std::span<std::byte> kept_lo;
+  TailRegions tail;
   std::byte* slots = nullptr;
 
   // block_rows: rows per block (block_rows_alloc); batch_rows: N; vocab, tiles: the kept columns' (when booked).
+  // tail: the tail correction's dimensions (rank 0: not booked).
   StepRegions(std::byte* ws, const WorkspaceLayout& l, std::int64_t block_rows, std::int64_t batch_rows,
-              bool entropy_bonus, std::int64_t vocab, std::int64_t tiles) {
+              bool entropy_bonus, std::int64_t vocab, std::int64_t tiles, const TailRegions::Dims& tail_dims) {
     const auto bytes = [&](Region r) {
       return std::span<std::byte>(ws + l.at(r), l.bytes[static_cast<std::size_t>(r)]);
     };
@@ -200,6 +286,8 @@ struct StepRegions {
       at += static_cast<std::size_t>(vocab) * sizeof(std::int32_t);
       kept.mark = {reinterpret_cast<std::uint8_t*>(at), static_cast<std::size_t>(vocab)};
     }
+    kept_lo = bytes(Region::kept_lo);
+    if (tail_dims.rank > 0) tail = TailRegions(ws + l.at(Region::tail), tail_dims, block_rows);
     slots = ws + l.slots;
   }
 };

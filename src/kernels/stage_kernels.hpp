@@ -81,8 +81,11 @@ struct StageKernels {
                               Elem out_type, float* dbias);
 
   // The filtered backward's column marks over one dlogits row g (f32 or
-  // bf16): kept[v] = 1 where |g_v| >= threshold; other marks are left as they are.
-  void (*mark_kept)(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept);
+  // bf16): kept[v] = 1 where |g_v| >= threshold; other marks are left as they
+  // are. Returns the sum of |g_v| below the threshold (the most the row can
+  // leave out), summed in 16 lanes (element v into lane v mod 16) then lanes
+  // 0..15 in order: the same bits on every path.
+  float (*mark_kept)(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept);
   // out_v = out_v + in_v over a row, out f32 or bf16 (the sum rounded to
   // nearest even): a dW row the filtered backward adds into.
   void (*add_row)(const float* in, void* out, Elem out_type, std::int64_t n);

@@ -468,28 +468,35 @@ float max_abs_avx512(const void* data, Elem type, std::int64_t n) {
 }
 
 template <Elem T>
-void mark_kept_of(const void* g, std::int64_t n, float threshold, std::uint8_t* kept) {
+float mark_kept_of(const void* g, std::int64_t n, float threshold, std::uint8_t* kept) {
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512 t = _mm512_set1_ps(threshold);
   const __m128i one = _mm_set1_epi8(1);
+  __m512 below = _mm512_setzero_ps();  // lane l: |g_v| below the threshold, v = l mod 16
   std::int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const __mmask16 m = _mm512_cmp_ps_mask(_mm512_and_ps(load<T>(g, i), magnitude), t, _CMP_GE_OQ);
+    const __m512 x = _mm512_and_ps(load<T>(g, i), magnitude);
+    const __mmask16 m = _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ);
     if (m != 0) _mm_mask_storeu_epi8(kept + i, m, one);
+    below = _mm512_mask_add_ps(below, static_cast<__mmask16>(~m), below, x);
   }
   if (i < n) {
-    const __mmask16 m = _mm512_mask_cmp_ps_mask(
-        tail_mask(n - i), _mm512_and_ps(load_tail<T>(g, i, n - i, 0.0F), magnitude), t, _CMP_GE_OQ);
+    const __mmask16 in = tail_mask(n - i);
+    const __m512 x = _mm512_and_ps(load_tail<T>(g, i, n - i, 0.0F), magnitude);
+    const __mmask16 m = _mm512_mask_cmp_ps_mask(in, x, t, _CMP_GE_OQ);
     if (m != 0) _mm_mask_storeu_epi8(kept + i, m, one);
+    below = _mm512_mask_add_ps(below, static_cast<__mmask16>(in & ~m), below, x);
   }
+  alignas(64) float lane[kLanes];
+  _mm512_store_ps(lane, below);
+  float sum = 0.0F;
+  for (const float l : lane) sum += l;
+  return sum;
 }
 
-void mark_kept_avx512(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept) {
-  if (type == Elem::f32) {
-    mark_kept_of<Elem::f32>(g, n, threshold, kept);
-  } else {
-    mark_kept_of<Elem::bf16>(g, n, threshold, kept);
-  }
+float mark_kept_avx512(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept) {
+  if (type == Elem::f32) return mark_kept_of<Elem::f32>(g, n, threshold, kept);
+  return mark_kept_of<Elem::bf16>(g, n, threshold, kept);
 }
 
 template <Elem T>

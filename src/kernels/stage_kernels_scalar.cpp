@@ -6,6 +6,7 @@
 // baseline x86-64, without FMA, so the compiler cannot fuse the two; the
 // kernel tests check that max and the stored u agree bit for bit.)
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -225,12 +226,20 @@ void bf16_to_f32_scalar(const std::uint16_t* in, float* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
 }
 
-void mark_kept_scalar(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept) {
+float mark_kept_scalar(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept) {
+  std::array<float, 16> lane{};  // the AVX-512 path's lanes
   for (std::int64_t i = 0; i < n; ++i) {
     const float x =
         type == Elem::f32 ? static_cast<const float*>(g)[i] : bf16_to_float(static_cast<const std::uint16_t*>(g)[i]);
-    if (std::fabs(x) >= threshold) kept[i] = 1;
+    if (std::fabs(x) >= threshold) {
+      kept[i] = 1;
+    } else {
+      lane[static_cast<std::size_t>(i % 16)] += std::fabs(x);
+    }
   }
+  float sum = 0.0F;
+  for (const float l : lane) sum += l;
+  return sum;
 }
 
 void add_row_scalar(const float* in, void* out, Elem out_type, std::int64_t n) {
