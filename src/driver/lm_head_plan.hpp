@@ -76,6 +76,12 @@ inline constexpr std::int64_t kTailRank = 8;
 // (padded to the AMX tile's 32 rows of K).
 inline constexpr std::int64_t kTailPair = 2 * kTailRank;
 inline constexpr std::int64_t kTailApplyLd = 32;
+// The basis of W's rows is sketched from every kTailSketchStride-th row (of
+// a vocab-major W; every row of a hidden-major one, whose sampled rows would
+// be columns two strides apart, which oneDNN's memory descriptors refuse), in
+// GEMMs of kTailRows rows (>= kTailRank; the AMX tile's 16).
+inline constexpr std::int64_t kTailSketchStride = 8;
+inline constexpr std::int64_t kTailRows = 16;
 // A row whose entries under the filter's threshold add up to more than this
 // share of its scale (|a| + |b|, see the rule) is a dense row: a nearly
 // uniform distribution, whose left-out mass is most of its gradient and
@@ -201,8 +207,10 @@ struct LmHeadPlanData {
   // many kept columns' remainders (Region::kept_lo); a block keeping more runs
   // the exact GEMMs. 0 with f32 dlogits (nothing to carry).
   std::int64_t kept_lo_cap = 0;
-  // The tail correction's rank (kTailRank; 0: filter off).
+  // The tail correction's rank (kTailRank; 0: filter off) and the stride of
+  // the W rows its sketch samples (kTailSketchStride or 1).
   std::int64_t tail_rank = 0;
+  std::int64_t tail_stride = 1;
 
   std::unique_ptr<kernels::GemmEngine> engine;
   // Forward logits tile: [forward_rows] x [tile or last tile].
@@ -230,10 +238,12 @@ struct LmHeadPlanData {
   std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> tail_dhidden;
   std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> tail_dweight;
   std::vector<std::unique_ptr<kernels::Gemm>> tail_hidden;
-  // Per call: W's basis rows [kRowQuantum, H] x W tile^T -> f32 [kRowQuantum,
+  // Per call: W's basis rows [kTailRows, H] x W tile^T -> f32 [kTailRows,
   // cols] (A = W B^T), and dW tile += C [cols, kTailApplyLd] x D
   // [kTailApplyLd, H] (either layout; empty with frozen_weight).
   FullAndLast<std::unique_ptr<kernels::Gemm>> tail_project;
+  // Omega [kTailRows, V / tail_stride] x W's sampled rows [., chunk] -> f32 [kTailRows, chunk] (ld H).
+  FullAndLast<std::unique_ptr<kernels::Gemm>> tail_sketch;
   FullAndLast<std::unique_ptr<kernels::Gemm>> tail_apply;
   std::size_t max_scratchpad = 0;
   // Bytes of the packed hidden rows: every forward chunk of a block, or the

@@ -109,6 +109,19 @@ GemmSpec tail_hidden_spec(const LmHeadPlanData& p, std::int64_t k) {
   return g;
 }
 
+// The sketch of W's basis: Omega [kTailRows, V / stride] (ld V / stride) x
+// every tail_stride-th row of W [V / stride, cols] -> f32 [kTailRows, cols] (ld H).
+GemmSpec tail_sketch_spec(const LmHeadPlanData& p, std::int64_t cols) {
+  const LmHeadShape& s = p.shape;
+  const std::int64_t sampled = (s.vocab + p.tail_stride - 1) / p.tail_stride;
+  GemmSpec g;
+  g.a = {p.dlogits_dtype, kTailRows, sampled, sampled, 1};
+  g.b = vocab_major(s) ? GemmOperand{s.dtype, sampled, cols, p.tail_stride * s.weight_ld, 1}
+                       : GemmOperand{s.dtype, sampled, cols, 1, s.weight_ld};
+  g.c = {DType::f32, kTailRows, cols, s.hidden, 1};
+  return g;
+}
+
 // dW tile of cols vocab columns += C [cols, K] (ld kTailApplyLd) x D [K, H],
 // K = kTailApplyLd for bf16 dlogits (C's [hi, hi, lo] x D's [hi; lo; hi],
 // zero-padded), kTailRank for f32.
@@ -136,8 +149,10 @@ std::size_t slot_tile_bytes(const LmHeadPlanData& p) {
   if (p.kept_cap > 0) {
     b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.shape.hidden) * sizeof(float));
     b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.hidden_chunk) * size_of(p.shape.dtype));
-    // The tail correction's W projection tile [kRowQuantum, tile] and dW coordinates [tile, kTailPair].
-    b = std::max(b, static_cast<std::size_t>(std::max(kRowQuantum, kTailPair) * p.schedule.vocab_tile) * sizeof(float));
+    // The tail correction's W projection tile [kTailRows, tile], and its dW
+    // coordinates [tile, kTailPair] beside the kept columns' A rows [tile, kTailPair] and places [tile].
+    b = std::max(
+        b, static_cast<std::size_t>(std::max(kTailRows, 2 * kTailPair + 1) * p.schedule.vocab_tile) * sizeof(float));
   }
   return b;
 }
@@ -231,6 +246,7 @@ void release_gemms(LmHeadPlanData& p) {
   p.tail_dweight.clear();
   p.tail_hidden.clear();
   p.tail_project = {};
+  p.tail_sketch = {};
   p.tail_apply = {};
 }
 
@@ -308,11 +324,14 @@ std::size_t create_gemms(LmHeadPlanData& p) {
       p.tail_hidden.push_back(make(tail_hidden_spec(p, k)));
     }
     if (p.tail_rank > 0) {
-      GemmSpec full = forward_spec(s, kRowQuantum, vt, vt);
-      GemmSpec last = forward_spec(s, kRowQuantum, last_tile, last_tile);
+      GemmSpec full = forward_spec(s, kTailRows, vt, vt);
+      GemmSpec last = forward_spec(s, kTailRows, last_tile, last_tile);
       full.has_bias = last.has_bias = false;
+      full.shared = last.shared = kernels::SharedOperand::none;
       p.tail_project.full = make(full);
       p.tail_project.last = make(last);
+      p.tail_sketch.full = make(tail_sketch_spec(p, chunk));
+      p.tail_sketch.last = make(tail_sketch_spec(p, last_chunk));
       if (!p.options.frozen_weight) {
         p.tail_apply.full = make(tail_apply_spec(p, vt));
         p.tail_apply.last = make(tail_apply_spec(p, last_tile));
@@ -401,9 +420,10 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     if (p->kept_tile > 0) p->kept_cap = shape.vocab / 2 / p->kept_tile * p->kept_tile;
     if (p->kept_cap > 0) {
       p->tail_rank = kTailRank;
-      // Room for the remainders of V / 8 kept columns (at least one group).
+      p->tail_stride = shape.layout == WeightLayout::vocab_major ? kTailSketchStride : 1;
+      // Room for the remainders of V / 32 kept columns (at least one group).
       if (shape.dtype == DType::bf16) {
-        p->kept_lo_cap = std::min(p->kept_cap, std::max(p->kept_tile, shape.vocab / 8 / p->kept_tile * p->kept_tile));
+        p->kept_lo_cap = std::min(p->kept_cap, std::max(p->kept_tile, shape.vocab / 32 / p->kept_tile * p->kept_tile));
       }
     }
   }

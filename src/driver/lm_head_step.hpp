@@ -166,6 +166,7 @@ struct LmHeadStep {
   std::atomic<std::int64_t> lo_claimed{0};
   bool tail_used = false;
   bool hidden_basis_ready = false;
+  std::int64_t dense_pending = 0;  // dense rows in tail.dense (flush_dense)
 
   // stats with the phase times filled in.
   LmHeadStepStats step_stats() const {
@@ -259,6 +260,17 @@ struct LmHeadStep {
     std::memcpy(out.tokens.logp.data() + b0, lp, bytes);
     if (!out.tokens.entropy.empty()) std::memcpy(out.tokens.entropy.data() + b0, ent, bytes);
     if (!out.tokens.kl.empty()) std::memcpy(out.tokens.kl.data() + b0, kl_terms, bytes);
+  }
+
+  // dhidden's output row (f32, or rounded to bf16) from f32 src.
+  void write_dhidden_row(std::int64_t row, const float* src) const {
+    auto* dst = static_cast<std::byte*>(out.dhidden.data) +
+                static_cast<std::size_t>(row * out.dhidden.ld) * size_of(out.dhidden.dtype);
+    if (out.dhidden.dtype == DType::f32) {
+      std::memcpy(dst, src, static_cast<std::size_t>(p.shape.hidden) * sizeof(float));
+    } else {
+      k.f32_to_bf16(src, reinterpret_cast<std::uint16_t*>(dst), p.shape.hidden);
+    }
   }
 
   void zero_dhidden_row(std::int64_t row) const {
@@ -447,9 +459,7 @@ struct LmHeadStep {
           (kept_path ? 2.0 * dl_bytes : 0.0);
       stats.schedule_bytes += w_bytes + static_cast<double>(p.hidden_chunks) * dl_bytes;
       const double row_columns = static_cast<double>(padded) * static_cast<double>(vocab - run);
-      // The dense rows' dhidden runs over every column (a kRowQuantum-row GEMM).
-      stats.dhidden_skipped_row_columns +=
-          static_cast<std::int64_t>(row_columns) - (dense > 0 ? kRowQuantum * (vocab - run) : 0);
+      stats.dhidden_skipped_row_columns += static_cast<std::int64_t>(row_columns);
       if (dweight) {
         stats.dweight_skipped_row_columns += static_cast<std::int64_t>(row_columns);
         const double dw_all = static_cast<double>(vocab) * static_cast<double>(hidden) * static_cast<double>(dw_size);
@@ -463,10 +473,10 @@ struct LmHeadStep {
     }
     if (kept_path) {
       if (p.tail_rank > 0) tail_block(padded, na, dweight);
-      if (dense > 0) gather_dense(dense);
+      if (dense > 0) gather_dense(b0, dense);
       backward_kept(padded, na, kept_total, dweight, dweight_written);
       if (p.tail_rank > 0) tail_dhidden(na);
-      if (dense > 0) dense_dhidden(dense);
+      if (dense > 0 && p.scale_out != nullptr) flush_dense();
     } else {
       const auto& dhidden_gemms = p.dhidden[p.row_ladder.index_of(padded)];
       for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
@@ -484,14 +494,7 @@ struct LmHeadStep {
     std::int64_t i = 0;
     for (std::int64_t r = 0; r < nb; ++r) {
       if (i < na && ws.rows.active[i] == r) {
-        auto* dst = static_cast<std::byte*>(out.dhidden.data) +
-                    static_cast<std::size_t>((b0 + r) * out.dhidden.ld) * size_of(out.dhidden.dtype);
-        const float* src = ws.dhidden_act.data() + i * hidden;
-        if (out.dhidden.dtype == DType::f32) {
-          std::memcpy(dst, src, static_cast<std::size_t>(hidden) * sizeof(float));
-        } else {
-          k.f32_to_bf16(src, reinterpret_cast<std::uint16_t*>(dst), hidden);
-        }
+        write_dhidden_row(b0 + r, ws.dhidden_act.data() + i * hidden);
         ++i;
       } else {
         zero_dhidden_row(b0 + r);
@@ -501,9 +504,9 @@ struct LmHeadStep {
 
   // The filtered backward's tail correction, per call (before any block): a
   // rank-k basis B_w of W's rows (a randomized range finder: the sketch
-  // Omega W, Omega's first row all ones, the rest random signs, through the
-  // dhidden GEMMs of kRowQuantum rows), its dual, and A = W B_w^T per vocab
-  // column as bf16 (hi, lo) pairs (the tail_project GEMMs). Depends on W alone.
+  // Omega W of every tail_stride-th row, Omega's first row all ones,
+  // the rest random signs), its dual, and A = W B_w^T per vocab column as
+  // bf16 (hi, lo) pairs (the tail_project GEMMs). Depends on W alone.
   void prepare_tail() {
     if (p.tail_rank == 0) return;
     const std::int64_t k = p.tail_rank;
@@ -514,40 +517,35 @@ struct LmHeadStep {
     const TailRegions& t = ws.tail;
     tail_used = false;
     hidden_basis_ready = false;
-    // Omega [kRowQuantum, V] in the block buffer (rows past k zero).
-    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) {
-      const std::int64_t c0 = j * vt;
-      const std::int64_t cols = std::min(vt, vocab - c0);
-      for (std::int64_t r = 0; r < kRowQuantum; ++r) {
-        std::byte* row = block_at(r, c0, dl_size);
-        if (r >= k) {
-          std::memset(row, 0, static_cast<std::size_t>(cols) * dl_size);
-          continue;
-        }
-        for (std::int64_t c = 0; c < cols; ++c) {
-          const float sgn = tail_sign(c0 + c, r);
-          if (dl == DType::bf16) {
-            reinterpret_cast<std::uint16_t*>(row)[c] = kernels::float_to_bf16(sgn);
-          } else {
-            reinterpret_cast<float*>(row)[c] = sgn;
-          }
+    dense_pending = 0;
+    // Omega [kTailRows, V / tail_stride] in the block buffer (rows past k
+    // zero) against every tail_stride-th row of W: the sketch of a sample of
+    // W's rows (their shared directions are every row's).
+    const std::int64_t sampled = (vocab + p.tail_stride - 1) / p.tail_stride;
+    for_each_item(kTailRows, p.schedule.slots, [&](std::int64_t r, int /*slot*/) {
+      std::byte* row = ws.block.data() + static_cast<std::size_t>(r * sampled) * dl_size;
+      for (std::int64_t m = 0; m < sampled; ++m) {
+        const float sgn = r < k ? tail_sign(m * p.tail_stride, r) : 0.0F;
+        if (dl == DType::bf16) {
+          reinterpret_cast<std::uint16_t*>(row)[m] = kernels::float_to_bf16(sgn);
+        } else {
+          reinterpret_cast<float*>(row)[m] = sgn;
         }
       }
     });
-    const auto& sketch = p.dhidden[p.row_ladder.index_of(kRowQuantum)];
     for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
       const std::int64_t h0 = chunk * p.hidden_chunk;
-      bindings.at(*sketch.pick(chunk == p.hidden_chunks - 1), slot)
+      bindings.at(*p.tail_sketch.pick(chunk == p.hidden_chunks - 1), slot)
           .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
     });
-    // B_w as hidden rows [kRowQuantum, hidden_ld] in the stage buffer (rows past k zero).
-    std::memset(ws.stage.data(), 0, static_cast<std::size_t>(kRowQuantum) * act_row_bytes);
+    // B_w as hidden rows [kTailRows, hidden_ld] in the stage buffer (rows past k zero).
+    std::memset(ws.stage.data(), 0, static_cast<std::size_t>(kTailRows) * act_row_bytes);
     tail_basis(ws.dhidden_act.data(), hidden, k, hidden, t.work, ws.stage.data(), p.shape.hidden_ld, p.shape.dtype,
                t.dual_w);
     for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
-      float* tile = slot_tile(slot);  // [kRowQuantum, cols]
+      float* tile = slot_tile(slot);  // [kTailRows, cols]
       bindings.at(*p.tail_project.pick(j == p.tiles - 1), slot)
           .run(ws.stage.data(), weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
       for (std::int64_t c = 0; c < cols; ++c) {
@@ -565,6 +563,7 @@ struct LmHeadStep {
   // block left out, times the hidden basis' dual) into dW: dW tile += C D
   // through the tail_apply GEMMs. After the last block.
   void finish_tail() {
+    flush_dense();
     if (!tail_used || p.options.frozen_weight) return;
     const std::int64_t k = p.tail_rank;
     const std::int64_t vt = p.schedule.vocab_tile;
@@ -578,7 +577,7 @@ struct LmHeadStep {
       const std::int64_t cols = std::min(vt, vocab - c0);
       bool any = false;
       for (std::int64_t c = c0; c < c0 + cols; ++c) {
-        std::byte* row = t.coord + static_cast<std::size_t>(c * kTailApplyLd) * dl_size;
+        std::byte* row = t.dense + static_cast<std::size_t>(c * kTailApplyLd) * dl_size;
         std::memset(row, 0, static_cast<std::size_t>(kTailApplyLd) * dl_size);
         if (t.left[c] == 0) continue;
         any = true;
@@ -593,7 +592,7 @@ struct LmHeadStep {
         }
       }
       if (!any) return;
-      const std::byte* c_rows = t.coord + static_cast<std::size_t>(c0 * kTailApplyLd) * dl_size;
+      const std::byte* c_rows = t.dense + static_cast<std::size_t>(c0 * kTailApplyLd) * dl_size;
       auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * dw_size;
       const bool vm = vocab_major;
       dweight_clock.time([&] {
@@ -694,14 +693,24 @@ struct LmHeadStep {
         bindings.at(*p.tail_dhidden[rung].pick(last), slot)
             .run(g, t.coord + static_cast<std::size_t>(c0 * kTailPair) * dl_size, part, nullptr, slot_scratch(slot),
                  nullptr);
-        // Less the kept columns' own terms (the kept GEMMs have them).
+        // Less the kept columns' own terms (the kept GEMMs have them): their
+        // A rows gathered after the slot's coordinates, then row by row.
+        float* a_kept = slot_tile(slot) + vt * kTailPair;                     // [n, kTailPair]
+        auto* at = reinterpret_cast<std::int32_t*>(a_kept + vt * kTailPair);  // [n] tile columns
+        std::int64_t n = 0;
         for (std::int64_t c = 0; c < cols; ++c) {
           if (mark[c0 + c] == 0) continue;
-          float a[kTailPair];
-          for (std::int64_t r = 0; r < kTailPair; ++r) a[r] = tail_load(t.coord, (c0 + c) * kTailPair + r, dl);
-          for (std::int64_t i = 0; i < na; ++i) {
-            const float gv = tail_load(g, i * vocab + c, dl);
-            for (std::int64_t r = 0; r < kTailPair; ++r) part[i * kTailPair + r] -= gv * a[r];
+          for (std::int64_t r = 0; r < kTailPair; ++r) {
+            a_kept[n * kTailPair + r] = tail_load(t.coord, (c0 + c) * kTailPair + r, dl);
+          }
+          at[n++] = static_cast<std::int32_t>(c);
+        }
+        for (std::int64_t i = 0; i < na; ++i) {
+          float* row = part + i * kTailPair;
+          for (std::int64_t x = 0; x < n; ++x) {
+            const float gv = tail_load(g, i * vocab + at[x], dl);
+            const float* a = a_kept + x * kTailPair;
+            for (std::int64_t r = 0; r < kTailPair; ++r) row[r] -= gv * a[r];
           }
         }
       });
@@ -752,8 +761,9 @@ struct LmHeadStep {
     });
   }
 
-  // The block's dense rows (kDenseRowMass) into tail.dense_row; their count
-  // (more than kRowQuantum: the caller runs the exact GEMMs).
+  // The block's dense rows (kDenseRowMass), their active indices into
+  // tail.dense_block; their count (more than kRowQuantum: the caller runs the
+  // exact GEMMs).
   std::int64_t dense_rows(std::int64_t na) const {
     const TailRegions& t = ws.tail;
     std::int64_t n = 0;
@@ -761,32 +771,46 @@ struct LmHeadStep {
       float below = 0.0F;
       for (std::int64_t j = 0; j < p.tiles; ++j) below += t.below[i * p.tiles + j];
       if (!(below <= kDenseRowMass * t.row_scale[i])) {
-        if (n < kRowQuantum) t.dense_row[n] = i;
+        if (n < kRowQuantum) t.dense_block[n] = i;
         ++n;
       }
     }
     return n;
   }
 
-  // The dense rows' dlogits, every column, to tail.dense (before compaction); rows past them zero.
-  void gather_dense(std::int64_t dense) const {
+  // The block's dense rows' dlogits, every column, into tail.dense (before
+  // compaction) after the rows still pending there from earlier blocks (a
+  // full buffer is run first). One process: their dhidden comes from one
+  // kRowQuantum-row GEMM per kRowQuantum dense rows of the call (flush_dense),
+  // written over the filtered rows' output. Several (scale_out): this
+  // block's own, now, into dhidden_act before the exchange sums it.
+  void gather_dense(std::int64_t b0, std::int64_t dense) {
     const TailRegions& t = ws.tail;
+    if (p.scale_out != nullptr || dense_pending + dense > kRowQuantum) flush_dense();
     const std::size_t row_bytes = static_cast<std::size_t>(p.shape.vocab) * dl_size;
-    for_each_item(kRowQuantum, p.schedule.slots, [&](std::int64_t x, int /*slot*/) {
-      std::byte* to = t.dense + x * row_bytes;
-      if (x < dense) {
-        std::memcpy(to, block_at(t.dense_row[x], 0, dl_size), row_bytes);
-      } else {
-        std::memset(to, 0, row_bytes);
-      }
+    for_each_item(dense, p.schedule.slots, [&](std::int64_t x, int /*slot*/) {
+      std::memcpy(t.dense + (dense_pending + x) * row_bytes, block_at(t.dense_block[x], 0, dl_size), row_bytes);
     });
+    for (std::int64_t x = 0; x < dense; ++x) {
+      const std::int64_t i = t.dense_block[x];
+      // The batch row (pending rows), or the active index (scale_out: dense_now).
+      t.dense_row[dense_pending + x] = p.scale_out != nullptr ? i : b0 + ws.rows.active[i];
+    }
+    dense_pending += dense;
   }
 
-  // The dense rows' dhidden over every column (the dhidden GEMMs of
-  // kRowQuantum rows), in place of their filtered one.
-  void dense_dhidden(std::int64_t dense) {
+  // The pending dense rows' dhidden over every column (the dhidden GEMMs of
+  // kRowQuantum rows, rows past them zeroed): written to the output rows, or
+  // with scale_out into dhidden_act in place of the block's filtered rows.
+  void flush_dense() {
+    if (dense_pending == 0) return;
     const TailRegions& t = ws.tail;
     const std::int64_t hidden = p.shape.hidden;
+    const std::size_t row_bytes = static_cast<std::size_t>(p.shape.vocab) * dl_size;
+    std::memset(t.dense + dense_pending * row_bytes, 0,
+                static_cast<std::size_t>(kRowQuantum - dense_pending) * row_bytes);
+    // Every column of kRowQuantum rows, counted as work the filter did not skip.
+    stats.dhidden_skipped_row_columns -= kRowQuantum * p.shape.vocab;
     const auto& gemms = p.dhidden[p.row_ladder.index_of(kRowQuantum)];
     for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
       const std::int64_t h0 = chunk * p.hidden_chunk;
@@ -795,10 +819,16 @@ struct LmHeadStep {
             .run(t.dense, weight_at_hidden(h0), t.dense_out + h0, nullptr, slot_scratch(slot));
       });
     });
-    for (std::int64_t x = 0; x < dense; ++x) {
-      std::memcpy(ws.dhidden_act.data() + t.dense_row[x] * hidden, t.dense_out + x * hidden,
-                  static_cast<std::size_t>(hidden) * sizeof(float));
+    for (std::int64_t x = 0; x < dense_pending; ++x) {
+      const float* src = t.dense_out + x * hidden;
+      if (p.scale_out != nullptr) {
+        std::memcpy(ws.dhidden_act.data() + t.dense_row[x] * hidden, src,
+                    static_cast<std::size_t>(hidden) * sizeof(float));
+      } else {
+        write_dhidden_row(t.dense_row[x], src);
+      }
     }
+    dense_pending = 0;
   }
 
   std::int64_t kept_groups(std::int64_t kept) const { return (kept + p.kept_tile - 1) / p.kept_tile; }

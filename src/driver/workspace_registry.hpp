@@ -81,8 +81,7 @@ struct KeptColumns {
 
 // The filtered backward's tail correction (LmHeadStep::tail_block; k =
 // kTailRank), carved in one place for the booking and the views. Per call:
-// A = W B_w^T per vocab column as (hi, lo) pairs (at the end of the call the
-// same bytes hold C_w's rows for the dW apply GEMM), the duals of both bases,
+// A = W B_w^T per vocab column as (hi, lo) pairs, the duals of both bases,
 // the hidden basis, the apply GEMM's B, dW's coordinates C_w [V, k], which
 // columns some block left out, the remainders' place per tile, and double
 // scratch for the bases, the dense rows' dlogits and dhidden. Per block row:
@@ -94,24 +93,27 @@ struct TailRegions {
     std::int64_t vocab = 0, hidden = 0, tiles = 0, rank = 0;
     std::size_t dl_size = 0, in_size = 0;
   };
-  std::byte* coord = nullptr;         // [V, kTailApplyLd] dlogits dtype
-  float* dual_w = nullptr;            // [k, H]
-  float* dual_h = nullptr;            // [k, H]
-  std::byte* basis_h = nullptr;       // [k, H] input dtype
-  std::byte* apply_b = nullptr;       // [kTailApplyLd, H] dlogits dtype
-  float* cdw = nullptr;               // [V, k]
-  std::uint8_t* left = nullptr;       // [V] 1: some block left the column out
-  std::int64_t* lo_at = nullptr;      // [tiles] each tile's first remainder column in kept_lo
-  double* work = nullptr;             // [k, H + k]
-  std::byte* dense = nullptr;         // [kRowQuantum, V] dlogits dtype: the dense rows' dlogits
-  float* dense_out = nullptr;         // [kRowQuantum, H] their dhidden
-  std::int64_t* dense_row = nullptr;  // [kRowQuantum] which active rows they are
-  std::byte* hidden_pair = nullptr;   // [rows, 2k] dlogits dtype
-  float* below = nullptr;             // [rows, tiles] |g| under the threshold per row and tile
-  float* row_scale = nullptr;         // [rows] the row's threshold / eps
-  float* hidden_f = nullptr;          // [rows, k]
-  float* cdh = nullptr;               // [rows, k]
-  float* partial = nullptr;           // [tiles, rows, 2k]
+  std::byte* coord = nullptr;     // [V, kTailPair] dlogits dtype
+  float* dual_w = nullptr;        // [k, H]
+  float* dual_h = nullptr;        // [k, H]
+  std::byte* basis_h = nullptr;   // [k, H] input dtype
+  std::byte* apply_b = nullptr;   // [kTailApplyLd, H] dlogits dtype
+  float* cdw = nullptr;           // [V, k]
+  std::uint8_t* left = nullptr;   // [V] 1: some block left the column out
+  std::int64_t* lo_at = nullptr;  // [tiles] each tile's first remainder column in kept_lo
+  double* work = nullptr;         // [k, H + k]
+  // [kRowQuantum, V] dlogits dtype: the dense rows' dlogits; at the end of
+  // the call C_w's rows for the dW apply GEMM ([V, kTailApplyLd]).
+  std::byte* dense = nullptr;
+  float* dense_out = nullptr;           // [kRowQuantum, H] their dhidden
+  std::int64_t* dense_row = nullptr;    // [kRowQuantum] which rows they are (see LmHeadStep::gather_dense)
+  std::int64_t* dense_block = nullptr;  // [kRowQuantum] the block's dense rows, active indices
+  std::byte* hidden_pair = nullptr;     // [rows, 2k] dlogits dtype
+  float* below = nullptr;               // [rows, tiles] |g| under the threshold per row and tile
+  float* row_scale = nullptr;           // [rows] the row's threshold / eps
+  float* hidden_f = nullptr;            // [rows, k]
+  float* cdh = nullptr;                 // [rows, k]
+  float* partial = nullptr;             // [tiles, rows, 2k]
 
   // Fixed and per-row bytes as booked (the fixed part with every carved piece's alignment).
   static std::size_t fixed_bytes(const Dims& d) { return carve(d, 0, nullptr, nullptr) + 6 * kWorkspaceAlign; }
@@ -136,7 +138,7 @@ struct TailRegions {
     constexpr auto ld = static_cast<std::size_t>(32);  // kTailApplyLd = kRowQuantum (lm_head_plan.hpp)
     TailRegions ignore;
     TailRegions& t = v != nullptr ? *v : ignore;
-    piece(&t.coord, vocab * ld * d.dl_size);
+    piece(&t.coord, vocab * 2 * k * d.dl_size);
     piece(&t.dual_w, k * h * sizeof(float));
     piece(&t.dual_h, k * h * sizeof(float));
     piece(&t.basis_h, k * h * d.in_size);
@@ -148,6 +150,7 @@ struct TailRegions {
     piece(&t.dense, ld * vocab * d.dl_size);
     piece(&t.dense_out, ld * h * sizeof(float));
     piece(&t.dense_row, ld * sizeof(std::int64_t));
+    piece(&t.dense_block, ld * sizeof(std::int64_t));
     piece(&t.hidden_pair, r * 2 * k * d.dl_size);
     piece(&t.below, r * static_cast<std::size_t>(d.tiles) * sizeof(float));
     piece(&t.row_scale, r * sizeof(float));
