@@ -19,6 +19,10 @@ struct HeadCase {
   bool accumulate = false;   // dweight / dbias += (initial values nonzero)
   bool frozen = false;       // LmHeadOptions::frozen_weight: dweight / dbias not passed (they keep their fill)
   double grad_filter = 0.0;  // LmHeadOptions::grad_filter (fused only)
+  // Added to every row of W along one fixed direction (softmax-invariant: every
+  // logit of a row moves alike), as a trained head's rows share directions:
+  // what the filtered backward's left-out entries sum along.
+  double shared_direction = 0.0;
   std::int64_t token_block = 32;
   std::int64_t vocab_tile = 64;
   DType dweight_dtype = DType::f32;
@@ -185,6 +189,11 @@ inline HeadProblem make_head_problem(const HeadCase& c, bool with_oracle = true)
   // W ~ N(0, scale / sqrt(H)): logits have std ~ logit_scale.
   std::vector<double> w(static_cast<std::size_t>(v * h));
   for (double& x : w) x = normal(rng) * s.logit_scale / std::sqrt(static_cast<double>(h));
+  if (c.shared_direction != 0.0) {
+    for (std::int64_t a = 0; a < v; ++a) {
+      for (std::int64_t k = 0; k < h; ++k) w[a * h + k] += c.shared_direction * (k % 2 == 0 ? 1.0 : -0.5);
+    }
+  }
   p.oracle.hidden_size = h;
   p.oracle.hidden = store(hid, c.dtype, p.hidden);
   std::vector<double> w_layout(w.size());

@@ -421,9 +421,11 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     if (p->kept_cap > 0) {
       p->tail_rank = kTailRank;
       p->tail_stride = shape.layout == WeightLayout::vocab_major ? kTailSketchStride : 1;
-      // Room for the remainders of V / 32 kept columns (at least one group).
+      // Room for the remainders of V / 32 kept columns, or of 4096 (all that
+      // kept_cap allows in a small vocabulary).
       if (shape.dtype == DType::bf16) {
-        p->kept_lo_cap = std::min(p->kept_cap, std::max(p->kept_tile, shape.vocab / 32 / p->kept_tile * p->kept_tile));
+        const std::int64_t room = std::max(shape.vocab / 32, std::int64_t{4096});
+        p->kept_lo_cap = std::min(p->kept_cap, std::max(p->kept_tile, room / p->kept_tile * p->kept_tile));
       }
     }
   }
