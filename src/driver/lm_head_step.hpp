@@ -437,7 +437,7 @@ struct LmHeadStep {
       }
       kept_path = kept_total <= p.kept_cap && kept_total < vocab &&
                   (!with_lo || lo_claimed.load(std::memory_order_relaxed) <= p.kept_lo_cap);
-      if (kept_path) dense = dense_rows(na);
+      if (kept_path) dense = dense_rows(na, compacted);
       kept_path = kept_path && dense <= kRowQuantum;
       if (!kept_path) {  // too many to pay: the unfiltered block, bitwise
         kept_total = vocab;
@@ -761,13 +761,16 @@ struct LmHeadStep {
     });
   }
 
-  // The block's dense rows (kDenseRowMass), their active indices into
+  // The block's dense rows (kDenseRowMass, kDenseRowEntropyGap), their active indices into
   // tail.dense_block; their count (more than kRowQuantum: the caller runs the
   // exact GEMMs).
-  std::int64_t dense_rows(std::int64_t na) const {
+  std::int64_t dense_rows(std::int64_t na, bool compacted) const {
     const TailRegions& t = ws.tail;
+    const float broad = std::log(static_cast<float>(p.shape.vocab)) - kDenseRowEntropyGap;
     std::int64_t n = 0;
     for (std::int64_t i = 0; i < na; ++i) {
+      const std::int64_t s = compacted ? i : ws.rows.active[i];  // where row i's statistics are
+      if (!(ws.rows.entropy[s] > broad)) continue;
       float below = 0.0F;
       for (std::int64_t j = 0; j < p.tiles; ++j) below += t.below[i * p.tiles + j];
       if (!(below <= kDenseRowMass * t.row_scale[i])) {
