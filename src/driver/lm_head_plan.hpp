@@ -54,11 +54,13 @@ inline constexpr std::int64_t kDefaultVocabTile = 2048;
 // 2048-column tile measured 348 / 508 / 622 / 665 / 588 GFLOP/s at M = 32 / 64 /
 // 128 / 160 / 640, and f32 83 / 150 / 165 / 175 / 176.
 inline constexpr std::int64_t kForwardRows = 160;
-// Share of the workspace budget the per-slot GEMM tiles and oneDNN scratchpads
-// may take; the token block is sized from the rest. Fixing the split (rather
+// Share of the workspace budget the per-slot GEMM tiles and scratchpads may
+// take; the token block is sized from the rest. Fixing the split (rather
 // than sizing the block after the slots) keeps the token block, and so the
-// order of every reduction, independent of the thread count.
-inline constexpr std::size_t kSlotBudgetDivisor = 8;
+// order of every reduction, independent of the thread count. A sixth: two
+// slots of our AMX backend at the headline (a 640-row logits tile and the
+// GEMMs' packing scratch, 22 MiB each) fit in it at the default budget.
+inline constexpr std::size_t kSlotBudgetDivisor = 6;
 // The filtered backward (LmHeadOptions::grad_filter) runs its GEMMs over a
 // block's kept vocabulary columns in groups of this many (the last one
 // zero-padded): dW of one group is a [kKeptTile, H] f32 slot buffer, then
@@ -71,6 +73,9 @@ inline constexpr std::int64_t kKeptTile = 256;
 // vocabulary), and their sum points along the few directions most rows of W
 // share; 8 directions, the first their plain sum, take that coherent part.
 inline constexpr std::int64_t kTailRank = 8;
+// Remainders a block row may carry (its entries at or above the filter's
+// threshold: ~12-96 per row on the trained-like inputs, 16 on the A/B head).
+inline constexpr std::int64_t kKeptRemainders = 512;
 // Columns of the tail GEMM operands that carry a rank-k value split in two
 // bf16 halves (hi, lo), and of the dW apply GEMM's [hi, hi, lo] x [hi; lo; hi]
 // (padded to the AMX tile's 32 rows of K).
@@ -94,6 +99,7 @@ inline constexpr std::int64_t kTailRows = 16;
 // to 6 nats) are left to the tail correction, which holds them.
 inline constexpr float kDenseRowMass = 0.25F;
 inline constexpr float kDenseRowEntropyGap = 3.0F;
+inline constexpr std::int64_t kDenseRows = 8;
 
 // The padded row counts a block's backward GEMMs are created for (one GEMM
 // shape per rung), in one place for the plan (create_gemms) and the step
@@ -208,8 +214,9 @@ struct LmHeadPlanData {
   std::int64_t kept_tile = 0;
   std::int64_t kept_cap = 0;
   // With bf16 dlogits the kept entries also carry their rounding's remainder
-  // (lo = g - bf16(g), a second bf16 GEMM pass): per block row, room for this
-  // many kept columns' remainders (Region::kept_lo); a block keeping more runs
+  // (lo = g - bf16(g), a second bf16 GEMM pass): per block row, room for the
+  // remainders of this many entries at or above the row's threshold
+  // (Region::kept_lo, kKeptRemainders); a block with a row holding more runs
   // the exact GEMMs. 0 with f32 dlogits (nothing to carry).
   std::int64_t kept_lo_cap = 0;
   // The tail correction's rank (kTailRank; 0: filter off) and the stride of
@@ -236,8 +243,8 @@ struct LmHeadPlanData {
   // dweight_kept accumulating (the remainders' pass), with kept_lo_cap.
   std::vector<std::unique_ptr<kernels::Gemm>> dweight_kept_lo;
   // The tail correction's (tail_rank > 0; see LmHeadStep::tail_block), per
-  // rung: dlogits tile [k, cols] x A tile [cols, kTailPair] -> f32 [k,
-  // kTailPair]; dlogits tile^T [cols, k] x the hidden rows' coordinates [k,
+  // rung: dlogits tile [k, cols] x A tile [cols, kTailRank] -> f32 [k,
+  // kTailRank]; dlogits tile^T [cols, k] x the hidden rows' coordinates [k,
   // kTailPair] -> f32 [cols, kTailPair] (empty with frozen_weight); the active
   // hidden rows [k, H] x the hidden basis^T [H, kTailRank] -> f32.
   std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> tail_dhidden;
@@ -249,6 +256,8 @@ struct LmHeadPlanData {
   FullAndLast<std::unique_ptr<kernels::Gemm>> tail_project;
   // Omega [kTailRows, V / tail_stride] x W's sampled rows [., chunk] -> f32 [kTailRows, chunk] (ld H).
   FullAndLast<std::unique_ptr<kernels::Gemm>> tail_sketch;
+  // The dense rows' dhidden chunk: their dlogits [kDenseRows, V] x W[:, chunk] (dhidden's spec).
+  FullAndLast<std::unique_ptr<kernels::Gemm>> dense_dhidden;
   FullAndLast<std::unique_ptr<kernels::Gemm>> tail_apply;
   std::size_t max_scratchpad = 0;
   // Bytes of the packed hidden rows: every forward chunk of a block, or the

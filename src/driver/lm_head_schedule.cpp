@@ -81,12 +81,12 @@ GemmSpec dhidden_kept_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t
 }
 
 // The tail correction's GEMMs (LmHeadStep::tail_block). dhidden's: the
-// block's dlogits tile [k, cols] (ld V) x A's rows [cols, kTailPair].
+// block's dlogits tile [k, cols] (ld V) x A's rows [cols, kTailRank].
 GemmSpec tail_dhidden_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
   GemmSpec g;
   g.a = {p.dlogits_dtype, k, cols, p.shape.vocab, 1};
-  g.b = {p.dlogits_dtype, cols, kTailPair, kTailPair, 1};
-  g.c = {DType::f32, k, kTailPair, kTailPair, 1};
+  g.b = {p.dlogits_dtype, cols, kTailRank, kTailRank, 1};
+  g.c = {DType::f32, k, kTailRank, kTailRank, 1};
   return g;
 }
 
@@ -149,10 +149,11 @@ std::size_t slot_tile_bytes(const LmHeadPlanData& p) {
   if (p.kept_cap > 0) {
     b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.shape.hidden) * sizeof(float));
     b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.hidden_chunk) * size_of(p.shape.dtype));
-    // The tail correction's W projection tile [kTailRows, tile], and its dW
-    // coordinates [tile, kTailPair] beside the kept columns' A rows [tile, kTailPair] and places [tile].
-    b = std::max(
-        b, static_cast<std::size_t>(std::max(kTailRows, 2 * kTailPair + 1) * p.schedule.vocab_tile) * sizeof(float));
+    // The tail correction's W projection tile [kTailRows, tile]; its dW
+    // coordinates [tile, kTailPair], the kept columns' A rows [tile,
+    // kTailRank] and places [tile]; the remainders' row, marks and columns.
+    b = std::max(b, static_cast<std::size_t>(std::max(kTailRows, kTailPair + kTailRank + 1) * p.schedule.vocab_tile) *
+                        sizeof(float));
   }
   return b;
 }
@@ -185,7 +186,7 @@ WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) 
   w.book(Region::exchange, p.scale_out ? p.scale_out->bytes_per_row() : 0,
          p.scale_out ? p.scale_out->fixed_bytes() : 0);
   w.book(Region::kept_columns, 0, p.kept_cap > 0 ? KeptColumns::bytes(s.vocab, p.tiles) : 0);
-  w.book(Region::kept_lo, static_cast<std::size_t>(p.kept_lo_cap) * size_of(p.dlogits_dtype));
+  w.book(Region::kept_lo, p.kept_lo_cap > 0 ? KeptRemainders::bytes_per_row(p.kept_lo_cap) : 0);
   const TailRegions::Dims tail = tail_dims(p);
   w.book(Region::tail, tail.rank > 0 ? TailRegions::per_row_bytes(tail) : 0,
          tail.rank > 0 ? TailRegions::fixed_bytes(tail) : 0);
@@ -247,6 +248,7 @@ void release_gemms(LmHeadPlanData& p) {
   p.tail_hidden.clear();
   p.tail_project = {};
   p.tail_sketch = {};
+  p.dense_dhidden = {};
   p.tail_apply = {};
 }
 
@@ -332,6 +334,8 @@ std::size_t create_gemms(LmHeadPlanData& p) {
       p.tail_project.last = make(last);
       p.tail_sketch.full = make(tail_sketch_spec(p, chunk));
       p.tail_sketch.last = make(tail_sketch_spec(p, last_chunk));
+      p.dense_dhidden.full = make(dhidden_spec(s, p.dlogits_dtype, kDenseRows, chunk));
+      p.dense_dhidden.last = make(dhidden_spec(s, p.dlogits_dtype, kDenseRows, last_chunk));
       if (!p.options.frozen_weight) {
         p.tail_apply.full = make(tail_apply_spec(p, vt));
         p.tail_apply.last = make(tail_apply_spec(p, last_tile));
@@ -421,12 +425,8 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     if (p->kept_cap > 0) {
       p->tail_rank = kTailRank;
       p->tail_stride = shape.layout == WeightLayout::vocab_major ? kTailSketchStride : 1;
-      // Room for the remainders of V / 32 kept columns, or of 4096 (all that
-      // kept_cap allows in a small vocabulary).
-      if (shape.dtype == DType::bf16) {
-        const std::int64_t room = std::max(shape.vocab / 32, std::int64_t{4096});
-        p->kept_lo_cap = std::min(p->kept_cap, std::max(p->kept_tile, room / p->kept_tile * p->kept_tile));
-      }
+      // Room for the remainders of kKeptRemainders entries per row.
+      if (shape.dtype == DType::bf16) p->kept_lo_cap = kKeptRemainders;
     }
   }
 
@@ -460,7 +460,14 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   const bool requested = options.token_block > 0;
   p->forward_rows = std::min(kForwardRows, requested ? round_up(limit, kRowQuantum)
                                                      : std::max(kRowQuantum, limit / kRowQuantum * kRowQuantum));
-  std::int64_t nb = limit <= p->forward_rows ? limit : limit / p->forward_rows * p->forward_rows;
+  // A backend that takes the whole block in one forward call (whole_block
+  // below) needs no multiple of forward_rows: the block is any multiple of kRowQuantum.
+  const bool any_rows =
+      !requested && forced == nullptr &&
+      kernels::gemm_traits(forward_spec(shape, p->forward_rows, p->schedule.vocab_tile, p->schedule.vocab_tile))
+          .m_independent;
+  const std::int64_t quantum = any_rows ? kRowQuantum : p->forward_rows;
+  std::int64_t nb = limit <= p->forward_rows ? limit : limit / quantum * quantum;
   nb = std::min(nb, round_up(p->rows, p->forward_rows));  // no block longer than the batch needs
   if (forced != nullptr) {
     p->forward_rows = forced->forward_rows;

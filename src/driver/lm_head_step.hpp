@@ -160,13 +160,12 @@ struct LmHeadStep {
   StepExchange& exchange;  // the call's, see step_exchange.hpp
   LmHeadStepStats stats;
   PhaseClock forward_gemm_clock, forward_stage_clock, dlogits_clock, dweight_clock, dhidden_clock;
-  // The filtered backward: remainder columns claimed in kept_lo by the block's
-  // tiles; whether a block ran filtered (the tail's dW coordinates need
-  // applying) and whether this call's hidden basis exists.
-  std::atomic<std::int64_t> lo_claimed{0};
+  // The filtered backward: whether a row of the block had more remainders
+  // than kept_lo holds; whether a block ran filtered (the tail's dW
+  // coordinates need applying) and whether this call's hidden basis exists.
+  std::atomic<bool> lo_overflow{false};
   bool tail_used = false;
   bool hidden_basis_ready = false;
-  std::int64_t dense_pending = 0;  // dense rows in tail.dense (flush_dense)
 
   // stats with the phase times filled in.
   LmHeadStepStats step_stats() const {
@@ -340,10 +339,11 @@ struct LmHeadStep {
     const float chain = transform.capped() ? transform.softcap_scale : 1.0F;
 
     // The tile's dlogits rows (+ dbias), and under the filter its kept columns.
-    // With bf16 dlogits under the filter (kept_lo_cap > 0) the rows are
-    // computed in f32 twice, in the slot's tile: once to mark the kept
-    // columns, once to write them (rounded as the kernel rounds) with each
-    // kept entry's remainder g - bf16(g) into kept_lo.
+    // With bf16 dlogits under the filter (kept_lo_cap > 0) each row is
+    // computed in f32 in the slot's tile, written rounded as the kernel
+    // rounds, and each entry at or above the row's threshold (the entries
+    // whose rounding matters; the kept columns are theirs) leaves its
+    // remainder g - bf16(g) in the row's list in kept_lo.
     const bool with_lo = p.kept_lo_cap > 0;
     const auto tile_dlogits = [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
@@ -351,8 +351,8 @@ struct LmHeadStep {
       dlogits_clock.time([&] {
         std::uint8_t* mark = filter ? ws.kept.mark.data() + c0 : nullptr;
         if (filter) std::memset(mark, 0, static_cast<std::size_t>(cols));
-        // Row i's dlogits into out (dbias added when add_bias); its filter threshold returned.
-        const auto row_dlogits = [&](std::int64_t i, void* out, kernels::Elem out_type, bool add_bias) {
+        // Row i's dlogits into out (+ dbias); its filter threshold returned.
+        const auto row_dlogits = [&](std::int64_t i, void* out, kernels::Elem out_type) {
           const std::int64_t r = ws.rows.active[i];
           const std::int64_t s = compacted ? i : r;  // where row r's statistics and logits are
           const std::int64_t row = b0 + r;
@@ -365,18 +365,52 @@ struct LmHeadStep {
           }
           dlogits_row(k, transform, block_at(s, c0, store_size), p.store_type, cols, 1.0F,
                       ws.tile_stats[s * p.tiles + j].max, ws.rows.lse[s], u, tgt, out, out_type,
-                      add_bias && dbias != nullptr ? dbias + c0 : nullptr);
+                      dbias != nullptr ? dbias + c0 : nullptr);
           return p.grad_filter * (std::fabs(u.a) + std::fabs(u.b)) * chain;
         };
-        float* f = slot_tile(slot);  // with_lo: one row's f32 dlogits
+        // with_lo: one row's f32 dlogits, its own marks and their columns, in the slot's tile.
+        float* f = slot_tile(slot);
+        auto* own = reinterpret_cast<std::uint8_t*>(f + vt);
+        auto* found = reinterpret_cast<std::int32_t*>(f + 2 * vt);
         for (std::int64_t i = 0; i < na; ++i) {
           // Row i <= s: the compacted output never overwrites a stored row not yet read.
-          void* g = with_lo ? static_cast<void*>(f) : block_at(i, c0, dl_size);
-          const kernels::Elem g_type = with_lo ? kernels::Elem::f32 : dl_type;
-          const float threshold = row_dlogits(i, g, g_type, !with_lo);
-          if (!filter) continue;
-          ws.tail.below[i * p.tiles + j] = k.mark_kept(g, g_type, cols, threshold, mark);
+          std::byte* g = block_at(i, c0, dl_size);
+          if (!with_lo) {
+            const float threshold = row_dlogits(i, g, dl_type);
+            if (!filter) continue;
+            ws.tail.below[i * p.tiles + j] = k.mark_kept(g, dl_type, cols, threshold, mark);
+            if (j == 0) ws.tail.row_scale[i] = threshold / p.grad_filter;
+            continue;
+          }
+          const float threshold = row_dlogits(i, f, kernels::Elem::f32);
+          auto* hi = reinterpret_cast<std::uint16_t*>(g);
+          k.f32_to_bf16(f, hi, cols);  // bit for bit the kernel's own bf16 output
+          std::memset(own, 0, static_cast<std::size_t>(cols));
+          ws.tail.below[i * p.tiles + j] = k.mark_kept(f, kernels::Elem::f32, cols, threshold, own);
           if (j == 0) ws.tail.row_scale[i] = threshold / p.grad_filter;
+          // This row's marked entries (8 marks at a time): the tile's marks, and their remainders.
+          std::int64_t n = 0;
+          for (std::int64_t w = 0; w < cols; w += 8) {
+            std::uint64_t word = 0;
+            std::memcpy(&word, own + w, static_cast<std::size_t>(std::min<std::int64_t>(8, cols - w)));
+            if (word == 0) continue;
+            for (std::int64_t c = w; c < std::min(w + 8, cols); ++c) {
+              if (own[c] == 0) continue;
+              mark[c] = 1;
+              found[n++] = static_cast<std::int32_t>(c);
+            }
+          }
+          const KeptRemainders& lo = ws.kept_lo;
+          const std::int32_t at = std::atomic_ref<std::int32_t>(lo.count[i]).fetch_add(static_cast<std::int32_t>(n));
+          if (at + n > p.kept_lo_cap) {
+            lo_overflow.store(true, std::memory_order_relaxed);
+            continue;
+          }
+          for (std::int64_t x = 0; x < n; ++x) {
+            const std::int64_t c = found[x];
+            lo.column[i * p.kept_lo_cap + at + x] = static_cast<std::int32_t>(c0 + c);
+            lo.value[i * p.kept_lo_cap + at + x] = kernels::float_to_bf16(f[c] - kernels::bf16_to_float(hi[c]));
+          }
         }
         if (filter) {
           std::int32_t* kept = ws.kept.column.data() + c0;
@@ -385,22 +419,6 @@ struct LmHeadStep {
             if (mark[c] != 0) kept[n++] = static_cast<std::int32_t>(c0 + c);
           }
           ws.kept.count[j] = n;
-          if (with_lo) {
-            const std::int64_t at = lo_claimed.fetch_add(n, std::memory_order_relaxed);
-            ws.tail.lo_at[j] = at;
-            const bool room = at + n <= p.kept_lo_cap;
-            auto* lo = reinterpret_cast<std::uint16_t*>(ws.kept_lo.data());
-            for (std::int64_t i = 0; i < na; ++i) {
-              row_dlogits(i, f, kernels::Elem::f32, true);
-              auto* g = reinterpret_cast<std::uint16_t*>(block_at(i, c0, dl_size));
-              k.f32_to_bf16(f, g, cols);  // bit for bit the kernel's own bf16 output
-              if (!room) continue;
-              for (std::int64_t x = 0; x < n; ++x) {
-                const std::int64_t c = kept[x] - c0;
-                lo[i * p.kept_lo_cap + at + x] = kernels::float_to_bf16(f[c] - kernels::bf16_to_float(g[c]));
-              }
-            }
-          }
         }
         for (std::int64_t i = na; i < padded; ++i) std::memset(block_at(i, c0, dl_size), 0, cols * dl_size);
       });
@@ -418,7 +436,7 @@ struct LmHeadStep {
 
     std::int64_t kept_total = vocab;  // columns the backward GEMMs run over
     bool kept_path = false;           // the filtered GEMMs (backward_kept)
-    std::int64_t dense = 0;           // its dense rows (tail.dense_row)
+    std::int64_t dense = 0;           // its dense rows (tail.dense_block)
     if (!filter) {
       if (dweight) packed_act = pack_active_rows(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
       for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
@@ -426,7 +444,8 @@ struct LmHeadStep {
         if (dweight) tile_dweight(j, slot);  // frozen weight: the tile's dlogits feed dhidden alone
       });
     } else {
-      lo_claimed.store(0, std::memory_order_relaxed);
+      lo_overflow.store(false, std::memory_order_relaxed);
+      if (with_lo) std::memset(ws.kept_lo.count, 0, static_cast<std::size_t>(na) * sizeof(std::int32_t));
       for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) { tile_dlogits(j, slot); });
       // Every tile's kept columns, in column order, from kept.column[0].
       kept_total = 0;
@@ -435,8 +454,7 @@ struct LmHeadStep {
         std::memmove(ws.kept.column.data() + kept_total, ws.kept.column.data() + j * vt, n * sizeof(std::int32_t));
         kept_total += n;
       }
-      kept_path = kept_total <= p.kept_cap && kept_total < vocab &&
-                  (!with_lo || lo_claimed.load(std::memory_order_relaxed) <= p.kept_lo_cap);
+      kept_path = kept_total <= p.kept_cap && kept_total < vocab && !lo_overflow.load(std::memory_order_relaxed);
       if (kept_path) dense = dense_rows(na, compacted);
       kept_path = kept_path && dense <= kRowQuantum;
       if (!kept_path) {  // too many to pay: the unfiltered block, bitwise
@@ -473,10 +491,13 @@ struct LmHeadStep {
     }
     if (kept_path) {
       if (p.tail_rank > 0) tail_block(padded, na, dweight);
-      if (dense > 0) gather_dense(b0, dense);
+      if (dense > 0) dense_dhidden(dense);
       backward_kept(padded, na, kept_total, dweight, dweight_written);
       if (p.tail_rank > 0) tail_dhidden(na);
-      if (dense > 0 && p.scale_out != nullptr) flush_dense();
+      for (std::int64_t x = 0; x < dense; ++x) {  // over the dense rows' filtered dhidden
+        std::memcpy(ws.dhidden_act.data() + ws.tail.dense_block[x] * hidden, ws.tail.dense_out + x * hidden,
+                    static_cast<std::size_t>(hidden) * sizeof(float));
+      }
     } else {
       const auto& dhidden_gemms = p.dhidden[p.row_ladder.index_of(padded)];
       for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
@@ -505,8 +526,9 @@ struct LmHeadStep {
   // The filtered backward's tail correction, per call (before any block): a
   // rank-k basis B_w of W's rows (a randomized range finder: the sketch
   // Omega W of every tail_stride-th row, Omega's first row all ones,
-  // the rest random signs), its dual, and A = W B_w^T per vocab column as
-  // bf16 (hi, lo) pairs (the tail_project GEMMs). Depends on W alone.
+  // the rest random signs), its dual, and A = W B_w^T per vocab column in
+  // the dlogits dtype (the tail_project GEMMs; bf16's 2^-9 on a correction
+  // that is itself a few percent of dhidden). Depends on W alone.
   void prepare_tail() {
     if (p.tail_rank == 0) return;
     const std::int64_t k = p.tail_rank;
@@ -517,7 +539,6 @@ struct LmHeadStep {
     const TailRegions& t = ws.tail;
     tail_used = false;
     hidden_basis_ready = false;
-    dense_pending = 0;
     // Omega [kTailRows, V / tail_stride] in the block buffer (rows past k
     // zero) against every tail_stride-th row of W: the sketch of a sample of
     // W's rows (their shared directions are every row's).
@@ -550,7 +571,11 @@ struct LmHeadStep {
           .run(ws.stage.data(), weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
       for (std::int64_t c = 0; c < cols; ++c) {
         for (std::int64_t r = 0; r < k; ++r)
-          tail_store_pair(t.coord, (c0 + c) * kTailPair + r, k, tile[r * cols + c], dl);
+          if (dl == DType::bf16) {
+            reinterpret_cast<std::uint16_t*>(t.coord)[(c0 + c) * k + r] = kernels::float_to_bf16(tile[r * cols + c]);
+          } else {
+            reinterpret_cast<float*>(t.coord)[(c0 + c) * k + r] = tile[r * cols + c];
+          }
       }
     });
     if (!p.options.frozen_weight) {
@@ -563,7 +588,6 @@ struct LmHeadStep {
   // block left out, times the hidden basis' dual) into dW: dW tile += C D
   // through the tail_apply GEMMs. After the last block.
   void finish_tail() {
-    flush_dense();
     if (!tail_used || p.options.frozen_weight) return;
     const std::int64_t k = p.tail_rank;
     const std::int64_t vt = p.schedule.vocab_tile;
@@ -577,7 +601,7 @@ struct LmHeadStep {
       const std::int64_t cols = std::min(vt, vocab - c0);
       bool any = false;
       for (std::int64_t c = c0; c < c0 + cols; ++c) {
-        std::byte* row = t.dense + static_cast<std::size_t>(c * kTailApplyLd) * dl_size;
+        std::byte* row = ws.block.data() + static_cast<std::size_t>(c * kTailApplyLd) * dl_size;
         std::memset(row, 0, static_cast<std::size_t>(kTailApplyLd) * dl_size);
         if (t.left[c] == 0) continue;
         any = true;
@@ -592,7 +616,7 @@ struct LmHeadStep {
         }
       }
       if (!any) return;
-      const std::byte* c_rows = t.dense + static_cast<std::size_t>(c0 * kTailApplyLd) * dl_size;
+      const std::byte* c_rows = ws.block.data() + static_cast<std::size_t>(c0 * kTailApplyLd) * dl_size;
       auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * dw_size;
       const bool vm = vocab_major;
       dweight_clock.time([&] {
@@ -688,29 +712,26 @@ struct LmHeadStep {
       const std::int64_t cols = std::min(vt, vocab - c0);
       const bool last = j == p.tiles - 1;
       const std::byte* g = block_at(0, c0, dl_size);
-      float* part = t.partial + j * rows * kTailPair;
+      float* part = t.partial + j * rows * k;  // the tile's partial sums [padded, k]
       dhidden_clock.time([&] {
         bindings.at(*p.tail_dhidden[rung].pick(last), slot)
-            .run(g, t.coord + static_cast<std::size_t>(c0 * kTailPair) * dl_size, part, nullptr, slot_scratch(slot),
-                 nullptr);
+            .run(g, t.coord + static_cast<std::size_t>(c0 * k) * dl_size, part, nullptr, slot_scratch(slot), nullptr);
         // Less the kept columns' own terms (the kept GEMMs have them): their
-        // A rows gathered after the slot's coordinates, then row by row.
-        float* a_kept = slot_tile(slot) + vt * kTailPair;                     // [n, kTailPair]
-        auto* at = reinterpret_cast<std::int32_t*>(a_kept + vt * kTailPair);  // [n] tile columns
+        // A rows gathered after the slot's dW coordinates [cols, kTailPair], then row by row.
+        float* a_kept = slot_tile(slot) + vt * kTailPair;             // [n, k]
+        auto* at = reinterpret_cast<std::int32_t*>(a_kept + vt * k);  // [n] tile columns
         std::int64_t n = 0;
         for (std::int64_t c = 0; c < cols; ++c) {
           if (mark[c0 + c] == 0) continue;
-          for (std::int64_t r = 0; r < kTailPair; ++r) {
-            a_kept[n * kTailPair + r] = tail_load(t.coord, (c0 + c) * kTailPair + r, dl);
-          }
+          for (std::int64_t r = 0; r < k; ++r) a_kept[n * k + r] = tail_load(t.coord, (c0 + c) * k + r, dl);
           at[n++] = static_cast<std::int32_t>(c);
         }
         for (std::int64_t i = 0; i < na; ++i) {
-          float* row = part + i * kTailPair;
+          float* row = part + i * k;
           for (std::int64_t x = 0; x < n; ++x) {
             const float gv = tail_load(g, i * vocab + at[x], dl);
-            const float* a = a_kept + x * kTailPair;
-            for (std::int64_t r = 0; r < kTailPair; ++r) row[r] -= gv * a[r];
+            const float* a = a_kept + x * k;
+            for (std::int64_t r = 0; r < k; ++r) row[r] -= gv * a[r];
           }
         }
       });
@@ -732,10 +753,7 @@ struct LmHeadStep {
     for (std::int64_t i = 0; i < na; ++i) {
       for (std::int64_t r = 0; r < k; ++r) {
         float sum = 0.0F;
-        for (std::int64_t j = 0; j < p.tiles; ++j) {
-          const float* part = t.partial + (j * rows + i) * kTailPair;
-          sum += part[r] + part[k + r];
-        }
+        for (std::int64_t j = 0; j < p.tiles; ++j) sum += t.partial[(j * rows + i) * k + r];
         t.cdh[i * k + r] = sum;
       }
     }
@@ -781,57 +799,33 @@ struct LmHeadStep {
     return n;
   }
 
-  // The block's dense rows' dlogits, every column, into tail.dense (before
-  // compaction) after the rows still pending there from earlier blocks (a
-  // full buffer is run first). One process: their dhidden comes from one
-  // kRowQuantum-row GEMM per kRowQuantum dense rows of the call (flush_dense),
-  // written over the filtered rows' output. Several (scale_out): this
-  // block's own, now, into dhidden_act before the exchange sums it.
-  void gather_dense(std::int64_t b0, std::int64_t dense) {
+  // The block's dense rows' dhidden over every column, before compaction
+  // (their dlogits rows still whole): kDenseRows rows at a time copied to
+  // tail.dense, the dense_dhidden GEMMs into tail.dense_out; backward copies
+  // them over the rows' filtered dhidden.
+  void dense_dhidden(std::int64_t dense) {
     const TailRegions& t = ws.tail;
-    if (p.scale_out != nullptr || dense_pending + dense > kRowQuantum) flush_dense();
     const std::size_t row_bytes = static_cast<std::size_t>(p.shape.vocab) * dl_size;
-    for_each_item(dense, p.schedule.slots, [&](std::int64_t x, int /*slot*/) {
-      std::memcpy(t.dense + (dense_pending + x) * row_bytes, block_at(t.dense_block[x], 0, dl_size), row_bytes);
-    });
-    for (std::int64_t x = 0; x < dense; ++x) {
-      const std::int64_t i = t.dense_block[x];
-      // The batch row (pending rows), or the active index (scale_out: dense_now).
-      t.dense_row[dense_pending + x] = p.scale_out != nullptr ? i : b0 + ws.rows.active[i];
-    }
-    dense_pending += dense;
-  }
-
-  // The pending dense rows' dhidden over every column (the dhidden GEMMs of
-  // kRowQuantum rows, rows past them zeroed): written to the output rows, or
-  // with scale_out into dhidden_act in place of the block's filtered rows.
-  void flush_dense() {
-    if (dense_pending == 0) return;
-    const TailRegions& t = ws.tail;
-    const std::int64_t hidden = p.shape.hidden;
-    const std::size_t row_bytes = static_cast<std::size_t>(p.shape.vocab) * dl_size;
-    std::memset(t.dense + dense_pending * row_bytes, 0,
-                static_cast<std::size_t>(kRowQuantum - dense_pending) * row_bytes);
-    // Every column of kRowQuantum rows, counted as work the filter did not skip.
-    stats.dhidden_skipped_row_columns -= kRowQuantum * p.shape.vocab;
-    const auto& gemms = p.dhidden[p.row_ladder.index_of(kRowQuantum)];
-    for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
-      const std::int64_t h0 = chunk * p.hidden_chunk;
-      dhidden_clock.time([&] {
-        bindings.at(*gemms.pick(chunk == p.hidden_chunks - 1), slot)
-            .run(t.dense, weight_at_hidden(h0), t.dense_out + h0, nullptr, slot_scratch(slot));
+    for (std::int64_t x0 = 0; x0 < dense; x0 += kDenseRows) {
+      const std::int64_t n = std::min(kDenseRows, dense - x0);
+      for_each_item(kDenseRows, p.schedule.slots, [&](std::int64_t x, int /*slot*/) {
+        std::byte* to = t.dense + x * row_bytes;
+        if (x < n) {
+          std::memcpy(to, block_at(t.dense_block[x0 + x], 0, dl_size), row_bytes);
+        } else {
+          std::memset(to, 0, row_bytes);
+        }
       });
-    });
-    for (std::int64_t x = 0; x < dense_pending; ++x) {
-      const float* src = t.dense_out + x * hidden;
-      if (p.scale_out != nullptr) {
-        std::memcpy(ws.dhidden_act.data() + t.dense_row[x] * hidden, src,
-                    static_cast<std::size_t>(hidden) * sizeof(float));
-      } else {
-        write_dhidden_row(t.dense_row[x], src);
-      }
+      // Every column of kDenseRows rows, counted as work the filter did not skip.
+      stats.dhidden_skipped_row_columns -= kDenseRows * p.shape.vocab;
+      for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
+        const std::int64_t h0 = chunk * p.hidden_chunk;
+        dhidden_clock.time([&] {
+          bindings.at(*p.dense_dhidden.pick(chunk == p.hidden_chunks - 1), slot)
+              .run(t.dense, weight_at_hidden(h0), t.dense_out + x0 * p.shape.hidden + h0, nullptr, slot_scratch(slot));
+        });
+      });
     }
-    dense_pending = 0;
   }
 
   std::int64_t kept_groups(std::int64_t kept) const { return (kept + p.kept_tile - 1) / p.kept_tile; }
@@ -873,18 +867,19 @@ struct LmHeadStep {
                     static_cast<std::size_t>(groups * p.kept_tile - kept) * esz);
       }
       if (!with_lo) return;
-      // The remainders, from each tile's claim in kept_lo to the same places
-      // past the compacted matrix (the block's second half: 2 cap <= V).
-      const auto* from = reinterpret_cast<const std::uint16_t*>(ws.kept_lo.data());
+      // The remainders, from each row's list to its kept columns' places past
+      // the compacted matrix (the block's second half: 2 cap <= V).
+      std::int32_t* index = ws.kept.index.data();
+      for (std::int64_t c = 0; c < kept; ++c) index[column[c]] = static_cast<std::int32_t>(c);
       auto* to = reinterpret_cast<std::uint16_t*>(dl) + padded * cap;
+      const KeptRemainders& lo = ws.kept_lo;
       for (std::int64_t i = 0; i < padded; ++i) {
         std::uint16_t* t = to + i * cap;
-        std::int64_t c = 0;
-        for (std::int64_t j = 0; j < p.tiles && i < na; ++j) {
-          const std::uint16_t* f = from + i * p.kept_lo_cap + ws.tail.lo_at[j];
-          for (std::int64_t x = 0; x < ws.kept.count[j]; ++x) t[c++] = f[x];
+        std::memset(t, 0, static_cast<std::size_t>(groups * p.kept_tile) * esz);
+        if (i >= na) continue;
+        for (std::int64_t e = 0; e < lo.count[i]; ++e) {
+          t[index[lo.column[i * p.kept_lo_cap + e]]] = lo.value[i * p.kept_lo_cap + e];
         }
-        std::memset(t + c, 0, static_cast<std::size_t>(groups * p.kept_tile - c) * esz);
       }
     });
     const auto group_dlogits = [&](std::int64_t g) { return dl + static_cast<std::size_t>(g * p.kept_tile) * esz; };

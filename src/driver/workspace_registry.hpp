@@ -38,7 +38,7 @@ enum class Region : std::uint8_t {
   quantile,       // [N] floats: the top-entropy quantile's scratch (only when it is used)
   exchange,       // the exchanges of a plan over several processes (ScaleOutPlan)
   kept_columns,   // the filtered backward's: KeptColumns
-  kept_lo,        // [block rows, kept_lo_cap] dlogits dtype: the kept entries' rounding remainders
+  kept_lo,        // per block row: KeptRemainders (bf16 dlogits under the filter)
   tail,           // the filtered backward's tail correction: TailRegions
   count,          // the number of regions
 };
@@ -71,20 +71,32 @@ struct BatchArrays {
 // then all of them from 0), and each tile's count.
 struct KeptColumns {
   static std::size_t bytes(std::int64_t vocab, std::int64_t tiles) {
-    return static_cast<std::size_t>(vocab) * (sizeof(std::uint8_t) + sizeof(std::int32_t)) +
+    return static_cast<std::size_t>(vocab) * (sizeof(std::uint8_t) + 2 * sizeof(std::int32_t)) +
            static_cast<std::size_t>(tiles) * sizeof(std::int64_t);
   }
   std::span<std::int64_t> count;  // [tiles]
   std::span<std::int32_t> column;
+  std::span<std::int32_t> index;  // [V] a kept column's place among them (kept columns only)
   std::span<std::uint8_t> mark;
+};
+
+// The kept entries' bf16 remainders (LmHeadPlanData::kept_lo_cap per block
+// row): per row a count, then columns and remainders (the row's entries at or
+// above its threshold, in the order the tiles wrote them).
+struct KeptRemainders {
+  static std::size_t bytes_per_row(std::int64_t cap) {
+    return sizeof(std::int32_t) + static_cast<std::size_t>(cap) * (sizeof(std::int32_t) + sizeof(std::uint16_t));
+  }
+  std::int32_t* count = nullptr;   // [rows]
+  std::int32_t* column = nullptr;  // [rows, cap]
+  std::uint16_t* value = nullptr;  // [rows, cap]
 };
 
 // The filtered backward's tail correction (LmHeadStep::tail_block; k =
 // kTailRank), carved in one place for the booking and the views. Per call:
-// A = W B_w^T per vocab column as (hi, lo) pairs, the duals of both bases,
+// A = W B_w^T per vocab column, the duals of both bases,
 // the hidden basis, the apply GEMM's B, dW's coordinates C_w [V, k], which
-// columns some block left out, the remainders' place per tile, and double
-// scratch for the bases, the dense rows' dlogits and dhidden. Per block row:
+// columns some block left out, and double scratch for the bases, the dense rows' dlogits and dhidden. Per block row:
 // the hidden rows' coordinates (f32 and as bf16 pairs), dhidden's
 // coordinates, each tile's partial sums, the |g| each tile may leave out and
 // the row's threshold scale.
@@ -93,34 +105,30 @@ struct TailRegions {
     std::int64_t vocab = 0, hidden = 0, tiles = 0, rank = 0;
     std::size_t dl_size = 0, in_size = 0;
   };
-  std::byte* coord = nullptr;     // [V, kTailPair] dlogits dtype
-  float* dual_w = nullptr;        // [k, H]
-  float* dual_h = nullptr;        // [k, H]
-  std::byte* basis_h = nullptr;   // [k, H] input dtype
-  std::byte* apply_b = nullptr;   // [kTailApplyLd, H] dlogits dtype
-  float* cdw = nullptr;           // [V, k]
-  std::uint8_t* left = nullptr;   // [V] 1: some block left the column out
-  std::int64_t* lo_at = nullptr;  // [tiles] each tile's first remainder column in kept_lo
-  double* work = nullptr;         // [k, H + k]
-  // [kRowQuantum, V] dlogits dtype: the dense rows' dlogits; at the end of
-  // the call C_w's rows for the dW apply GEMM ([V, kTailApplyLd]).
-  std::byte* dense = nullptr;
-  float* dense_out = nullptr;           // [kRowQuantum, H] their dhidden
-  std::int64_t* dense_row = nullptr;    // [kRowQuantum] which rows they are (see LmHeadStep::gather_dense)
+  std::byte* coord = nullptr;           // [V, k] dlogits dtype
+  float* dual_w = nullptr;              // [k, H]
+  float* dual_h = nullptr;              // [k, H]
+  std::byte* basis_h = nullptr;         // [k, H] input dtype
+  std::byte* apply_b = nullptr;         // [kTailApplyLd, H] dlogits dtype
+  float* cdw = nullptr;                 // [V, k]
+  std::uint8_t* left = nullptr;         // [V] 1: some block left the column out
+  double* work = nullptr;               // [k, H + k]
+  std::byte* dense = nullptr;           // [kDenseRows, V] dlogits dtype: the dense rows' dlogits
+  float* dense_out = nullptr;           // [kRowQuantum, H] the block's dense rows' dhidden
   std::int64_t* dense_block = nullptr;  // [kRowQuantum] the block's dense rows, active indices
   std::byte* hidden_pair = nullptr;     // [rows, 2k] dlogits dtype
   float* below = nullptr;               // [rows, tiles] |g| under the threshold per row and tile
   float* row_scale = nullptr;           // [rows] the row's threshold / eps
   float* hidden_f = nullptr;            // [rows, k]
   float* cdh = nullptr;                 // [rows, k]
-  float* partial = nullptr;             // [tiles, rows, 2k]
+  float* partial = nullptr;             // [tiles, rows, k]
 
   // Fixed and per-row bytes as booked (the fixed part with every carved piece's alignment).
   static std::size_t fixed_bytes(const Dims& d) { return carve(d, 0, nullptr, nullptr) + 6 * kWorkspaceAlign; }
   static std::size_t per_row_bytes(const Dims& d) {
     const auto k = static_cast<std::size_t>(d.rank);
     const auto tiles = static_cast<std::size_t>(d.tiles);
-    return 2 * k * d.dl_size + 2 * k * sizeof(float) + tiles * 2 * k * sizeof(float) + (tiles + 1) * sizeof(float);
+    return 2 * k * d.dl_size + 2 * k * sizeof(float) + tiles * k * sizeof(float) + (tiles + 1) * sizeof(float);
   }
   TailRegions() = default;
   TailRegions(std::byte* base, const Dims& d, std::int64_t rows) { carve(d, rows, this, base); }
@@ -135,28 +143,26 @@ struct TailRegions {
     };
     const auto k = static_cast<std::size_t>(d.rank), h = static_cast<std::size_t>(d.hidden),
                vocab = static_cast<std::size_t>(d.vocab), r = static_cast<std::size_t>(rows);
-    constexpr auto ld = static_cast<std::size_t>(32);  // kTailApplyLd = kRowQuantum (lm_head_plan.hpp)
     TailRegions ignore;
     TailRegions& t = v != nullptr ? *v : ignore;
-    piece(&t.coord, vocab * 2 * k * d.dl_size);
+    piece(&t.coord, vocab * k * d.dl_size);
     piece(&t.dual_w, k * h * sizeof(float));
     piece(&t.dual_h, k * h * sizeof(float));
     piece(&t.basis_h, k * h * d.in_size);
-    piece(&t.apply_b, ld * h * d.dl_size);
+    piece(&t.apply_b, 32 * h * d.dl_size);  // kTailApplyLd (lm_head_plan.hpp)
     piece(&t.cdw, vocab * k * sizeof(float));
     piece(&t.left, vocab);
-    piece(&t.lo_at, static_cast<std::size_t>(d.tiles) * sizeof(std::int64_t));
     piece(&t.work, k * (h + k) * sizeof(double));
-    piece(&t.dense, ld * vocab * d.dl_size);
-    piece(&t.dense_out, ld * h * sizeof(float));
-    piece(&t.dense_row, ld * sizeof(std::int64_t));
-    piece(&t.dense_block, ld * sizeof(std::int64_t));
+    constexpr auto dense = static_cast<std::size_t>(8);  // kDenseRows (lm_head_plan.hpp)
+    piece(&t.dense, dense * vocab * d.dl_size);
+    piece(&t.dense_out, 32 * h * sizeof(float));  // kRowQuantum
+    piece(&t.dense_block, 32 * sizeof(std::int64_t));
     piece(&t.hidden_pair, r * 2 * k * d.dl_size);
     piece(&t.below, r * static_cast<std::size_t>(d.tiles) * sizeof(float));
     piece(&t.row_scale, r * sizeof(float));
     piece(&t.hidden_f, r * k * sizeof(float));
     piece(&t.cdh, r * k * sizeof(float));
-    piece(&t.partial, static_cast<std::size_t>(d.tiles) * r * 2 * k * sizeof(float));
+    piece(&t.partial, static_cast<std::size_t>(d.tiles) * r * k * sizeof(float));
     return at;
   }
 };
@@ -240,7 +246,7 @@ struct StepRegions {
   std::span<float> quantile;
   std::span<std::byte> exchange;
   KeptColumns kept;
-  std::span<std::byte> kept_lo;
+  KeptRemainders kept_lo;
   TailRegions tail;
   std::byte* slots = nullptr;
 
@@ -287,9 +293,22 @@ struct StepRegions {
       at += static_cast<std::size_t>(tiles) * sizeof(std::int64_t);
       kept.column = {reinterpret_cast<std::int32_t*>(at), static_cast<std::size_t>(vocab)};
       at += static_cast<std::size_t>(vocab) * sizeof(std::int32_t);
+      kept.index = {reinterpret_cast<std::int32_t*>(at), static_cast<std::size_t>(vocab)};
+      at += static_cast<std::size_t>(vocab) * sizeof(std::int32_t);
       kept.mark = {reinterpret_cast<std::uint8_t*>(at), static_cast<std::size_t>(vocab)};
     }
-    kept_lo = bytes(Region::kept_lo);
+    if (l.bytes[static_cast<std::size_t>(Region::kept_lo)] > 0) {
+      // count [rows], column [rows, cap], value [rows, cap]: cap from the booked bytes.
+      const std::size_t per_row = l.bytes[static_cast<std::size_t>(Region::kept_lo)] / n;
+      const auto cap =
+          static_cast<std::int64_t>((per_row - sizeof(std::int32_t)) / (sizeof(std::int32_t) + sizeof(std::uint16_t)));
+      std::byte* at = ws + l.at(Region::kept_lo);
+      kept_lo.count = reinterpret_cast<std::int32_t*>(at);
+      at += n * sizeof(std::int32_t);
+      kept_lo.column = reinterpret_cast<std::int32_t*>(at);
+      at += n * static_cast<std::size_t>(cap) * sizeof(std::int32_t);
+      kept_lo.value = reinterpret_cast<std::uint16_t*>(at);
+    }
     if (tail_dims.rank > 0) tail = TailRegions(ws + l.at(Region::tail), tail_dims, block_rows);
     slots = ws + l.slots;
   }
