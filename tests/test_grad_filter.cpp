@@ -147,7 +147,7 @@ TEST(GradFilter, NoLessAccurateThanTheExactStep) {
     // Rows 0 and 50 nearly uniform: hidden scaled down (oracle and library alike).
     for (const std::int64_t row : {0, 50}) {
       for (std::int64_t k = 0; k < c.hidden; ++k) {
-        const std::size_t at = static_cast<std::size_t>(row * c.hidden + k);
+        const auto at = static_cast<std::size_t>(row * c.hidden + k);
         const auto v = static_cast<float>(p.oracle.hidden[at] * 0.02);
         const std::uint16_t b = kernels::float_to_bf16(v);
         std::memcpy(p.hidden.data() + 2 * at, &b, 2);

@@ -87,9 +87,12 @@ struct LmHeadOptions {
   // exact; kGradFilterAuto; or a threshold eps > 0. Per token block, the
   // vocabulary columns in which every active row's dlogits entry is below eps
   // times the row's coefficient in magnitude (|g_tv| < eps (|a_t| + |b_t|) s,
-  // see the page) are left out of dW and dhidden; loss, logp, entropy, KL,
-  // metrics and dbias stay bitwise the unfiltered ones. A block whose kept
-  // columns exceed half the vocabulary runs unfiltered.
+  // see the page) are left out of the dW and dhidden GEMMs; their sum comes
+  // back through a rank-8 correction, the kept entries carry their bf16
+  // remainders, nearly uniform rows get a dhidden over every column. loss,
+  // logp, entropy, KL, metrics and dbias stay bitwise the unfiltered ones. A
+  // block keeping more columns than it has room for (half of V; with bf16
+  // dlogits V / 32, at least 4096) runs unfiltered.
   double grad_filter = 0.0;
   Allocator* allocator = nullptr;  // nullptr = default_allocator()
   // Several processes (grpo/communicator.hpp); none = this process alone.
