@@ -271,6 +271,7 @@ TEST(GradFilter, DescribeNamesTheFilterOnlyWhenOn) {
   o.grad_filter = kGradFilterAuto;
   const std::string d = LmHeadLossPlan(shape, LossConfig{}, o).describe();
   EXPECT_NE(d.find("grad_filter=2^-12"), std::string::npos) << d;
+  EXPECT_NE(d.find("the rest back in rank 8"), std::string::npos) << d;
   o.forward_only = true;  // nothing to filter
   EXPECT_EQ(LmHeadLossPlan(shape, LossConfig{}, o).describe().find("grad_filter"), std::string::npos);
 }

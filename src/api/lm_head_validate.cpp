@@ -234,7 +234,12 @@ std::string describe_gemms(const LmHeadPlanData& plan) {
     const float m = std::frexp(plan.grad_filter, &e);
     s += " grad_filter=" + (m == 0.5F ? "2^" + std::to_string(e - 1) : std::to_string(plan.grad_filter)) +
          " (per token block, the kept vocab columns in groups of " + std::to_string(plan.kept_tile) + ", up to " +
-         std::to_string(plan.kept_cap) + " of " + std::to_string(plan.shape.vocab) + ")";
+         std::to_string(plan.kept_cap) + " of " + std::to_string(plan.shape.vocab) + "; the rest back in rank " +
+         std::to_string(plan.tail_rank) +
+         (plan.kept_lo_cap > 0
+              ? ", the kept entries' bf16 remainders, up to " + std::to_string(plan.kept_lo_cap) + " per row"
+              : std::string()) +
+         ")";
   }
   return s;
 }
