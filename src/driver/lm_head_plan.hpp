@@ -303,7 +303,8 @@ struct BlockChoice {
 
 // The tail correction's workspace dimensions (rank 0 when it is off).
 inline TailRegions::Dims tail_dims(const LmHeadPlanData& p) {
-  return {p.shape.vocab, p.shape.hidden, p.tiles, p.tail_rank, size_of(p.dlogits_dtype), size_of(p.shape.dtype)};
+  return {p.shape.vocab,          p.shape.hidden, p.tiles,    p.tail_rank, size_of(p.dlogits_dtype),
+          size_of(p.shape.dtype), kTailApplyLd,   kDenseRows, kRowQuantum};
 }
 
 // The vocab tile a plan of this shape and options uses.

@@ -101,9 +101,12 @@ struct KeptRemainders {
 // coordinates, each tile's partial sums, the |g| each tile may leave out and
 // the row's threshold scale.
 struct TailRegions {
+  // The plan's sizes (tail_dims, lm_head_plan.hpp): rank k, the apply GEMM's
+  // K (kTailApplyLd), rows per dense GEMM (kDenseRows) and per block (kRowQuantum).
   struct Dims {
     std::int64_t vocab = 0, hidden = 0, tiles = 0, rank = 0;
     std::size_t dl_size = 0, in_size = 0;
+    std::int64_t apply_ld = 0, dense_rows = 0, dense_block = 0;
   };
   std::byte* coord = nullptr;           // [V, k] dlogits dtype
   float* dual_w = nullptr;              // [k, H]
@@ -149,14 +152,14 @@ struct TailRegions {
     piece(&t.dual_w, k * h * sizeof(float));
     piece(&t.dual_h, k * h * sizeof(float));
     piece(&t.basis_h, k * h * d.in_size);
-    piece(&t.apply_b, 32 * h * d.dl_size);  // kTailApplyLd (lm_head_plan.hpp)
+    piece(&t.apply_b, static_cast<std::size_t>(d.apply_ld) * h * d.dl_size);
     piece(&t.cdw, vocab * k * sizeof(float));
     piece(&t.left, vocab);
     piece(&t.work, k * (h + k) * sizeof(double));
-    constexpr auto dense = static_cast<std::size_t>(8);  // kDenseRows (lm_head_plan.hpp)
-    piece(&t.dense, dense * vocab * d.dl_size);
-    piece(&t.dense_out, 32 * h * sizeof(float));  // kRowQuantum
-    piece(&t.dense_block, 32 * sizeof(std::int64_t));
+    const auto block = static_cast<std::size_t>(d.dense_block);
+    piece(&t.dense, static_cast<std::size_t>(d.dense_rows) * vocab * d.dl_size);
+    piece(&t.dense_out, block * h * sizeof(float));
+    piece(&t.dense_block, block * sizeof(std::int64_t));
     piece(&t.hidden_pair, r * 2 * k * d.dl_size);
     piece(&t.below, r * static_cast<std::size_t>(d.tiles) * sizeof(float));
     piece(&t.row_scale, r * sizeof(float));
