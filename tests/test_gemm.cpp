@@ -86,6 +86,7 @@ struct Case {
   bool accumulate;
   int bias;  // 0 none, 1 f32, 2 bf16
   DType c_dtype;
+  DType in_dtype = DType::bf16;  // A's and B's
 };
 
 std::string name(const Case& c) {
@@ -94,11 +95,12 @@ std::string name(const Case& c) {
          (c.bias == 1   ? "_biasf32"
           : c.bias == 2 ? "_biasbf16"
                         : "") +
-         (c.c_dtype == DType::f32 ? "_f32" : "_bf16");
+         (c.c_dtype == DType::f32 ? "_f32" : "_bf16") + (c.in_dtype == DType::f32 ? "_inf32" : "");
 }
 
 std::vector<GemmBackendKind> runnable_backends() {
   std::vector<GemmBackendKind> kinds{GemmBackendKind::onednn, GemmBackendKind::reference};
+  if (avx2_gemm_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx2);
   if (avx512_bf16_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx512_bf16);
   if (amx_usable()) kinds.insert(kinds.begin(), GemmBackendKind::amx);
   return kinds;
@@ -107,9 +109,13 @@ std::vector<GemmBackendKind> runnable_backends() {
 std::unique_ptr<GemmBackend> make_backend(GemmBackendKind kind, const GemmSpec& spec) {
   if (kind == GemmBackendKind::amx) return make_amx_gemm(spec);
   if (kind == GemmBackendKind::avx512_bf16) return make_avx512_bf16_gemm(spec);
+  if (kind == GemmBackendKind::avx2) return make_avx2_gemm(spec);
   if (kind == GemmBackendKind::reference) return make_reference_gemm(spec);
   return nullptr;  // oneDNN runs through kernels::Gemm (GRPO_GEMM unset or forcing another: see run_case)
 }
+
+// oneDNN 2.6 has no bf16 matmul without AVX-512.
+bool onednn_has_bf16() { return __builtin_cpu_supports("avx512f"); }
 
 // Runs spec on one backend; returns false when it does not serve the spec.
 bool run_on(GemmBackendKind kind, const GemmEngine& engine, const GemmSpec& spec, const void* a, const void* b, void* c,
@@ -122,7 +128,18 @@ bool run_on(GemmBackendKind kind, const GemmEngine& engine, const GemmSpec& spec
   };
   if (kind == GemmBackendKind::onednn) {
     // Through oneDNN directly: kernels::Gemm would pick ours first.
-    const std::unique_ptr<Gemm> g = std::make_unique<Gemm>(engine, spec, GemmBackendKind::onednn);
+    // It may refuse bf16 anywhere without AVX-512, and f32 inputs with a
+    // bf16 bias or output anywhere; nothing else.
+    const bool any_bf16 =
+        spec.a.dtype == DType::bf16 || spec.c.dtype == DType::bf16 || (spec.has_bias && spec.bias_dtype == DType::bf16);
+    const bool may_refuse = any_bf16 && (!onednn_has_bf16() || spec.a.dtype == DType::f32);
+    std::unique_ptr<Gemm> g;
+    try {
+      g = std::make_unique<Gemm>(engine, spec, GemmBackendKind::onednn);
+    } catch (const Error& e) {
+      if (!may_refuse) ADD_FAILURE() << "oneDNN refused: " << e.what();
+      return false;
+    }
     g->run(a, b, c, bias, aligned(g->scratchpad_bytes()));
     return true;
   }
@@ -138,8 +155,8 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
   const Case cs = GetParam();
   const unsigned seed = 1234U + static_cast<unsigned>(cs.m * 7919 + cs.n * 131 + cs.k);
   std::mt19937 rng(seed);
-  Buffer a = make(DType::bf16, cs.m, cs.k, cs.a_t, 3, rng);
-  Buffer b = make(DType::bf16, cs.k, cs.n, cs.b_t, 5, rng);
+  Buffer a = make(cs.in_dtype, cs.m, cs.k, cs.a_t, 3, rng);
+  Buffer b = make(cs.in_dtype, cs.k, cs.n, cs.b_t, 5, rng);
   Buffer c0 = make(cs.c_dtype, cs.m, cs.n, false, 2, rng);  // the accumulated-into values
   Buffer bias = make(cs.bias == 2 ? DType::bf16 : DType::f32, 1, cs.n, false, 0, rng);
   GemmSpec spec;
@@ -153,7 +170,11 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
   for (const GemmBackendKind kind : runnable_backends()) {
     Buffer c = c0;
     if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
-      if (kind != GemmBackendKind::onednn) ADD_FAILURE() << to_string(kind) << " refused a bf16 spec it should serve";
+      // amx and avx512bf16 take bf16 A and B alone.
+      const bool bf16_only = kind == GemmBackendKind::amx || kind == GemmBackendKind::avx512_bf16;
+      if (kind != GemmBackendKind::onednn && !(bf16_only && cs.in_dtype == DType::f32)) {
+        ADD_FAILURE() << to_string(kind) << " refused a spec it should serve";
+      }
       continue;
     }
     int bad = 0;
@@ -219,6 +240,10 @@ std::vector<Case> cases() {
       out.push_back({33, 256, 3000, a_t, b_t, true, 0, DType::f32});
       out.push_back({40, 1100, 640, a_t, b_t, true, 0, DType::bf16});
       out.push_back({160, 300, 256, a_t, b_t, false, 1, DType::f32});
+      // f32 A and B (the f32 models' GEMMs), edges and a split reduction.
+      out.push_back({17, 33, 31, a_t, b_t, true, 2, DType::f32, DType::f32});
+      out.push_back({7, 16, 1, a_t, b_t, false, 1, DType::bf16, DType::f32});
+      out.push_back({33, 256, 3000, a_t, b_t, true, 0, DType::f32, DType::f32});
     }
   }
   return out;
@@ -230,7 +255,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmTester, ::testing::ValuesIn(cases()),
 // A row's result does not depend on the rows computed with it: rows 0-6 of a
 // 7-row call equal rows 0-6 of a 160-row call bitwise, and rows 100-106 of the
 // 160-row call equal a 7-row call over those rows, for every backend whose
-// traits say so (our AMX and reference backends). oneDNN's says not.
+// traits say so (our AMX, AVX512-BF16 and AVX2 backends). oneDNN's says not.
 TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
   std::mt19937 rng(77);
   const std::int64_t k = 4096;
@@ -240,9 +265,11 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
     Buffer b = make(DType::bf16, k, n, b_t, 0, rng);
     for (const GemmBackendKind kind : runnable_backends()) {
       // Ours (the reference is invariant by its loops; oneDNN is not).
-      if (kind != GemmBackendKind::amx && kind != GemmBackendKind::avx512_bf16) continue;
-      auto run_rows = [&](std::int64_t r0, std::int64_t rows) {
+      if (kind != GemmBackendKind::amx && kind != GemmBackendKind::avx512_bf16 && kind != GemmBackendKind::avx2)
+        continue;
+      auto run_rows = [&](std::int64_t r0, std::int64_t rows, int threads) {
         GemmSpec spec;
+        spec.threads = threads;
         spec.a = {DType::bf16, rows, k, k, 1};
         spec.b = b.op;
         spec.c = {DType::f32, rows, n, n, 1};
@@ -255,12 +282,18 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
                 nullptr);
         return c;
       };
-      const std::vector<float> all = run_rows(0, 160);
-      const std::vector<float> head = run_rows(0, 7);
-      const std::vector<float> mid = run_rows(100, 7);
+      const std::vector<float> all = run_rows(0, 160, 1);
+      const std::vector<float> head = run_rows(0, 7, 1);
+      const std::vector<float> mid = run_rows(100, 7, 1);
       EXPECT_EQ(0, std::memcmp(all.data(), head.data(), head.size() * sizeof(float))) << "b_t " << b_t;
       EXPECT_EQ(0, std::memcmp(all.data() + 100 * n, mid.data(), mid.size() * sizeof(float)))
           << to_string(kind) << " b_t " << b_t;
+      // The avx2 backend splits C's columns over spec.threads (the
+      // baseline's whole-batch calls): the same bits on any count.
+      if (kind == GemmBackendKind::avx2) {
+        const std::vector<float> two = run_rows(0, 160, 2);
+        EXPECT_EQ(0, std::memcmp(all.data(), two.data(), all.size() * sizeof(float))) << "avx2 2 threads b_t " << b_t;
+      }
     }
   }
 }
@@ -268,6 +301,7 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
 // A shared operand packed once (Gemm::pack_shared) and handed to run() gives
 // bitwise the result of the call that packs it itself, for either operand,
 // both layouts, and shapes that split K and N into blocks.
+// (The avx2 backend packs nothing once: it widens its panels as it goes.)
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   std::vector<GemmBackendKind> ours;
   for (const GemmBackendKind k : runnable_backends()) {
@@ -317,7 +351,9 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
   std::string skipped;
   if (!amx_usable()) skipped += std::string("amx (") + amx_unusable_reason() + ") ";
-  if (!avx512_bf16_usable()) skipped += "avx512bf16 (the CPU has no AVX512-BF16)";
+  if (!avx512_bf16_usable()) skipped += "avx512bf16 (the CPU has no AVX512-BF16) ";
+  if (!avx2_gemm_usable()) skipped += "avx2 (the CPU has no AVX2 and FMA) ";
+  if (!onednn_has_bf16()) skipped += "onednn on bf16 (oneDNN 2.6 has no bf16 matmul without AVX-512)";
   if (!skipped.empty()) GTEST_SKIP() << "backends not tested on this CPU: " << skipped;
   SUCCEED();
 }

@@ -64,9 +64,15 @@ std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
   const std::string_view f = forced != nullptr ? forced : "";
   if (f == "reference") return make_reference_gemm(spec);
   if (f == "avx512bf16") return make_avx512_bf16_gemm(spec);
+  if (f == "avx2") return make_avx2_gemm(spec);
   if (f == "onednn") return nullptr;
-  if (f.empty() || f == "amx") return make_amx_gemm(spec);
-  throw Error("GRPO_GEMM", "unknown GEMM backend '" + std::string(f) + "' (amx, avx512bf16, onednn or reference)");
+  if (!f.empty() && f != "amx") {
+    throw Error("GRPO_GEMM",
+                "unknown GEMM backend '" + std::string(f) + "' (amx, avx512bf16, avx2, onednn or reference)");
+  }
+  std::unique_ptr<GemmBackend> own = make_amx_gemm(spec);
+  if (own == nullptr && avx2_gemm_is_default()) own = make_avx2_gemm(spec);
+  return own;
 }
 
 }  // namespace
@@ -76,7 +82,8 @@ GemmTraits gemm_traits(const GemmSpec& spec) {
   return own != nullptr ? own->traits() : GemmTraits{.m_independent = false};
 }
 
-Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec) : Gemm(engine, spec, pick_own_backend(spec)) {}
+Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec)
+    : Gemm(engine, spec, pick_own_backend(spec), /*reference_if_onednn_cannot=*/true) {}
 
 namespace {
 
@@ -84,6 +91,7 @@ std::unique_ptr<GemmBackend> make_backend(GemmBackendKind backend, const GemmSpe
   switch (backend) {
     case GemmBackendKind::amx: return make_amx_gemm(spec);
     case GemmBackendKind::avx512_bf16: return make_avx512_bf16_gemm(spec);
+    case GemmBackendKind::avx2: return make_avx2_gemm(spec);
     case GemmBackendKind::reference: return make_reference_gemm(spec);
     case GemmBackendKind::onednn: return nullptr;
   }
@@ -93,19 +101,23 @@ std::unique_ptr<GemmBackend> make_backend(GemmBackendKind backend, const GemmSpe
 }  // namespace
 
 Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, GemmBackendKind backend)
-    : Gemm(engine, spec, make_backend(backend, spec)) {
+    : Gemm(engine, spec, make_backend(backend, spec), /*reference_if_onednn_cannot=*/false) {
   if (backend != GemmBackendKind::onednn && own_ == nullptr) {
-    const bool cpu = backend == GemmBackendKind::amx ? amx_usable() : avx512_bf16_usable();
+    const bool cpu = backend == GemmBackendKind::amx           ? amx_usable()
+                     : backend == GemmBackendKind::avx512_bf16 ? avx512_bf16_usable()
+                                                               : avx2_gemm_usable();
     throw Error("gemm",
                 std::string("the ") + to_string(backend) + " backend cannot serve this GEMM: " +
                     (cpu                               ? "it takes bf16 A and B with one contiguous dimension each"
                      : backend == GemmBackendKind::amx ? amx_unusable_reason()
-                                                       : "the CPU has no AVX512-BF16"),
+                     : backend == GemmBackendKind::avx512_bf16 ? "the CPU has no AVX512-BF16"
+                                                               : "the CPU has no AVX2 and FMA"),
                 ErrorKind::unsupported);
   }
 }
 
-Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, std::unique_ptr<GemmBackend> own)
+Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, std::unique_ptr<GemmBackend> own,
+           bool reference_if_onednn_cannot)
     : own_(std::move(own)), own_spec_(spec) {
   if (own_ != nullptr) return;
   OmpThreadsScope scope(spec.threads);
@@ -131,6 +143,12 @@ Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, std::unique_ptr<GemmB
       impl->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a, impl->b, impl->c), attr, impl->engine);
     }
   } catch (const dnnl::error& e) {
+    // E.g. bf16 on a CPU without AVX-512 (oneDNN 2.6 has no bf16 matmul
+    // there): the default list goes on to the reference loops.
+    if (reference_if_onednn_cannot) {
+      own_ = make_reference_gemm(spec);
+      return;
+    }
     throw Error("gemm", std::string("oneDNN cannot create this matmul: ") + e.what(), ErrorKind::unsupported);
   }
   impl->scratch = impl->pd.scratchpad_desc();

@@ -1,7 +1,7 @@
 // The GEMMs of a plan. A Gemm is created once, in a plan, for one exact
 // problem (shapes, strides, dtypes, accumulate or not) and then only executed,
-// by the first backend of gemm_backend.hpp's list that serves it (our AMX
-// microkernels, oneDNN's matmul, the reference loops). Scratchpads are
+// by the first backend of gemm_backend.hpp's list that serves it (our AMX or
+// AVX2 microkernels, oneDNN's matmul, the reference loops). Scratchpads are
 // user-managed: the caller passes scratchpad_bytes() of its own memory, so
 // every byte a backend needs is in the plan's workspace, and concurrent
 // executions never share one.
@@ -106,7 +106,10 @@ class Gemm {
   const GemmBackend* own_backend() const { return own_.get(); }
 
  private:
-  Gemm(const GemmEngine& engine, const GemmSpec& spec, std::unique_ptr<GemmBackend> own);  // null own: oneDNN
+  // null own: oneDNN, and when oneDNN cannot create the matmul either the
+  // reference backend (reference_if_onednn_cannot) or an unsupported error.
+  Gemm(const GemmEngine& engine, const GemmSpec& spec, std::unique_ptr<GemmBackend> own,
+       bool reference_if_onednn_cannot);
 
   std::unique_ptr<Impl> impl_;        // oneDNN's objects, when oneDNN runs this GEMM
   std::unique_ptr<GemmBackend> own_;  // one of ours otherwise
@@ -118,7 +121,7 @@ class Gemm {
 // it (a plan sizes its schedule by them before creating its GEMMs).
 GemmTraits gemm_traits(const GemmSpec& spec);
 
-// The backend GRPO_GEMM names (amx, onednn, reference), or null for the
+// The backend GRPO_GEMM names (amx, avx512bf16, avx2, onednn, reference), or null for the
 // default list. Read when a plan builds its GEMMs: a plan keeps the backends
 // it was built with.
 const char* forced_gemm_backend();

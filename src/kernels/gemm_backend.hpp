@@ -7,10 +7,15 @@
 //   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): only when
 //              forced for now (not yet measured where it would matter, on
 //              CPUs with AVX512-BF16 and no AMX)
+//   avx2       our f32 FMA microkernels, bf16 widened as it is packed
+//              (gemm_avx2.cpp): bf16 or f32 on CPUs with AVX2 and no AVX-512,
+//              where oneDNN 2.6 has no bf16 matmul and its f32 one is not
+//              batch-invariant; elsewhere only when forced
 //   onednn     oneDNN's matmul (gemm.cpp)
 //   reference  plain loops in f32, k ascending (gemm_reference.cpp): any spec,
-//              slow; the last resort and a comparison point for the tests
-// GRPO_GEMM=amx|avx512bf16|onednn|reference forces one (as GRPO_SIMD does for the stage
+//              slow; the last resort (a spec oneDNN cannot create on this CPU
+//              lands here) and a comparison point for the tests
+// GRPO_GEMM=amx|avx512bf16|avx2|onednn|reference forces one (as GRPO_SIMD does for the stage
 // kernels); a forced backend that cannot serve a spec falls back down the list.
 #pragma once
 
@@ -22,7 +27,7 @@ namespace grpo::kernels {
 
 struct GemmSpec;
 
-enum class GemmBackendKind : std::uint8_t { amx, avx512_bf16, onednn, reference };
+enum class GemmBackendKind : std::uint8_t { amx, avx512_bf16, avx2, onednn, reference };
 
 const char* to_string(GemmBackendKind kind);
 
@@ -57,6 +62,7 @@ class GemmBackend {
 // outside what it serves.
 std::unique_ptr<GemmBackend> make_amx_gemm(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec);
+std::unique_ptr<GemmBackend> make_avx2_gemm(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec);
 
 // The CPU has AMX-BF16 and AVX512-BF16, and this process may use the tile
@@ -65,5 +71,10 @@ bool amx_usable();
 const char* amx_unusable_reason();
 // The CPU has AVX-512F/BW/DQ/VL and AVX512-BF16.
 bool avx512_bf16_usable();
+// The CPU (and the OS) has AVX2 and FMA.
+bool avx2_gemm_usable();
+// ... and no AVX-512: oneDNN 2.6 has no bf16 matmul there, so the avx2
+// backend is in the default list.
+bool avx2_gemm_is_default();
 
 }  // namespace grpo::kernels

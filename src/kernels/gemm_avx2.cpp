@@ -1,0 +1,387 @@
+// The AVX2 GEMM backend: A and B in bf16 or f32 on CPUs with AVX2 and FMA and
+// no AVX-512. There oneDNN 2.6 has no bf16 matmul at all ("could not create a
+// primitive descriptor" on a Zen 2/3 or an AVX2-only Intel part), and its f32
+// matmul's result for a row depends on the row's place in the call (measured
+// on a Zen 3: BatchInvariance fails), so both run here.
+//
+// bf16 operands are widened to f32 while they are packed (a bf16 value is the
+// top half of an f32: a shift, exact), and the product runs as an f32 GEMM
+// with FMA: every product of two bf16 values is exact in f32, so this is the
+// bf16 GEMM with f32 accumulation the other backends compute.
+//
+// Scheme (BLIS's loops, sized for a Zen 3 core: 32 KiB L1, 512 KiB L2):
+//   for each column block of B (nc columns), for each k block (kc deep):
+//     pack B's block into panels of kNr columns, [kc][kNr] f32 each;
+//     for each row block of A (kMc rows): pack it into panels of kMr rows,
+//     [kc][kMr] f32 each; for each B panel, for each A panel: the kMr x kNr
+//     register block (12 ymm accumulators) over the kc products.
+//   K longer than kKcMax is split into equal k blocks; the partial sums of a
+//   block go to an f32 buffer and are loaded back into the registers for the
+//   next, exactly: every element of C is one FMA chain over k ascending,
+//   then + bias, then + C when accumulating, whatever M, N, the blocking or
+//   the element's position. So a row's result does not depend on its batch
+//   (GemmTraits::m_independent), nor on the thread count.
+//   spec.threads > 1 (the unfused baseline's whole-batch calls) splits C's
+//   columns into one run of panels per thread, each with its own packing
+//   buffers in the scratchpad.
+//
+// This file alone is compiled with AVX2 and FMA; nothing here runs unless
+// avx2_gemm_usable() found them.
+#include <cpuid.h>
+#include <immintrin.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/gemm.hpp"
+#include "kernels/gemm_backend.hpp"
+
+namespace grpo::kernels {
+namespace {
+
+constexpr std::int64_t kMr = 6;   // rows of the register block
+constexpr std::int64_t kNr = 16;  // columns of the register block (2 ymm)
+// Deepest k block: at the step's dW shape (K = the token block, 640) the
+// whole reduction is one block, so no partial-sum buffer of [tile x H] is
+// needed; a [kc][16] B panel (<= 48 KiB) streams from L2 beside L1.
+constexpr std::int64_t kKcMax = 768;
+constexpr std::int64_t kMc = 72;       // rows of A per packed block (<= 216 KiB of L2 at kc = 768)
+constexpr std::int64_t kNcMax = 1024;  // columns of B per packed block (<= 3 MiB, L3)
+constexpr std::size_t kAlign = 64;
+
+std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
+std::size_t align_up(std::size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+float widen(std::uint16_t h) {
+  const std::uint32_t bits = static_cast<std::uint32_t>(h) << 16;
+  float v = 0.0F;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+__m256 widen8(const std::uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// An operand's elements as f32: bf16 widened, f32 as they are.
+float load1(const std::uint16_t* p) { return widen(*p); }
+float load1(const float* p) { return *p; }
+__m256 load8(const std::uint16_t* p) { return widen8(p); }
+__m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// f32 -> bf16, round to nearest even; NaN stays a (quiet) NaN.
+std::uint16_t to_bf16(float v) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(v));
+  if ((bits & 0x7f800000U) == 0x7f800000U && (bits & 0x007fffffU) != 0) return 0x7fc0;
+  bits += 0x7fffU + ((bits >> 16) & 1U);
+  return static_cast<std::uint16_t>(bits >> 16);
+}
+// 16 f32 (lo, hi) -> 16 bf16 at dst, as to_bf16 does each.
+void store_bf16x16(std::uint16_t* dst, __m256 lo, __m256 hi) {
+  const auto round = [](__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  };
+  // packus interleaves 128-bit lanes: [lo0-3 hi0-3 lo4-7 hi4-7]; put them in order.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round(lo), round(hi)), 0xd8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+}
+
+// 8 x 8 f32 transpose in registers.
+void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// The kMr x kNr register block: acc (+)= A panel [kc][kMr] x B panel
+// [kc][kNr], k ascending; from zero (first) or from acc (ld floats apart),
+// left in acc.
+void micro(const float* a, const float* b, std::int64_t kc, float* acc, std::int64_t ld, bool first) {
+  __m256 c[kMr][2];
+  for (int r = 0; r < kMr; ++r) {
+    c[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * ld);
+    c[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * ld + 8);
+  }
+  for (std::int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(b + k * kNr);
+    const __m256 b1 = _mm256_load_ps(b + k * kNr + 8);
+    for (int r = 0; r < kMr; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + k * kMr + r);
+      c[r][0] = _mm256_fmadd_ps(x, b0, c[r][0]);
+      c[r][1] = _mm256_fmadd_ps(x, b1, c[r][1]);
+    }
+  }
+  for (int r = 0; r < kMr; ++r) {
+    _mm256_storeu_ps(acc + r * ld, c[r][0]);
+    _mm256_storeu_ps(acc + r * ld + 8, c[r][1]);
+  }
+}
+
+class Avx2Gemm final : public GemmBackend {
+ public:
+  explicit Avx2Gemm(const GemmSpec& spec) : spec_(spec) {
+    m_ = spec.a.rows;
+    k_ = spec.a.cols;
+    n_ = spec.b.cols;
+    const std::int64_t k_blocks = (k_ + kKcMax - 1) / kKcMax;
+    kc_ = (k_ + k_blocks - 1) / k_blocks;
+    threads_ = std::max(1, spec.threads);
+    // Each thread's share of the columns, in whole panels.
+    const std::int64_t panels = (n_ + kNr - 1) / kNr;
+    cols_per_thread_ = (panels + threads_ - 1) / threads_ * kNr;
+    threads_ = static_cast<int>(std::min<std::int64_t>(threads_, (n_ + cols_per_thread_ - 1) / cols_per_thread_));
+    nc_ = std::min(cols_per_thread_, kNcMax);
+    mc_ = std::min(round_up(m_, kMr), kMc);
+    b_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * sizeof(float));
+    a_bytes_ = align_up(static_cast<std::size_t>(kc_ * mc_) * sizeof(float));
+    tile_bytes_ = align_up(static_cast<std::size_t>(kMr * kNr) * sizeof(float));
+    acc_ld_ = round_up(n_, kNr);
+    acc_bytes_ = k_blocks > 1 ? align_up(static_cast<std::size_t>(round_up(m_, kMr) * acc_ld_) * sizeof(float)) : 0;
+    per_thread_ = b_bytes_ + a_bytes_ + tile_bytes_;
+  }
+
+  GemmBackendKind kind() const override { return GemmBackendKind::avx2; }
+  const char* implementation() const override { return "grpo:avx2_fma"; }
+  GemmTraits traits() const override { return {.m_independent = true}; }
+  std::size_t scratchpad_bytes() const override {
+    return acc_bytes_ + per_thread_ * static_cast<std::size_t>(threads_);
+  }
+
+  void run(const void* a, const void* b, void* c, const void* bias, void* scratch,
+           const void* /*packed*/) const override {
+    auto* s = static_cast<std::byte*>(scratch);
+    auto* acc = reinterpret_cast<float*>(s);
+    const auto columns = [&](int t) {
+      std::byte* own = s + acc_bytes_ + per_thread_ * static_cast<std::size_t>(t);
+      const std::int64_t j0 = t * cols_per_thread_;
+      run_columns(a, b, c, bias, acc, own, j0, std::min(n_, j0 + cols_per_thread_));
+    };
+    if (threads_ == 1) {
+      columns(0);
+      return;
+    }
+    tbb::parallel_for(
+        tbb::blocked_range<int>(0, threads_, 1),
+        [&](const tbb::blocked_range<int>& r) {
+          for (int t = r.begin(); t < r.end(); ++t) columns(t);
+        },
+        tbb::static_partitioner());
+  }
+
+ private:
+  // C's columns [j_begin, j_end), all rows.
+  void run_columns(const void* a, const void* b, void* c, const void* bias, float* acc, std::byte* own,
+                   std::int64_t j_begin, std::int64_t j_end) const {
+    auto* bpack = reinterpret_cast<float*>(own);
+    auto* apack = reinterpret_cast<float*>(own + b_bytes_);
+    auto* tile = reinterpret_cast<float*>(own + b_bytes_ + a_bytes_);
+    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += nc_) {
+      const std::int64_t nb = std::min(nc_, j_end - j0);
+      for (std::int64_t k0 = 0; k0 < k_; k0 += kc_) {
+        const std::int64_t kb = std::min(kc_, k_ - k0);
+        const bool first = k0 == 0;
+        const bool last = k0 + kb >= k_;
+        if (spec_.b.dtype == DType::bf16) {
+          pack_b(static_cast<const std::uint16_t*>(b), k0, kb, j0, nb, bpack);
+        } else {
+          pack_b(static_cast<const float*>(b), k0, kb, j0, nb, bpack);
+        }
+        for (std::int64_t i0 = 0; i0 < m_; i0 += mc_) {
+          const std::int64_t mb = std::min(mc_, m_ - i0);
+          if (spec_.a.dtype == DType::bf16) {
+            pack_a(static_cast<const std::uint16_t*>(a), i0, mb, k0, kb, apack);
+          } else {
+            pack_a(static_cast<const float*>(a), i0, mb, k0, kb, apack);
+          }
+          for (std::int64_t jj = 0; jj < nb; jj += kNr) {
+            const float* bp = bpack + jj * kb;
+            for (std::int64_t ii = 0; ii < mb; ii += kMr) {
+              const float* ap = apack + ii * kb;
+              if (last) {
+                // The block's last k: partial sums (if any) in, the
+                // finished block to the tile, then to C.
+                if (!first) {
+                  const float* from = acc + (i0 + ii) * acc_ld_ + j0 + jj;
+                  for (std::int64_t r = 0; r < kMr; ++r) {
+                    std::memcpy(tile + r * kNr, from + r * acc_ld_, kNr * sizeof(float));
+                  }
+                }
+                micro(ap, bp, kb, tile, kNr, first);
+                store(tile, i0 + ii, j0 + jj, c, bias);
+              } else {
+                micro(ap, bp, kb, acc + (i0 + ii) * acc_ld_ + j0 + jj, acc_ld_, first);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // B's k [k0, k0 + kb) x columns [j0, j0 + nb) -> panels of kNr columns,
+  // [kb][kNr] f32 each, zero past N.
+  template <class T>
+  void pack_b(const T* b, std::int64_t k0, std::int64_t kb, std::int64_t j0, std::int64_t nb, float* out) const {
+    const std::int64_t rs = spec_.b.row_stride;
+    const std::int64_t cs = spec_.b.col_stride;
+    for (std::int64_t jj = 0; jj < nb; jj += kNr) {
+      float* panel = out + jj * kb;
+      const std::int64_t cols = std::min(kNr, nb - jj);
+      const T* at = b + k0 * rs + (j0 + jj) * cs;
+      std::int64_t k = 0;
+      if (cols == kNr && cs == 1) {  // rows of B N-contiguous: 16 at a time
+        for (; k < kb; ++k) {
+          _mm256_store_ps(panel + k * kNr, load8(at + k * rs));
+          _mm256_store_ps(panel + k * kNr + 8, load8(at + k * rs + 8));
+        }
+      } else if (cols == kNr && rs == 1) {  // columns K-contiguous: 8 x 8 transposes
+        for (; k + 8 <= kb; k += 8) {
+          for (std::int64_t h = 0; h < 2; ++h) {
+            __m256 r[8];
+            for (std::int64_t j = 0; j < 8; ++j) r[j] = load8(at + (h * 8 + j) * cs + k);
+            transpose8(r);
+            for (std::int64_t i = 0; i < 8; ++i) _mm256_store_ps(panel + (k + i) * kNr + h * 8, r[i]);
+          }
+        }
+      }
+      for (; k < kb; ++k) {  // the rest, element by element
+        for (std::int64_t j = 0; j < kNr; ++j) panel[k * kNr + j] = j < cols ? load1(at + k * rs + j * cs) : 0.0F;
+      }
+    }
+  }
+
+  // A's rows [i0, i0 + mb) x k [k0, k0 + kb) -> panels of kMr rows, [kb][kMr]
+  // f32 each, zero past M.
+  template <class T>
+  void pack_a(const T* a, std::int64_t i0, std::int64_t mb, std::int64_t k0, std::int64_t kb, float* out) const {
+    const std::int64_t rs = spec_.a.row_stride;
+    const std::int64_t cs = spec_.a.col_stride;
+    for (std::int64_t ii = 0; ii < mb; ii += kMr) {
+      float* panel = out + ii * kb;
+      const std::int64_t rows = std::min(kMr, mb - ii);
+      const T* at = a + (i0 + ii) * rs + k0 * cs;
+      for (std::int64_t r = 0; r < kMr; ++r) {
+        if (r >= rows) {
+          for (std::int64_t k = 0; k < kb; ++k) panel[k * kMr + r] = 0.0F;
+          continue;
+        }
+        const T* row = at + r * rs;
+        for (std::int64_t k = 0; k < kb; ++k) panel[k * kMr + r] = load1(row + k * cs);
+      }
+    }
+  }
+
+  // The finished kMr x kNr block (tile, rows i0.., columns j0..) into C:
+  // + bias, + C when accumulating, bf16 C rounded to nearest even; rows and
+  // columns past C's edges dropped.
+  void store(const float* tile, std::int64_t i0, std::int64_t j0, void* c, const void* bias) const {
+    const std::int64_t rows = std::min(kMr, m_ - i0);
+    const std::int64_t cols = std::min(kNr, n_ - j0);
+    alignas(32) float bv[kNr] = {};
+    if (spec_.has_bias) {
+      for (std::int64_t j = 0; j < cols; ++j) {
+        bv[j] = spec_.bias_dtype == DType::f32 ? static_cast<const float*>(bias)[j0 + j]
+                                               : widen(static_cast<const std::uint16_t*>(bias)[j0 + j]);
+      }
+    }
+    const GemmOperand& co = spec_.c;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t at = (i0 + r) * co.row_stride + j0;
+      __m256 lo = _mm256_loadu_ps(tile + r * kNr);
+      __m256 hi = _mm256_loadu_ps(tile + r * kNr + 8);
+      if (spec_.has_bias) {
+        lo = _mm256_add_ps(lo, _mm256_load_ps(bv));
+        hi = _mm256_add_ps(hi, _mm256_load_ps(bv + 8));
+      }
+      if (cols == kNr) {
+        if (co.dtype == DType::f32) {
+          float* dst = static_cast<float*>(c) + at;
+          if (spec_.accumulate) {
+            lo = _mm256_add_ps(_mm256_loadu_ps(dst), lo);
+            hi = _mm256_add_ps(_mm256_loadu_ps(dst + 8), hi);
+          }
+          _mm256_storeu_ps(dst, lo);
+          _mm256_storeu_ps(dst + 8, hi);
+        } else {
+          std::uint16_t* dst = static_cast<std::uint16_t*>(c) + at;
+          if (spec_.accumulate) {
+            lo = _mm256_add_ps(widen8(dst), lo);
+            hi = _mm256_add_ps(widen8(dst + 8), hi);
+          }
+          store_bf16x16(dst, lo, hi);
+        }
+        continue;
+      }
+      alignas(32) float v[kNr];
+      _mm256_store_ps(v, lo);
+      _mm256_store_ps(v + 8, hi);
+      for (std::int64_t j = 0; j < cols; ++j) {
+        if (co.dtype == DType::f32) {
+          float* dst = static_cast<float*>(c) + at + j;
+          *dst = spec_.accumulate ? *dst + v[j] : v[j];
+        } else {
+          std::uint16_t* dst = static_cast<std::uint16_t*>(c) + at + j;
+          *dst = to_bf16(spec_.accumulate ? widen(*dst) + v[j] : v[j]);
+        }
+      }
+    }
+  }
+
+  GemmSpec spec_;
+  std::int64_t m_ = 0, n_ = 0, k_ = 0;
+  std::int64_t kc_ = 0, mc_ = 0, nc_ = 0;
+  int threads_ = 1;
+  std::int64_t cols_per_thread_ = 0;
+  std::int64_t acc_ld_ = 0;
+  std::size_t b_bytes_ = 0, a_bytes_ = 0, tile_bytes_ = 0, acc_bytes_ = 0, per_thread_ = 0;
+};
+
+bool probe_cpu() {
+  // libgcc's checks include the OS saving the ymm state (XCR0).
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+}  // namespace
+
+bool avx2_gemm_usable() {
+  static const bool usable = probe_cpu();
+  return usable;
+}
+
+bool avx2_gemm_is_default() {
+  static const bool preferred = avx2_gemm_usable() && !__builtin_cpu_supports("avx512f");
+  return preferred;
+}
+
+std::unique_ptr<GemmBackend> make_avx2_gemm(const GemmSpec& spec) {
+  const auto one_dim_contiguous = [](const GemmOperand& o) { return o.col_stride == 1 || o.row_stride == 1; };
+  if (!avx2_gemm_usable() || spec.c.col_stride != 1 || !one_dim_contiguous(spec.a) || !one_dim_contiguous(spec.b) ||
+      spec.a.rows <= 0 || spec.a.cols <= 0 || spec.b.cols <= 0) {
+    return nullptr;
+  }
+  return std::make_unique<Avx2Gemm>(spec);
+}
+
+}  // namespace grpo::kernels
