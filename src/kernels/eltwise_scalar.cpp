@@ -18,10 +18,23 @@ float max_scalar(const void* z, Elem type, std::int64_t n) {
   return m;
 }
 
-float sum_exp_scalar(const void* z, Elem type, std::int64_t n, float scale, float shift) {
+// Sums over a row in kLanes partial sums (element i into lane i % kLanes),
+// then the lanes in a fixed order, as the AVX-512 ops and an eager
+// framework's vectorized reductions do: one running f32 sum over a
+// 151936-entry row was measured to put logp 6e-4 off the double oracle
+// (gradcheck at V=151936 on a CPU without AVX-512), 16 of them 4e-5.
+constexpr std::int64_t kLanes = 16;
+template <class Term>
+float lane_sum(std::int64_t n, Term term) {
+  float lanes[kLanes] = {};
+  for (std::int64_t i = 0; i < n; ++i) lanes[i % kLanes] += term(i);
   float s = 0.0F;
-  for (std::int64_t i = 0; i < n; ++i) s += std::exp(load(z, type, i) * scale + shift);
+  for (const float v : lanes) s += v;
   return s;
+}
+
+float sum_exp_scalar(const void* z, Elem type, std::int64_t n, float scale, float shift) {
+  return lane_sum(n, [&](std::int64_t i) { return std::exp(load(z, type, i) * scale + shift); });
 }
 
 void affine_scalar(const void* z, Elem type, std::int64_t n, float scale, float shift, float* out) {
@@ -33,9 +46,7 @@ void exp_scalar(const float* in, std::int64_t n, float* out) {
 }
 
 float dot_scalar(const float* p, const float* logp, std::int64_t n) {
-  float s = 0.0F;
-  for (std::int64_t i = 0; i < n; ++i) s += p[i] == 0.0F ? 0.0F : p[i] * logp[i];
-  return s;
+  return lane_sum(n, [&](std::int64_t i) { return p[i] == 0.0F ? 0.0F : p[i] * logp[i]; });
 }
 
 void onehot_minus_scalar(const float* p, std::int64_t n, float a, std::int64_t target, void* out, Elem out_type) {
