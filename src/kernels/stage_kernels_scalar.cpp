@@ -7,6 +7,7 @@
 // kernel tests check that max and the stored u agree bit for bit.)
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -209,13 +210,23 @@ bool no_nan_or_pos_inf_scalar(const void* data, Elem type, std::int64_t n) {
   return true;
 }
 
+// On the bits: with the sign cleared, a float's bit pattern orders as its
+// magnitude does, and every pattern at or above the infinity's is an
+// infinity or a NaN. So one integer max over the row (which the compiler
+// vectorizes: this pass runs over the whole weight on every call, 8% of a
+// T=512 step on a CPU without AVX-512 when it went element by element)
+// gives both max |x| and whether anything was special.
 float max_abs_scalar(const void* data, Elem type, std::int64_t n) {
-  float m = 0.0F;
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (is_special(data, type, i)) return std::numeric_limits<float>::infinity();
-    m = std::max(m, std::abs(load(data, type, i)));
+  if (type == Elem::bf16) {
+    const auto* p = static_cast<const std::uint16_t*>(data);
+    std::uint16_t m = 0;
+    for (std::int64_t i = 0; i < n; ++i) m = std::max<std::uint16_t>(m, p[i] & 0x7fffU);
+    return m >= 0x7f80U ? std::numeric_limits<float>::infinity() : bf16_to_float(m);
   }
-  return m;
+  const auto* p = static_cast<const float*>(data);
+  std::uint32_t m = 0;
+  for (std::int64_t i = 0; i < n; ++i) m = std::max<std::uint32_t>(m, std::bit_cast<std::uint32_t>(p[i]) & 0x7fffffffU);
+  return m >= 0x7f800000U ? std::numeric_limits<float>::infinity() : std::bit_cast<float>(m);
 }
 
 void f32_to_bf16_scalar(const float* in, std::uint16_t* out, std::int64_t n) {
