@@ -1,8 +1,10 @@
 """A cache of built plans, generic over plan kinds, sharing one workspace.
 
-Building a plan validates the configuration and creates its oneDNN primitives
-(a few ms); a training loop calls the loss with the same shapes every step, so
-plans are kept per key. Every plan of a cache executes in the cache's one
+Building a plan validates the configuration and creates its GEMM objects (a
+few ms); a training loop calls the loss with the same shapes every step, so
+plans are kept per key, up to `max_plans` of them and `max_plan_bytes` of what
+their GEMMs hold (each plan's `plan_bytes`, bounded by the C++ side to a small
+part of its workspace budget whatever T is). Every plan of a cache executes in the cache's one
 Workspace, which grows to the largest plan's size and is then reused: steady
 state allocates neither plans nor workspace.
 
@@ -24,13 +26,26 @@ from typing import Any, Callable, Hashable
 from grpo._core import Workspace
 
 
-class PlanCache:
-    """Plans by (kind, key), least recently used evicted beyond `max_plans`."""
+def _plan_bytes(plan: Any) -> int:
+    """What a cached plan holds beside the workspace: its measured
+    `plan_bytes` (its GEMM objects: C++ LmHeadSchedule::plan_bytes). Scratch
+    tensors count 0: they are gradient-sized, like the outputs, and evicting
+    them would reallocate them every step."""
+    return int(getattr(plan, "plan_bytes", 0))
 
-    def __init__(self, max_plans: int = 64) -> None:
+
+class PlanCache:
+    """Plans by (kind, key), least recently used evicted beyond `max_plans`
+    entries or `max_plan_bytes` held (the newest entry always stays)."""
+
+    def __init__(self, max_plans: int = 64, max_plan_bytes: int = 256 << 20) -> None:
         if max_plans < 1:
             raise ValueError("max_plans must be >= 1")
+        if max_plan_bytes < 0:
+            raise ValueError("max_plan_bytes must be >= 0")
         self.max_plans = max_plans
+        self.max_plan_bytes = max_plan_bytes
+        self.plan_bytes = 0  # what the cached plans hold beside the workspace (_plan_bytes of each)
         self.workspace = Workspace()
         self.builds = 0  # plans built so far (a training loop's count stops growing)
         self._plans: OrderedDict[tuple[str, Hashable], Any] = OrderedDict()
@@ -49,11 +64,22 @@ class PlanCache:
         # same key builds twice and keeps one, which is harmless.
         plan = build()
         with self._lock:
-            plan = self._plans.setdefault(full_key, plan)
+            if full_key not in self._plans:
+                self._plans[full_key] = plan
+                self.plan_bytes += _plan_bytes(plan)
+            plan = self._plans[full_key]
             self._plans.move_to_end(full_key)
             self.builds += 1
             while len(self._plans) > self.max_plans:
-                self._plans.popitem(last=False)
+                _, evicted = self._plans.popitem(last=False)
+                self.plan_bytes -= _plan_bytes(evicted)
+            # Past the byte bound: the least recently used entries that hold
+            # bytes, never the newest (entries holding none free nothing).
+            while self.plan_bytes > self.max_plan_bytes:
+                holding = [k for k, v in self._plans.items() if k != full_key and _plan_bytes(v) > 0]
+                if not holding:
+                    break
+                self.plan_bytes -= _plan_bytes(self._plans.pop(holding[0]))
         return plan
 
     def __len__(self) -> int:
@@ -63,6 +89,7 @@ class PlanCache:
         """Drops every plan; the workspace stays allocated."""
         with self._lock:
             self._plans.clear()
+            self.plan_bytes = 0
 
 
 # Every live cache, emptied at interpreter exit: nanobind reports the C++

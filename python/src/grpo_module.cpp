@@ -484,6 +484,13 @@ NB_MODULE(_core, m) {
           },
           "shape"_a, "config"_a, "options"_a = grpo::LmHeadOptions{})
       .def_prop_ro("workspace_size", &grpo::LmHeadLossPlan::workspace_size)
+      .def_prop_ro(
+          "gemm_count", [](const grpo::LmHeadLossPlan& p) { return p.schedule().gemm_count; },
+          "GEMM objects the plan holds (LmHeadSchedule::gemm_count)")
+      .def_prop_ro(
+          "plan_bytes", [](const grpo::LmHeadLossPlan& p) { return p.schedule().plan_bytes; },
+          "memory the plan's GEMMs hold beside the workspace, measured when it was built (an estimate: "
+          "LmHeadSchedule::plan_bytes)")
       .def("describe", &grpo::LmHeadLossPlan::describe)
       .def("execute", &execute_lm_head,
            "Validates, then computes (GIL released). Arrays are DLPack CPU arrays viewed in place: hidden [N, H] and "
@@ -537,6 +544,12 @@ NB_MODULE(_core, m) {
           },
           "shape"_a, "config"_a = grpo::LogProbConfig{}, "options"_a = grpo::LmHeadOptions{})
       .def_prop_ro("workspace_size", &grpo::LmHeadLogProbPlan::workspace_size)
+      .def_prop_ro(
+          "gemm_count", [](const grpo::LmHeadLogProbPlan& p) { return p.schedule().gemm_count; },
+          "GEMM objects the plan holds")
+      .def_prop_ro(
+          "plan_bytes", [](const grpo::LmHeadLogProbPlan& p) { return p.schedule().plan_bytes; },
+          "memory the plan's GEMMs hold beside the workspace (an estimate)")
       .def("describe", &grpo::LmHeadLogProbPlan::describe)
       .def("forward", &log_prob_forward,
            "Validates, then writes logp (and entropy) float32 [N] (GIL released). hidden [N, H], weight, bias [V] "

@@ -6,8 +6,10 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import numpy as np
+import pytest
 import torch
 
 import grpo
@@ -127,3 +129,30 @@ def test_frozen_lm_head_skips_dweight_and_keeps_dhidden_bitwise():
         assert torch.equal(out_f, out), run.__name__
         assert torch.equal(dx_f, dx) and dx.abs().sum() > 0, run.__name__
     assert len(cache) == 4  # the frozen calls built their own (frozen_weight) plans
+
+
+def test_plan_cache_bounds_what_its_plans_hold():
+    """Each plan reports its GEMM count and held bytes (as describe() does); the cache evicts the least recently
+    used plans beyond max_plan_bytes, never the newest, and keeps the sum of what it holds."""
+    case = make_case(seed=9)
+    cache = grpo.PlanCache()
+    gt.lm_head_grpo_loss(case.hidden, case.weight, case.ids, case.mask, case.advantages, plan_cache=cache)
+    plan = next(iter(cache._plans.values()))
+    # plan_bytes is measured (heap and RSS growth while the GEMMs are made): 0 when freed memory was reused.
+    assert plan.gemm_count > 0 and plan.plan_bytes >= 0
+    assert f" plan={plan.plan_bytes}B ({plan.gemm_count} gemms" in plan.describe()
+    assert cache.plan_bytes == plan.plan_bytes
+    # The byte bound, on stand-in plans of known size: 3 + 4 fit in 8, a third evicts the oldest, one alone
+    # larger than the bound stays (the newest always does); a scratch entry (no plan_bytes) counts 0 and is
+    # never evicted for bytes.
+    small = grpo.PlanCache(max_plan_bytes=8)
+    small.get("scratch", "s", lambda: torch.zeros(16))
+    for name, held in (("a", 3), ("b", 4), ("c", 2), ("d", 20)):
+        small.get("lm_head_loss", name, lambda held=held: types.SimpleNamespace(plan_bytes=held))
+        if name == "c":
+            assert [k for _, k in small._plans] == ["s", "b", "c"] and small.plan_bytes == 6
+    assert [k for _, k in small._plans] == ["s", "d"] and small.plan_bytes == 20
+    small.clear()
+    assert small.plan_bytes == 0 and len(small) == 0
+    with pytest.raises(ValueError, match="max_plan_bytes"):
+        grpo.PlanCache(max_plan_bytes=-1)
