@@ -108,12 +108,12 @@ void onehot_minus_avx512(const float* p, std::int64_t n, float a, std::int64_t t
 
 }  // namespace
 
-const EltwiseKernels* avx512_eltwise() {
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+// Called only once eltwise_scalar.cpp (compiled for any x86-64) found AVX-512:
+// the compiler may use it anywhere in this file, before any check.
+const EltwiseKernels* avx512_eltwise_table() {
   static const EltwiseKernels k{"avx512",   max_avx512, sum_exp_avx512,     affine_avx512,
                                 exp_avx512, dot_avx512, onehot_minus_avx512};
-  return supported ? &k : nullptr;
+  return &k;
 }
 
 }  // namespace grpo::kernels

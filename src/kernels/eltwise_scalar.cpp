@@ -68,6 +68,12 @@ const EltwiseKernels& scalar_eltwise() {
   return k;
 }
 
+const EltwiseKernels* avx512_eltwise() {
+  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return supported ? avx512_eltwise_table() : nullptr;
+}
+
 const EltwiseKernels& eltwise() {
   static const EltwiseKernels& chosen = []() -> const EltwiseKernels& {
     const EltwiseKernels* simd = avx512_eltwise();

@@ -4,11 +4,11 @@
 // columns) = the 8 tiles of palette 1.
 //
 // This file alone is compiled with -mamx-tile -mamx-bf16 -mavx512bf16 (and
-// AVX-512F/BW/VL); nothing here runs unless amx_usable() said yes.
-#include <cpuid.h>
+// AVX-512F/BW/VL); nothing here runs unless amx_usable() said yes: the probe
+// and the gate are in gemm_dispatch.cpp, compiled for any x86-64 (a compiler
+// may use the wider ISA anywhere in this file, even before a check: an
+// ASan build did, and a Zen 3 died of SIGILL in make_amx_gemm's prologue).
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 #include <new>
@@ -17,58 +17,6 @@
 
 namespace grpo::kernels {
 namespace {
-
-// arch_prctl codes and the XSAVE feature number of the AMX tile data
-// (linux/arch/x86/include/uapi/asm/prctl.h; Intel SDM vol. 1, 13.2).
-constexpr int kArchGetXcompPerm = 0x1022;
-constexpr int kArchReqXcompPerm = 0x1023;
-constexpr int kXfeatureXtiledata = 18;
-constexpr std::uint64_t kXcr0Amx = (1U << 17) | (1U << 18);  // XTILECFG, XTILEDATA
-constexpr std::uint64_t kXcr0Avx512 = (1U << 1) | (1U << 2) | (1U << 5) | (1U << 6) | (1U << 7);
-
-struct Cpu {
-  bool usable = false;
-  const char* reason = "";
-};
-
-std::uint64_t xcr0() {
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile(".byte 0x0f, 0x01, 0xd0" : "=a"(lo), "=d"(hi) : "c"(0));  // xgetbv
-  return (static_cast<std::uint64_t>(hi) << 32) | lo;
-}
-
-Cpu probe_cpu() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return {false, "no CPUID leaf 7"};
-  const bool avx512 = ((b >> 16) & 1U) != 0 && ((b >> 30) & 1U) != 0;  // F, BW
-  const bool amx_bf16 = ((d >> 22) & 1U) != 0;
-  const bool amx_tile = ((d >> 24) & 1U) != 0;
-  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-  const bool avx512_bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) != 0 && ((a1 >> 5) & 1U) != 0;
-  if (!amx_bf16 || !amx_tile) return {false, "the CPU has no AMX-BF16"};
-  if (!avx512 || !avx512_bf16) return {false, "the CPU has no AVX512-BF16"};
-  unsigned a0 = 0, b0 = 0, c0 = 0, d0 = 0;
-  __get_cpuid(1, &a0, &b0, &c0, &d0);
-  if (((c0 >> 27) & 1U) == 0) return {false, "the OS does not enable XSAVE"};
-  const std::uint64_t x = xcr0();
-  if ((x & kXcr0Avx512) != kXcr0Avx512) return {false, "the OS does not save the AVX-512 state"};
-  if ((x & kXcr0Amx) != kXcr0Amx) return {false, "the OS does not save the AMX tile state"};
-  // Linux keeps the tile data state off until a process asks (Linux >= 5.16);
-  // the permission is process-wide.
-  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
-    return {false, "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"};
-  }
-  unsigned long granted = 0;
-  if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &granted) != 0 || ((granted >> kXfeatureXtiledata) & 1U) == 0) {
-    return {false, "Linux did not grant the AMX tile state"};
-  }
-  return {true, ""};
-}
-
-const Cpu& cpu() {
-  static const Cpu c = probe_cpu();
-  return c;
-}
 
 // The 64-byte LDTILECFG operand (Intel SDM vol. 1, 3.4): palette 1, bytes per
 // row and rows of tiles 0-15. Every tile used here is full: 16 rows x 64 bytes.
@@ -137,11 +85,8 @@ struct AmxMicro {
 
 }  // namespace
 
-bool amx_usable() { return cpu().usable; }
-const char* amx_unusable_reason() { return cpu().reason; }
-
-std::unique_ptr<GemmBackend> make_amx_gemm(const GemmSpec& spec) {
-  if (!amx_usable() || !serves(spec)) return nullptr;
+std::unique_ptr<GemmBackend> detail::make_amx_gemm_on_cpu(const GemmSpec& spec) {
+  if (!serves(spec)) return nullptr;
   return std::make_unique<BlockedGemm<AmxMicro>>(spec);
 }
 

@@ -26,8 +26,7 @@
 //   buffers in the scratchpad.
 //
 // This file alone is compiled with AVX2 and FMA; nothing here runs unless
-// avx2_gemm_usable() found them.
-#include <cpuid.h>
+// avx2_gemm_usable() (gemm_dispatch.cpp, compiled for any x86-64) found them.
 #include <immintrin.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -395,27 +394,12 @@ class Avx2Gemm final : public GemmBackend {
   std::size_t b_bytes_ = 0, a_bytes_ = 0, tile_bytes_ = 0, acc_bytes_ = 0, per_thread_ = 0;
 };
 
-bool probe_cpu() {
-  // libgcc's checks include the OS saving the ymm state (XCR0).
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 }  // namespace
 
-bool avx2_gemm_usable() {
-  static const bool usable = probe_cpu();
-  return usable;
-}
-
-bool avx2_gemm_is_default() {
-  static const bool preferred = avx2_gemm_usable() && !__builtin_cpu_supports("avx512f");
-  return preferred;
-}
-
-std::unique_ptr<GemmBackend> make_avx2_gemm(const GemmSpec& spec) {
+std::unique_ptr<GemmBackend> detail::make_avx2_gemm_on_cpu(const GemmSpec& spec) {
   const auto one_dim_contiguous = [](const GemmOperand& o) { return o.col_stride == 1 || o.row_stride == 1; };
-  if (!avx2_gemm_usable() || spec.c.col_stride != 1 || !one_dim_contiguous(spec.a) || !one_dim_contiguous(spec.b) ||
-      spec.a.rows <= 0 || spec.a.cols <= 0 || spec.b.cols <= 0) {
+  if (spec.c.col_stride != 1 || !one_dim_contiguous(spec.a) || !one_dim_contiguous(spec.b) || spec.a.rows <= 0 ||
+      spec.a.cols <= 0 || spec.b.cols <= 0) {
     return nullptr;
   }
   return std::make_unique<Avx2Gemm>(spec);

@@ -10,8 +10,8 @@
 // avx512bf16 (or the microbench's gemm_backend) selects it, and the GEMM
 // tester holds it to the double reference wherever the CPU can run it.
 //
-// This file alone is compiled with AVX-512F/BW/DQ/VL and AVX512-BF16.
-#include <cpuid.h>
+// This file alone is compiled with AVX-512F/BW/DQ/VL and AVX512-BF16; the
+// CPU probe and the gate are in gemm_dispatch.cpp.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -73,26 +73,10 @@ struct Avx512Bf16Micro {
   }
 };
 
-bool probe_cpu() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
-  const bool f = ((b >> 16) & 1U) != 0, dq = ((b >> 17) & 1U) != 0, bw = ((b >> 30) & 1U) != 0,
-             vl = ((b >> 31) & 1U) != 0;
-  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-  const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) != 0 && ((a1 >> 5) & 1U) != 0;
-  // libgcc's check that the OS saves the zmm state (XCR0) comes with avx512f.
-  return f && dq && bw && vl && bf16 && __builtin_cpu_supports("avx512f");
-}
-
 }  // namespace
 
-bool avx512_bf16_usable() {
-  static const bool usable = probe_cpu();
-  return usable;
-}
-
-std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec) {
-  if (!avx512_bf16_usable() || !serves(spec)) return nullptr;
+std::unique_ptr<GemmBackend> detail::make_avx512_bf16_gemm_on_cpu(const GemmSpec& spec) {
+  if (!serves(spec)) return nullptr;
   return std::make_unique<BlockedGemm<Avx512Bf16Micro>>(spec);
 }
 

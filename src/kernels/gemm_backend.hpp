@@ -65,6 +65,15 @@ std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx2_gemm(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec);
 
+namespace detail {
+// The backends' own translation units (compiled for their ISA), called by the
+// make_* gates above (gemm_dispatch.cpp, compiled for any x86-64) only once
+// the CPU was found to have it: null when the spec is outside what they serve.
+std::unique_ptr<GemmBackend> make_amx_gemm_on_cpu(const GemmSpec& spec);
+std::unique_ptr<GemmBackend> make_avx512_bf16_gemm_on_cpu(const GemmSpec& spec);
+std::unique_ptr<GemmBackend> make_avx2_gemm_on_cpu(const GemmSpec& spec);
+}  // namespace detail
+
 // The CPU has AMX-BF16 and AVX512-BF16, and this process may use the tile
 // state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once). Why not, when false.
 bool amx_usable();
