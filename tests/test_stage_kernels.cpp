@@ -176,16 +176,21 @@ double segmented_depth(std::int64_t n) {
   return double(std::min(n, kSegment)) + 8.0 * double((n + kSegment - 1) / kSegment);
 }
 
-enum class Path { scalar, avx512 };
+enum class Path { scalar, avx512, avx2 };
 
 class StageKernelsTest : public testing::TestWithParam<std::tuple<Path, std::int64_t>> {
  protected:
   void SetUp() override {
-    if (std::get<0>(GetParam()) == Path::scalar) {
-      k_ = &scalar_kernels();
-    } else {
-      k_ = avx512_kernels();
-      if (k_ == nullptr) GTEST_SKIP() << "CPU lacks AVX-512F/BW/DQ/VL";
+    switch (std::get<0>(GetParam())) {
+      case Path::scalar: k_ = &scalar_kernels(); break;
+      case Path::avx512:
+        k_ = avx512_kernels();
+        if (k_ == nullptr) GTEST_SKIP() << "CPU lacks AVX-512F/BW/DQ/VL";
+        break;
+      case Path::avx2:
+        k_ = avx2_kernels();
+        if (k_ == nullptr) GTEST_SKIP() << "CPU lacks AVX2/FMA/F16C";
+        break;
     }
     n_ = std::get<1>(GetParam());
   }
@@ -659,37 +664,46 @@ TEST_P(StageKernelsTest, FilterRows) {
 }
 
 std::string param_name(const testing::TestParamInfo<StageKernelsTest::ParamType>& info) {
-  return std::string(std::get<0>(info.param) == Path::scalar ? "scalar" : "avx512") + "_n" +
-         std::to_string(std::get<1>(info.param));
+  const Path path = std::get<0>(info.param);
+  return std::string(path == Path::scalar   ? "scalar"
+                     : path == Path::avx512 ? "avx512"
+                                            : "avx2") +
+         "_n" + std::to_string(std::get<1>(info.param));
 }
 
 INSTANTIATE_TEST_SUITE_P(Lengths, StageKernelsTest,
-                         testing::Combine(testing::Values(Path::scalar, Path::avx512), testing::ValuesIn(kLengths)),
+                         testing::Combine(testing::Values(Path::scalar, Path::avx512, Path::avx2),
+                                          testing::ValuesIn(kLengths)),
                          param_name);
 
-// The two paths round x = fl(z * scale) and u = x - max identically, so the
+// The paths round x = fl(z * scale) and u = x - max identically, so the
 // max and the stored u agree bit for bit (S and D differ by their exp and
 // summation order, bounded against the reference above).
 TEST(StageKernelPaths, MaxAndStoredUAgreeBitwise) {
-  const StageKernels* simd = avx512_kernels();
-  if (simd == nullptr) GTEST_SKIP() << "CPU lacks AVX-512F/BW/DQ/VL";
   const StageKernels& ref = scalar_kernels();
-  for (std::int64_t n : kLengths) {
-    if (n == 0) continue;  // nothing to compare (and memcmp on null is undefined)
-    for (int kind = 0; kind < kKinds; ++kind) {
-      const std::uint32_t seed = 7000u + 7u * std::uint32_t(n) + 131u * std::uint32_t(kind);
-      SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n << " kind=" << kKindNames[kind]);
-      std::vector<float> z = make_row(Kind(kind), n, seed);
-      const float scale = 1.0F / 0.7F;
-      EXPECT_EQ(simd->row_stats(z.data(), Elem::f32, n, scale).max, ref.row_stats(z.data(), Elem::f32, n, scale).max);
-      for (Elem out_t : {Elem::f32, Elem::f16}) {
-        std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
-        simd->row_stats_store(z.data(), n, scale, a.data(), out_t);
-        ref.row_stats_store(z.data(), n, scale, b.data(), out_t);
-        EXPECT_EQ(std::memcmp(a.data(), b.data(), std::size_t(n) * size_of(out_t)), 0);
+  int compared = 0;
+  for (const StageKernels* simd : {avx512_kernels(), avx2_kernels()}) {
+    if (simd == nullptr) continue;
+    ++compared;
+    SCOPED_TRACE(simd->name);
+    for (std::int64_t n : kLengths) {
+      if (n == 0) continue;  // nothing to compare (and memcmp on null is undefined)
+      for (int kind = 0; kind < kKinds; ++kind) {
+        const std::uint32_t seed = 7000u + 7u * std::uint32_t(n) + 131u * std::uint32_t(kind);
+        SCOPED_TRACE(testing::Message() << "seed=" << seed << " n=" << n << " kind=" << kKindNames[kind]);
+        std::vector<float> z = make_row(Kind(kind), n, seed);
+        const float scale = 1.0F / 0.7F;
+        EXPECT_EQ(simd->row_stats(z.data(), Elem::f32, n, scale).max, ref.row_stats(z.data(), Elem::f32, n, scale).max);
+        for (Elem out_t : {Elem::f32, Elem::f16}) {
+          std::vector<float> a(static_cast<std::size_t>(n)), b(static_cast<std::size_t>(n));
+          simd->row_stats_store(z.data(), n, scale, a.data(), out_t);
+          ref.row_stats_store(z.data(), n, scale, b.data(), out_t);
+          EXPECT_EQ(std::memcmp(a.data(), b.data(), std::size_t(n) * size_of(out_t)), 0);
+        }
       }
     }
   }
+  if (compared == 0) GTEST_SKIP() << "CPU has neither AVX-512F/BW/DQ/VL nor AVX2/FMA/F16C";
 }
 
 // float_to_bf16 against rounding by distance in double: pick the nearer of the
@@ -718,10 +732,11 @@ TEST(StageKernelConversions, Bf16RoundsToNearestEven) {
     const double rem = std::fabs(double(f)) - lo_mag;
     const bool up = rem > step / 2 || (rem == step / 2 && (lo & 1) != 0);
     EXPECT_EQ(got, std::uint16_t(lo + (up ? 1 : 0)));
-    if (const StageKernels* simd = avx512_kernels()) {
+    for (const StageKernels* simd : {avx512_kernels(), avx2_kernels()}) {
+      if (simd == nullptr) continue;
       std::uint16_t v;
       simd->f32_to_bf16(&f, &v, 1);
-      EXPECT_EQ(v, got);
+      EXPECT_EQ(v, got) << simd->name;
     }
   }
 }
@@ -737,7 +752,7 @@ TEST(StageKernelExp, WithinTwoUlp) {
   for (std::uint32_t b = 0x80000000u; b <= last; b += 1009) x.push_back(std::bit_cast<float>(b));
   for (float v : {0.0F, -kInf, -1e30F, -87.33654F}) x.push_back(v);
   std::vector<float> e(x.size());
-  for (const StageKernels* k : {&scalar_kernels(), avx512_kernels()}) {
+  for (const StageKernels* k : {&scalar_kernels(), avx512_kernels(), avx2_kernels()}) {
     if (k == nullptr) continue;
     SCOPED_TRACE(k->name);
     k->dlogits_row(x.data(), Elem::f32, std::int64_t(x.size()), 1.0F, 0.0F, 0.0F, -1.0F, -1, e.data(), Elem::f32,
@@ -759,7 +774,7 @@ TEST(StageKernelMaxAbs, MatchesReferenceAndFlagsNonFinite) {
   const std::int64_t lengths[] = {0, 1, 15, 16, 17, 33, 2049};
   std::mt19937 rng(4242);
   std::normal_distribution<float> normal(0.0F, 50.0F);
-  for (const StageKernels* k : {&scalar_kernels(), avx512_kernels()}) {
+  for (const StageKernels* k : {&scalar_kernels(), avx512_kernels(), avx2_kernels()}) {
     if (k == nullptr) continue;
     for (std::int64_t n : lengths) {
       SCOPED_TRACE(std::string(k->name) + " n=" + std::to_string(n) + " seed=4242");
@@ -787,9 +802,12 @@ TEST(StageKernelMaxAbs, MatchesReferenceAndFlagsNonFinite) {
   }
 }
 
-TEST(StageKernelDispatch, PicksAvx512AndReportsIt) {
-  const bool forced_scalar = std::getenv("GRPO_SIMD") != nullptr && std::string(std::getenv("GRPO_SIMD")) == "scalar";
-  const char* expected = avx512_kernels() != nullptr && !forced_scalar ? "avx512" : "scalar";
+// The widest path the CPU has, unless GRPO_SIMD forces one.
+TEST(StageKernelDispatch, PicksTheWidestPathAndReportsIt) {
+  const std::string forced = std::getenv("GRPO_SIMD") != nullptr ? std::getenv("GRPO_SIMD") : "";
+  const char* expected = "scalar";
+  if (forced != "scalar" && avx2_kernels() != nullptr) expected = "avx2";
+  if (forced != "scalar" && forced != "avx2" && avx512_kernels() != nullptr) expected = "avx512";
   EXPECT_STREQ(kernels().name, expected);
   EXPECT_STREQ(grpo::simd_path(), expected);
   EXPECT_STREQ(grpo::version(), GRPO_VERSION_STRING);

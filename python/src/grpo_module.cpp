@@ -373,7 +373,7 @@ NB_MODULE(_core, m) {
   m.doc() = "grpo: the fused GRPO LM-head loss (C++ core). See grpo.torch for the PyTorch module.";
   m.attr("__version__") = GRPO_VERSION_STRING;
   m.def("version", &grpo::version, "The version of the linked C++ library.");
-  m.def("simd_path", &grpo::simd_path, "The SIMD path the stage kernels dispatch to: 'avx512' or 'scalar'.");
+  m.def("simd_path", &grpo::simd_path, "The SIMD path the stage kernels dispatch to: 'avx512', 'avx2' or 'scalar'.");
 
   g_error = PyErr_NewExceptionWithDoc("grpo.Error", "A refusal of the grpo library; .argument names the argument.",
                                       PyExc_ValueError, nullptr);

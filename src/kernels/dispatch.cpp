@@ -14,9 +14,11 @@ namespace grpo {
 namespace kernels {
 namespace detail {
 // The function tables, defined next to their kernels. avx512_table() may
-// only be called once the CPU is known to support AVX-512F/BW/DQ/VL.
+// only be called once the CPU is known to support AVX-512F/BW/DQ/VL, and
+// avx2_table() once it is known to support AVX2, FMA and F16C.
 const StageKernels& scalar_table();  // stage_kernels_scalar.cpp
 const StageKernels& avx512_table();  // stage_kernels_avx512.cpp
+const StageKernels& avx2_table();    // stage_kernels_avx2.cpp
 }  // namespace detail
 
 const StageKernels& scalar_kernels() { return detail::scalar_table(); }
@@ -42,12 +44,21 @@ const StageKernels* avx512_kernels() {
   return supported ? &detail::avx512_table() : nullptr;
 }
 
+const StageKernels* avx2_kernels() {
+  // libgcc's "avx2" also checks that the OS saves the ymm state (XCR0).
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
+  return supported ? &detail::avx2_table() : nullptr;
+}
+
 const StageKernels& kernels() {
   static const StageKernels& chosen = []() -> const StageKernels& {
     const char* forced = std::getenv("GRPO_SIMD");
-    if (forced != nullptr && std::string_view(forced) == "scalar") return scalar_kernels();
-    const StageKernels* simd = avx512_kernels();
-    return simd != nullptr ? *simd : scalar_kernels();
+    const std::string_view force = forced != nullptr ? forced : "";
+    if (force == "scalar") return scalar_kernels();
+    const StageKernels* avx512 = force == "avx2" ? nullptr : avx512_kernels();
+    if (avx512 != nullptr) return *avx512;
+    const StageKernels* avx2 = avx2_kernels();
+    return avx2 != nullptr ? *avx2 : scalar_kernels();
   }();
   return chosen;
 }

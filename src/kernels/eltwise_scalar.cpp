@@ -68,16 +68,14 @@ const EltwiseKernels& scalar_eltwise() {
   return k;
 }
 
-const EltwiseKernels* avx512_eltwise() {
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return supported ? avx512_eltwise_table() : nullptr;
-}
+// The stage kernels' CPU check (dispatch.cpp) answers for this file too: it
+// is compiled with the same AVX-512 flags.
+const EltwiseKernels* avx512_eltwise() { return avx512_kernels() != nullptr ? avx512_eltwise_table() : nullptr; }
 
 const EltwiseKernels& eltwise() {
   static const EltwiseKernels& chosen = []() -> const EltwiseKernels& {
-    const EltwiseKernels* simd = avx512_eltwise();
-    return simd != nullptr && std::strcmp(kernels().name, "scalar") != 0 ? *simd : scalar_eltwise();
+    // AVX-512 exactly when the stage kernels are (GRPO_SIMD=scalar or avx2 turns both off).
+    return std::strcmp(kernels().name, "avx512") == 0 ? *avx512_eltwise_table() : scalar_eltwise();
   }();
   return chosen;
 }

@@ -1,8 +1,8 @@
 // The SIMD stage kernels: row statistics (online log-sum-exp + entropy
 // accumulator), the dlogits row, and the finiteness scans. Each stage has a
 // scalar implementation (stage_kernels_scalar.cpp: the fallback and the
-// per-stage comparison target) and an AVX-512 one (stage_kernels_avx512.cpp,
-// the only file compiled with -mavx512*), selected once at run time.
+// per-stage comparison target), an AVX-512 one (stage_kernels_avx512.cpp) and
+// an AVX2 one (stage_kernels_avx2.cpp), selected once at run time.
 #pragma once
 
 #include <cmath>
@@ -112,8 +112,11 @@ inline constexpr std::int64_t kSegment = 2048;
 const StageKernels& scalar_kernels();
 // nullptr when the CPU (or the build) lacks AVX-512F/BW/DQ/VL.
 const StageKernels* avx512_kernels();
-// The dispatched set: AVX-512 when available, else scalar. GRPO_SIMD=scalar in
-// the environment forces the scalar path (read once).
+// nullptr when the CPU lacks AVX2, FMA or F16C.
+const StageKernels* avx2_kernels();
+// The dispatched set: AVX-512 when available, else AVX2, else scalar. In the
+// environment (read once), GRPO_SIMD=scalar forces the scalar path and
+// GRPO_SIMD=avx2 the AVX2 one where the CPU has it (scalar where it does not).
 const StageKernels& kernels();
 
 // Scalar element conversions shared by both paths and by the drivers.
