@@ -15,7 +15,7 @@
 //     for each row block of A (kMc rows): pack it into panels of kMr rows,
 //     [kc][kMr] f32 each; for each B panel, for each A panel: the kMr x kNr
 //     register block (12 ymm accumulators) over the kc products.
-//   K longer than kKcMax is split into equal k blocks; the partial sums of a
+//   K longer than kKcSingle is split into equal k blocks (<= kKcMax); the partial sums of a
 //   block go to an f32 buffer and are loaded back into the registers for the
 //   next, exactly: every element of C is one FMA chain over k ascending,
 //   then + bias, then + C when accumulating, whatever M, N, the blocking or
@@ -45,10 +45,14 @@ namespace {
 
 constexpr std::int64_t kMr = 6;   // rows of the register block
 constexpr std::int64_t kNr = 16;  // columns of the register block (2 ymm)
-// Deepest k block: at the step's dW shape (K = the token block, 640) the
-// whole reduction is one block, so no partial-sum buffer of [tile x H] is
-// needed; a [kc][16] B panel (<= 48 KiB) streams from L2 beside L1.
-constexpr std::int64_t kKcMax = 768;
+// K up to kKcSingle is one k block: at the step's dW shape (K = the token
+// block, 512-768 rows) no partial-sum buffer of [tile x H] is needed. Longer
+// K (the forward's H, dhidden's V) goes in blocks of at most kKcMax, whose
+// [kc][16] B panel (32 KiB) stays nearer L1: measured on a Zen 3,
+// interleaved single-thread runs, dhidden ~8% faster than at 768 and the
+// forward as fast.
+constexpr std::int64_t kKcSingle = 768;
+constexpr std::int64_t kKcMax = 512;
 constexpr std::int64_t kMc = 72;       // rows of A per packed block (<= 216 KiB of L2 at kc = 768)
 constexpr std::int64_t kNcMax = 1024;  // columns of B per packed block (<= 3 MiB, L3)
 constexpr std::size_t kAlign = 64;
@@ -126,6 +130,9 @@ void micro(const float* a, const float* b, std::int64_t kc, float* acc, std::int
   };
   __m256 c00 = init(0, 0), c01 = init(0, 1), c10 = init(1, 0), c11 = init(1, 1), c20 = init(2, 0), c21 = init(2, 1);
   __m256 c30 = init(3, 0), c31 = init(3, 1), c40 = init(4, 0), c41 = init(4, 1), c50 = init(5, 0), c51 = init(5, 1);
+  // Unrolled by 4: the loop's own instructions then cost less than the
+  // FMA ports' slack (+5% from L1 on a Zen 3).
+#pragma GCC unroll 4
   for (std::int64_t k = 0; k < kc; ++k) {
     const float* ak = a + k * kMr;
     const __m256 b0 = _mm256_load_ps(b + k * kNr);
@@ -162,7 +169,7 @@ class Avx2Gemm final : public GemmBackend {
     m_ = spec.a.rows;
     k_ = spec.a.cols;
     n_ = spec.b.cols;
-    const std::int64_t k_blocks = (k_ + kKcMax - 1) / kKcMax;
+    const std::int64_t k_blocks = k_ <= kKcSingle ? 1 : (k_ + kKcMax - 1) / kKcMax;
     kc_ = (k_ + k_blocks - 1) / k_blocks;
     threads_ = std::max(1, spec.threads);
     // Each thread's share of the columns, in whole panels.
@@ -236,6 +243,16 @@ class Avx2Gemm final : public GemmBackend {
             const float* bp = bpack + jj * kb;
             for (std::int64_t ii = 0; ii < mb; ii += kMr) {
               const float* ap = apack + ii * kb;
+              // The next register block's partial sums and C rows are far
+              // (L3 or DRAM: C and the partial sums are [M x N]); ask for them
+              // while this block computes (dW +9-19%, dhidden +3-14%).
+              std::int64_t next_i = ii + kMr;
+              std::int64_t next_j = jj;
+              if (next_i >= mb) {
+                next_i = 0;
+                next_j = jj + kNr;
+              }
+              if (next_j < nb) prefetch_block(acc, c, i0 + next_i, j0 + next_j, first, last);
               if (last) {
                 // The block's last k: partial sums (if any) in, the
                 // finished block to the tile, then to C.
@@ -253,6 +270,29 @@ class Avx2Gemm final : public GemmBackend {
             }
           }
         }
+      }
+    }
+  }
+
+  // The lines of the register block at (i, j) that the next micro() call
+  // reads (partial sums, unless first) and store() reads or writes (C, when
+  // last): the start and the end of each row's 16 elements.
+  void prefetch_block(const float* acc, const void* c, std::int64_t i, std::int64_t j, bool first, bool last) const {
+    const std::int64_t rows = std::min(kMr, m_ - i);
+    if (!first) {
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const float* p = acc + (i + r) * acc_ld_ + j;
+        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + kNr - 1), _MM_HINT_T0);
+      }
+    }
+    if (last) {
+      const GemmOperand& co = spec_.c;
+      const std::int64_t size = co.dtype == DType::f32 ? 4 : 2;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const char* p = static_cast<const char*>(c) + ((i + r) * co.row_stride + j) * size;
+        _mm_prefetch(p, _MM_HINT_T0);
+        _mm_prefetch(p + (kNr - 1) * size, _MM_HINT_T0);
       }
     }
   }

@@ -153,7 +153,9 @@ Batch exp_nonpos(Batch x, __m256& keep) {
 __m256 magnitude_mask() { return _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)); }
 
 // All ones where x is +-inf or NaN: |x| is not less than inf, or unordered.
-__m256 non_finite(__m256 x) { return _mm256_cmp_ps(_mm256_and_ps(x, magnitude_mask()), _mm256_set1_ps(kInf), _CMP_NLT_UQ); }
+__m256 non_finite(__m256 x) {
+  return _mm256_cmp_ps(_mm256_and_ps(x, magnitude_mask()), _mm256_set1_ps(kInf), _CMP_NLT_UQ);
+}
 // All ones where x is NaN or +inf.
 __m256 nan_or_pos_inf(__m256 x) { return _mm256_cmp_ps(x, _mm256_set1_ps(kInf), _CMP_NLT_UQ); }
 // All ones where x is NaN.
@@ -185,9 +187,7 @@ void prefetch(const void* p, std::int64_t i) {
 
 // dot += e * d where keep is set: flushed lanes (e = 0, d possibly -inf)
 // contribute d = 0, never 0 * -inf.
-Batch add_dot(Batch dot, Batch e, Batch d, __m256 keep) {
-  return xsimd::fma(e, Batch(_mm256_and_ps(d, keep)), dot);
-}
+Batch add_dot(Batch dot, Batch e, Batch d, __m256 keep) { return xsimd::fma(e, Batch(_mm256_and_ps(d, keep)), dot); }
 
 // Statistics of z[begin, end) * scale: a max pass, then an exp pass over the
 // same (now L1-resident) segment, prefetching the next segment (up to
@@ -507,7 +507,8 @@ float mark_kept_of(const void* g, std::int64_t n, float threshold, std::uint8_t*
     for (int h = 0; h < 2; ++h) {
       const __m256 x = _mm256_and_ps(load<T>(g, i + h * kLanes), magnitude_mask());
       const __m256 ge = _mm256_cmp_ps(x, t, _CMP_GE_OQ);
-      for (int bits = _mm256_movemask_ps(ge); bits != 0; bits &= bits - 1) kept[i + h * kLanes + __builtin_ctz(bits)] = 1;
+      for (int bits = _mm256_movemask_ps(ge); bits != 0; bits &= bits - 1)
+        kept[i + h * kLanes + __builtin_ctz(bits)] = 1;
       below[h] = _mm256_add_ps(below[h], _mm256_andnot_ps(ge, x));
     }
   }
