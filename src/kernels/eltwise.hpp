@@ -28,8 +28,7 @@ struct EltwiseKernels {
 };
 
 const EltwiseKernels& scalar_eltwise();
-const EltwiseKernels* avx512_eltwise();        // nullptr without AVX-512 (eltwise_scalar.cpp)
-const EltwiseKernels* avx512_eltwise_table();  // eltwise_avx512.cpp: only after that check
+const EltwiseKernels* avx512_eltwise_table();  // eltwise_avx512.cpp: only once avx512_kernels() is non-null
 const EltwiseKernels& eltwise();               // follows kernels(): AVX-512 when the stage kernels are
 
 }  // namespace grpo::kernels

@@ -68,13 +68,11 @@ const EltwiseKernels& scalar_eltwise() {
   return k;
 }
 
-// The stage kernels' CPU check (dispatch.cpp) answers for this file too: it
-// is compiled with the same AVX-512 flags.
-const EltwiseKernels* avx512_eltwise() { return avx512_kernels() != nullptr ? avx512_eltwise_table() : nullptr; }
-
 const EltwiseKernels& eltwise() {
   static const EltwiseKernels& chosen = []() -> const EltwiseKernels& {
-    // AVX-512 exactly when the stage kernels are (GRPO_SIMD=scalar or avx2 turns both off).
+    // AVX-512 exactly when the stage kernels are: their CPU check (dispatch.cpp)
+    // answers for eltwise_avx512.cpp, compiled with the same flags
+    // (GRPO_SIMD=scalar or avx2 turns both off).
     return std::strcmp(kernels().name, "avx512") == 0 ? *avx512_eltwise_table() : scalar_eltwise();
   }();
   return chosen;
