@@ -51,6 +51,11 @@ returned (malloc_trim), the RSS read, the kernel's peak (VmHWM) reset through
 logprob_loss_peak is the largest VmHWM over its calls and
 logprob_loss_rise the largest VmHWM - RSS at the call's start.
 
+On a CPU without bf16 dot products (AVX512_BF16 or AMX) torch's bf16 matmuls
+run in f32 on the bf16 values, rounded to bf16, in every arm and the warm
+start (Setup.bf16_matmul, F32Matmul below): torch's own bf16 backward is
+~100x slower there and the A/B would not finish.
+
 Writes to --out: <arm>.jsonl (one JSON object per step: reward, loss, KL,
 entropy, clip ratio, the three times, the memory), summary.json, train_ab.png
 (reward and step time of both arms against the step) and prints a markdown
@@ -107,6 +112,13 @@ class Setup:
     beta: float = 0.04
     epsilon: float = 0.2
     epsilon_high: float = 0.28  # DAPO's clip-higher
+    # How torch's bf16 matmuls run, in every arm and the warm start alike (grpo's own kernel is not a torch matmul):
+    # "native" as torch runs them; "f32" on the bf16 values in f32, the result rounded to bf16 (F32Matmul below);
+    # "auto" (resolved before the run and recorded as one of the two): f32 on a CPU without AVX512_BF16 or AMX.
+    bf16_matmul: str = "auto"
+
+    def __post_init__(self):
+        object.__setattr__(self, "bf16_matmul", resolve_bf16_matmul(self.bf16_matmul))  # "auto" -> what it is here
 
     def grpo_seed(self) -> int:
         return self.seed if self.rl_seed < 0 else self.rl_seed
@@ -114,7 +126,10 @@ class Setup:
     def model_key(self) -> str:
         fields = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "digits", "completion",
                   "step_prob", "sft_steps", "sft_batch", "sft_lr", "seed")
-        text = json.dumps({f: getattr(self, f) for f in fields}, sort_keys=True)
+        key = {f: getattr(self, f) for f in fields}
+        if self.bf16_matmul != "native":  # in the key only when not native, so the native runs' caches stay valid
+            key["bf16_matmul"] = self.bf16_matmul
+        text = json.dumps(key, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -123,6 +138,69 @@ SMOKE = dict(vocab=4096, hidden=64, layers=1, heads=2, kv_heads=1, intermediate=
              sft_batch=8, sft_lr=1e-2, steps=2, prompts_per_step=1, num_generations=8)
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
+
+
+# --------------------------------------------------------------------------- bf16 matmuls on CPUs without bf16
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether the CPU has bf16 dot-product instructions (AVX512_BF16 or AMX-BF16), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return True  # not Linux: leave torch as it is
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_bf16_matmul(value: str) -> str:
+    if value not in ("auto", "native", "f32"):
+        raise SystemExit(f"--set bf16_matmul={value}: one of auto, native, f32")
+    if value != "auto":
+        return value
+    return "native" if cpu_has_bf16_matmul() else "f32"
+
+
+def bf16_matmul_mode(setup: Setup):
+    """The context the torch work of an arm (and the warm start) runs in: F32Matmul when bf16_matmul is "f32"."""
+    if setup.bf16_matmul == "f32":
+        return F32Matmul()
+    return contextlib.nullcontext()
+
+
+def _f32_matmul_class():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+
+    class F32Matmul(TorchDispatchMode):
+        """torch's bf16 matrix products (mm, addmm, bmm, baddbmm: what linear and matmul become below autograd,
+        forward and backward) computed in f32 on the bf16 values and rounded to bf16.
+
+        Why: on a CPU without AVX512_BF16 or AMX, torch 2.15 runs a bf16 matmul's backward in a slow fallback
+        (measured on a Zen 3: the LM head's backward at [128 x 512] x [512 x 151936], 115 s in bf16 against
+        1.1 s in f32, 106 s of it dhidden), which makes the A/B impossible to run there. The products of two bf16 values are exact
+        in f32 and both paths accumulate in f32 and round the result to bf16, so the results differ only by
+        summation order (1.4e-4 of the entries of a [64 x 512] x [512 x 2048] product differed by one bf16
+        ulp). Every arm and the warm start run under it alike, so the comparison stays fair; the step times
+        are those of f32 matmuls plus the conversions, not of bf16 hardware.
+        """
+
+        ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in self.ops and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+                up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+                return func(*up, **kwargs).to(torch.bfloat16)
+            return func(*args, **kwargs)
+
+    return F32Matmul
+
+
+def F32Matmul():  # noqa: N802 (a class built on first use: torch is imported lazily in this script)
+    return _f32_matmul_class()()
 
 
 def words(setup: Setup) -> list[str]:
@@ -163,24 +241,26 @@ def warm_start(setup: Setup, path: str) -> dict:
         optimizer, lambda i: 0.5 * (1.0 + math.cos(math.pi * min(i, setup.sft_steps) / setup.sft_steps)))
     losses = []
     start = time.perf_counter()
-    for step in range(setup.sft_steps):
-        seq = [torch.randint(setup.digits, (setup.sft_batch,), generator=gen)]  # the prompt digit
-        for _ in range(setup.completion):
-            up = torch.rand(setup.sft_batch, generator=gen) < setup.step_prob
-            noise = torch.randint(setup.digits, (setup.sft_batch,), generator=gen)
-            seq.append(torch.where(up, (seq[-1] + 1) % setup.digits, noise))
-        ids = torch.stack(seq, dim=1) + len(SPECIALS)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]  # predicts the completion tokens
-            logits = model.lm_head(hidden)
-        loss = F.cross_entropy(logits.float().reshape(-1, setup.vocab), ids[:, 1:].reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if (step + 1) % 25 == 0:
-            print(f"warm start step {step + 1}/{setup.sft_steps}: loss {statistics.fmean(losses[-25:]):.3f}", flush=True)
+    with bf16_matmul_mode(setup):
+        for step in range(setup.sft_steps):
+            seq = [torch.randint(setup.digits, (setup.sft_batch,), generator=gen)]  # the prompt digit
+            for _ in range(setup.completion):
+                up = torch.rand(setup.sft_batch, generator=gen) < setup.step_prob
+                noise = torch.randint(setup.digits, (setup.sft_batch,), generator=gen)
+                seq.append(torch.where(up, (seq[-1] + 1) % setup.digits, noise))
+            ids = torch.stack(seq, dim=1) + len(SPECIALS)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]  # predicts the completion tokens
+                logits = model.lm_head(hidden)
+            loss = F.cross_entropy(logits.float().reshape(-1, setup.vocab), ids[:, 1:].reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            if (step + 1) % 25 == 0:
+                print(f"warm start step {step + 1}/{setup.sft_steps}: loss {statistics.fmean(losses[-25:]):.3f}",
+                      flush=True)
     # The loss floor: the entropy of the noisy count-up distribution.
     p_target = setup.step_prob + (1 - setup.step_prob) / setup.digits
     p_other = (1 - setup.step_prob) / setup.digits
@@ -188,7 +268,7 @@ def warm_start(setup: Setup, path: str) -> dict:
     model.save_pretrained(path)
     make_tokenizer(setup).save_pretrained(path)
     info = dict(sft_steps=setup.sft_steps, seconds=time.perf_counter() - start, first_loss=losses[0],
-                last_loss=statistics.fmean(losses[-10:]), loss_floor=float(floor))
+                last_loss=statistics.fmean(losses[-10:]), loss_floor=float(floor), bf16_matmul=setup.bf16_matmul)
     with open(os.path.join(path, "warm_start.json"), "w") as f:
         json.dump(info, f, indent=1)
     return info
@@ -492,10 +572,11 @@ def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: 
     instrument(trainer, phases)
     trainer.add_callback(make_callback(phases, os.path.join(out_dir, f"{arm}.jsonl")))
     start = time.perf_counter()
-    trainer.train()
+    with bf16_matmul_mode(setup):
+        trainer.train()
     info = dict(arm=arm, seconds=time.perf_counter() - start, peak_rss_mib=phases.final_peak_kib() / 1024,
                 threads=torch.get_num_threads(), torch=torch.__version__, trl=trl.__version__,
-                transformers=transformers.__version__)
+                transformers=transformers.__version__, bf16_matmul=setup.bf16_matmul)
     with open(os.path.join(out_dir, f"{arm}.info.json"), "w") as f:
         json.dump(info, f, indent=1)
     return info
@@ -655,7 +736,7 @@ def main(argv=None) -> int:
     types = {f.name: f.type for f in dataclasses.fields(Setup)}
     for item in opts.set:
         key, value = item.split("=", 1)
-        fields[key] = {"int": int, "float": float}[types[key]](value)
+        fields[key] = {"int": int, "float": float, "str": str}[types[key]](value)
     setup = Setup(**fields)
 
     if opts.run_arm:

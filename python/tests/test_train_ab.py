@@ -67,3 +67,50 @@ def test_train_ab_smoke(tmp_path):
         assert summary["agreement"][arm]["step1_reward_identical"] is True
         assert set(summary["ratios_over_trl"][arm]) >= {"logprob_loss_time", "logprob_loss_peak_rss"}
         assert f"| {arm} / trl |" in proc.stdout
+    assert summary["setup"]["bf16_matmul"] in ("native", "f32")  # "auto" is resolved before the run
+
+
+def _train_ab_module():
+    if not SCRIPT.exists():
+        pytest.skip(f"{SCRIPT} is not in this checkout")
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import train_ab
+    finally:
+        sys.path.pop(0)
+    return train_ab
+
+
+def test_f32_matmul_mode_is_f32_products_rounded_to_bf16():
+    """bf16_matmul="f32" (CPUs without bf16 dot products): linear's forward and both backward products come out
+    as the f32 products of the bf16 values rounded to bf16, bit for bit; f32 matmuls are left alone."""
+    import torch
+
+    train_ab = _train_ab_module()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 96, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(130, 96, generator=gen).bfloat16().requires_grad_()
+    b = torch.randn(130, generator=gen).bfloat16().requires_grad_()
+    g = torch.randn(37, 130, generator=gen).bfloat16()
+    with train_ab.F32Matmul():
+        y = torch.nn.functional.linear(x, w, b)
+        y.backward(g)
+        y3 = torch.matmul(x.detach().view(1, 37, 96).expand(2, 37, 96), w.detach().t())  # bmm
+        f = torch.randn(5, 7) @ torch.randn(7, 3)
+    xf, wf, gf = x.detach().float(), w.detach().float(), g.float()
+    assert torch.equal(y, (torch.addmm(b.detach().float(), xf, wf.t())).bfloat16())
+    assert torch.equal(x.grad, (gf @ wf).bfloat16())
+    assert torch.equal(w.grad, (gf.t() @ xf).bfloat16())
+    assert torch.equal(y3[1], (xf @ wf.t()).bfloat16())
+    assert f.dtype == torch.float32
+
+
+def test_bf16_matmul_setting():
+    train_ab = _train_ab_module()
+    assert train_ab.Setup(bf16_matmul="native").bf16_matmul == "native"
+    expect = "native" if train_ab.cpu_has_bf16_matmul() else "f32"
+    assert train_ab.Setup().bf16_matmul == expect
+    # Only a non-native setting changes the warm start's cache key (the native runs' caches stay valid).
+    assert train_ab.Setup(bf16_matmul="native").model_key() != train_ab.Setup(bf16_matmul="f32").model_key()
+    with pytest.raises(SystemExit, match="bf16_matmul=fp8"):
+        train_ab.Setup(bf16_matmul="fp8")
