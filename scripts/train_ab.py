@@ -65,6 +65,7 @@ table for the README, and the command's wall time.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -188,13 +189,55 @@ def _f32_matmul_class():
         """
 
         ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+        twin_min_numel = 1 << 20  # f32 -> bf16 casts this large (autocast's casts of the weights) get an f32 twin
+
+        def __init__(self):
+            super().__init__()
+            # autocast casts each weight to bf16 on every forward (accelerate enters it per call, so its own cache
+            # is gone by the next decode step), and each product would convert it back. Instead the first cast of
+            # a weight (its storage, shape, strides and version: the optimizer's in-place update bumps the
+            # version) keeps the f32 twin of the bf16 values, and every bf16 tensor that cast produces maps to
+            # it. Both maps hold their tensors, so no other tensor can take their memory (and key) while kept,
+            # and a produced tensor's own version must be unchanged for its twin to be used.
+            self.twins = collections.OrderedDict()  # source key -> (source, f32 twin of its bf16 values)
+            self.produced = collections.OrderedDict()  # bf16 data_ptr -> (bf16 tensor, its version, f32 twin)
+
+        @staticmethod
+        def _key(t):
+            return (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+
+        def _from_f32(self, t, out):
+            """out = t cast to bf16 (t a large f32 tensor): register out's f32 twin."""
+            if not (out.is_contiguous() and t.is_contiguous()):
+                return
+            key = self._key(t)
+            entry = self.twins.get(key)
+            if entry is None:
+                entry = self.twins[key] = (t, out.float())
+                if len(self.twins) > 2:
+                    self.twins.popitem(last=False)
+            self.twins.move_to_end(key)
+            self.produced[out.data_ptr()] = (out, out._version, entry[1])
+            if len(self.produced) > 4:
+                self.produced.popitem(last=False)
+
+        def _f32(self, t):
+            hit = self.produced.get(t.untyped_storage().data_ptr())
+            if hit is not None and hit[0]._version == t._version and hit[0].untyped_storage().data_ptr() == \
+                    t.untyped_storage().data_ptr():
+                return hit[2].as_strided(t.shape, t.stride(), t.storage_offset())
+            return t.float()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func in self.ops and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
-                up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+                up = [self._f32(a) if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
                 return func(*up, **kwargs).to(torch.bfloat16)
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if (func is aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+                    and args[0].dtype == torch.float32 and out.numel() >= self.twin_min_numel):
+                self._from_f32(args[0], out)
+            return out
 
     return F32Matmul
 

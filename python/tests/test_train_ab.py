@@ -114,3 +114,28 @@ def test_bf16_matmul_setting():
     assert train_ab.Setup(bf16_matmul="native").model_key() != train_ab.Setup(bf16_matmul="f32").model_key()
     with pytest.raises(SystemExit, match="bf16_matmul=fp8"):
         train_ab.Setup(bf16_matmul="fp8")
+
+
+def test_f32_matmul_mode_twins_follow_the_weight():
+    """Under autocast a large f32 weight is cast to bf16 on every call and the products use the f32 twin of the
+    bf16 values kept from the first cast: still bitwise the f32 products rounded, and after an in-place update of
+    the weight (the optimizer step) the new values, not the kept ones."""
+    import torch
+
+    train_ab = _train_ab_module()
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(1024, 1024, generator=gen)  # 1M elements: the size the twins are kept for
+    x = torch.randn(9, 1024, generator=gen)
+
+    def expect():
+        return (x.bfloat16().float() @ w.bfloat16().float().t()).bfloat16()
+
+    mode = train_ab.F32Matmul()
+    with mode:
+        for update in range(3):
+            for _ in range(2):  # the second call uses the twin of the first call's cast
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = torch.nn.functional.linear(x, w)
+                assert torch.equal(y, expect()), update
+            w.mul_(-0.5)
+    assert len(mode.twins) > 0  # the twin path ran
