@@ -67,12 +67,16 @@ void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
     }
   }
   // Where the last step's time went (thread-seconds per phase, see
-  // LmHeadStepStats), and each phase's share of the step's thread-seconds
-  // (p50 step x threads); other_frac: everything else (loss, gathers, waits).
-  if (s.step_stats && (s.step_stats->forward_gemm_s > 0.0 || s.step_stats->forward_stage_s > 0.0)) {
+  // LmHeadStepStats), and each phase's share of that same step's
+  // thread-seconds (its wall time x threads; not the p50's, which a slower
+  // last step would overrun into a negative remainder); other_frac:
+  // everything else (loss, gathers, waits).
+  if (s.step_stats && !s.step_s.empty() &&
+      (s.step_stats->forward_gemm_s > 0.0 || s.step_stats->forward_stage_s > 0.0)) {
     const LmHeadStepStats& t = *s.step_stats;
     const double threads = c.threads > 0 ? c.threads : tbb::this_task_arena::max_concurrency();
-    const double total = s.p50() * threads;
+    out["phase_step_s"] = s.step_s.back();
+    const double total = s.step_s.back() * threads;
     const std::pair<const char*, double> phases[] = {{"forward_gemm", t.forward_gemm_s},
                                                      {"forward_stage", t.forward_stage_s},
                                                      {"dlogits", t.dlogits_s},

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
 
 #include "bench_config.hpp"
 #include "bench_run.hpp"
@@ -301,6 +302,18 @@ TEST(MicrobenchRun, ProducesEveryNamedCounter) {
     EXPECT_LE(r.counters.at("peak_frac"), 1.0);
   }
   EXPECT_GT(r.counters.at("executed_gflops"), 0.0);
+  // The phases are the last timed step's, as shares of that step's own thread-seconds: with the remainder they
+  // sum to 1, and the remainder is not negative however the timed steps spread.
+  ASSERT_EQ(r.counters.count("phase_step_s"), 1U);
+  EXPECT_EQ(r.counters.at("phase_step_s"), r.step_s.back());
+  double shares = r.counters.at("phase_other_frac");
+  for (const char* phase : {"forward_gemm", "forward_stage", "dlogits", "dweight_gemm", "dhidden_gemm"}) {
+    const double frac = r.counters.at(std::string("phase_") + phase + "_frac");
+    EXPECT_GE(frac, 0.0) << phase;
+    shares += frac;
+  }
+  EXPECT_NEAR(shares, 1.0, 1e-12);
+  EXPECT_GE(r.counters.at("phase_other_frac"), 0.0);
   const BenchResult logits =
       run_bench(parse("impl: logits_fused\nshape: {batch: 1, seq_len: 16, vocab: 4096}\nsteps: 2\n"
                       "references:\n  - {name: copy, impl: copy}\n"),
