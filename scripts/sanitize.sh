@@ -18,9 +18,12 @@ jobs=${JOBS:-2}
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 
-# RelWithDebInfo: optimized like the real thing (the AVX-512 kernels, oneDNN
-# paths), with line numbers in reports.
+# RelWithDebInfo at -O1 -g1: optimized (the SIMD kernels, oneDNN paths;
+# -O1 is what the sanitizers' docs advise) with line tables, enough for the
+# reports' file:line. Against -O2 -g it compiles the heaviest test file in 30 s
+# instead of 53 s (Zen 3; the build was 13 of CI's 50 minutes there).
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
   -DGRPO_SANITIZE=address,undefined -DGRPO_BUILD_TESTS=ON -DGRPO_BUILD_MICROBENCH=OFF -DGRPO_INSTALL=OFF \
   -DCMAKE_CXX_FLAGS="-fno-sanitize-recover=undefined" >/dev/null
 # Every test target (the fast tier is more than grpo_tests_fast: e.g. the
