@@ -181,9 +181,9 @@ def _f32_matmul_class():
 
         Why: on a CPU without AVX512_BF16 or AMX, torch 2.15 runs a bf16 matmul's backward in a slow fallback
         (measured on a Zen 3: the LM head's backward at [128 x 512] x [512 x 151936], 115 s in bf16 against
-        1.1 s in f32, 106 s of it dhidden), which makes the A/B impossible to run there. The products of two bf16 values are exact
-        in f32 and both paths accumulate in f32 and round the result to bf16, so the results differ only by
-        summation order (1.4e-4 of the entries of a [64 x 512] x [512 x 2048] product differed by one bf16
+        1.1 s in f32, 106 s of it dhidden), which makes the A/B impossible to run there. The products of two
+        bf16 values are exact in f32 and both paths accumulate in f32 and round the result to bf16, so the
+        results differ only by summation order (1.4e-4 of the entries of a [64 x 512] x [512 x 2048] product differed by one bf16
         ulp). Every arm and the warm start run under it alike, so the comparison stays fair; the step times
         are those of f32 matmuls plus the conversions, not of bf16 hardware.
         """
@@ -223,8 +223,7 @@ def _f32_matmul_class():
 
         def _f32(self, t):
             hit = self.produced.get(t.untyped_storage().data_ptr())
-            if hit is not None and hit[0]._version == t._version and hit[0].untyped_storage().data_ptr() == \
-                    t.untyped_storage().data_ptr():
+            if hit is not None and hit[1] == t._version:  # views share the version counter: no write since the cast
                 return hit[2].as_strided(t.shape, t.stride(), t.storage_offset())
             return t.float()
 
