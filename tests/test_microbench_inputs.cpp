@@ -2,7 +2,8 @@
 // a file (input_file.hpp) and the filter analysis (filter_analysis.hpp): the
 // generator lands on the entropies it was asked for, on rows measured with
 // the plain reference; it is a pure function of the seed; a file round-trips;
-// the analysis skips nothing where every entry is significant.
+// the analysis skips nothing where every entry is significant; the reference
+// logits they are measured on match double dot products.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -96,6 +97,48 @@ TEST(TrainedLikeInputs, ChosenIdsFollowTheRowsDistribution) {
   const Problem p = synthesize(problem_spec(parse(kTrainedLike)));
   const InputStats st = measure_inputs(p, 256, 0);
   EXPECT_NEAR(st.logp_mean, -st.entropy_mean, 0.3) << st.summary();
+}
+
+// reference_logits (the logits every input statistic and the filter analysis
+// are measured on) against double dot products, at hidden widths that take
+// each of its kernels where the CPU has them (AVX-512: H % 16 == 0; AVX2 +
+// FMA: H % 8 == 0; plain: any H), both weight layouts, with and without bias,
+// a vocabulary and a row count that are not multiples of its 4 x 4 blocks.
+// Bound: a float dot product of H terms in any order is within
+// gamma_H sum |x_k w_k| of the exact one (plus the bias's rounding).
+TEST(ReferenceLogits, MatchDoubleDotProducts) {
+  for (const int hidden : {8, 16, 20, 24, 48, 512}) {
+    for (const char* layout : {"vocab_major", "hidden_major"}) {
+      for (const bool bias : {false, true}) {
+        SCOPED_TRACE("H " + std::to_string(hidden) + " " + layout + (bias ? " bias" : ""));
+        const BenchConfig c =
+            parse("impl: fused\nshape: {batch: 1, seq_len: 7, hidden: " + std::to_string(hidden) +
+                  ", vocab: 37}\ndtype: f32\nweight_layout: " + layout + "\nbias: " + (bias ? "true" : "false") +
+                  "\nsteps: 1\n" + "measure_unfused_gemms: false\ninputs: {seed: 3}\n");
+        const Problem p = synthesize(problem_spec(c));
+        const std::vector<std::int64_t> rows = {6, 0, 3, 5, 1};
+        const std::vector<float> z = reference_logits(p, rows, 2);
+        ASSERT_EQ(z.size(), rows.size() * 37);
+        const bool vm = std::string(layout) == "vocab_major";
+        const double gamma = hidden * 0x1p-24 / (1.0 - hidden * 0x1p-24);
+        for (std::size_t i = 0; i < rows.size(); ++i) {
+          for (std::int64_t a = 0; a < 37; ++a) {
+            double dot = 0.0, mag = 0.0;
+            for (std::int64_t k = 0; k < hidden; ++k) {
+              const double x = load_float(p.hidden.data(), DType::f32, static_cast<std::size_t>(rows[i] * hidden + k));
+              const double w =
+                  load_float(p.weight.data(), DType::f32, static_cast<std::size_t>(vm ? a * hidden + k : k * 37 + a));
+              dot += x * w;
+              mag += std::abs(x * w);
+            }
+            const double b = bias ? double{p.bias.as<float>()[a]} : 0.0;
+            EXPECT_NEAR(z[i * 37 + a], dot + b, gamma * mag + 0x1p-24 * std::abs(dot + b) + 1e-30)
+                << "row " << rows[i] << " token " << a;
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(TrainedLikeInputs, PureFunctionOfTheSeed) {
