@@ -24,10 +24,11 @@ if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 # instead of 53 s (Zen 3; the build was 13 of CI's 50 minutes there).
 cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-  -DGRPO_SANITIZE=address,undefined -DGRPO_BUILD_TESTS=ON -DGRPO_BUILD_MICROBENCH=OFF -DGRPO_INSTALL=OFF \
+  -DGRPO_SANITIZE=address,undefined -DGRPO_BUILD_TESTS=ON -DGRPO_BUILD_SLOW_TESTS=OFF -DGRPO_BUILD_MICROBENCH=OFF -DGRPO_INSTALL=OFF \
   -DCMAKE_CXX_FLAGS="-fno-sanitize-recover=undefined" >/dev/null
-# Every test target (the fast tier is more than grpo_tests_fast: e.g. the
-# thread check is its own executable); microbench is off.
+# Every test target but the slow tier's (the fast tier is more than
+# grpo_tests_fast: e.g. the thread check is its own executable); microbench is
+# off.
 cmake --build "$build" -j "$jobs"
 
 supp="$root/cmake/sanitizers"
