@@ -18,11 +18,12 @@ struct HeadOracleBounds {
 };
 
 // Every output of `got` (a run of c on p) against the double oracle within
-// those bounds.
-inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, const HeadOutputs& got) {
+// those bounds; `want` is oracle::evaluate_lm_head(p.oracle), for a caller
+// that has it already.
+inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, const HeadOutputs& got,
+                                       const oracle::LmHeadResult& want) {
   const BatchSpec& s = c.spec;
   SCOPED_TRACE(case_name(c));
-  const oracle::LmHeadResult want = oracle::evaluate_lm_head(p.oracle);
   SCOPED_TRACE(got.schedule);
   const std::int64_t n = s.batch * s.seq_len, v = s.vocab, h = c.hidden;
   const double tau = s.config.temperature;
@@ -150,6 +151,10 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
           << "dbias[" << a << "]";
     }
   }
+}
+
+inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, const HeadOutputs& got) {
+  expect_head_matches_oracle(c, p, got, oracle::evaluate_lm_head(p.oracle));
 }
 
 }  // namespace grpo::test

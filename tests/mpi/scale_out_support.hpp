@@ -7,8 +7,10 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "grpo/mpi_communicator.hpp"
@@ -54,6 +56,29 @@ inline bool all_ranks(bool ok) {
   MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   return all == 1;
 }
+
+// A barrier over the world whose waiting ranks sleep (1 ms at a time) instead
+// of spinning. Open MPI polls while a rank waits in a collective: when one
+// rank works alone (rank 0 checking the assembled outputs) and the machine has
+// fewer cores than ranks, the spinning ranks take its CPU.
+inline void sleepy_barrier() {
+  MPI_Request request = MPI_REQUEST_NULL;
+  MPI_Ibarrier(MPI_COMM_WORLD, &request);
+  for (int done = 0;;) {
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (done != 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Calls sleepy_barrier() when the scope ends, however it ends (an ASSERT
+// returns early).
+struct SleepyBarrierAtExit {
+  SleepyBarrierAtExit() = default;
+  SleepyBarrierAtExit(const SleepyBarrierAtExit&) = delete;
+  SleepyBarrierAtExit& operator=(const SleepyBarrierAtExit&) = delete;
+  ~SleepyBarrierAtExit() { sleepy_barrier(); }
+};
 
 // What one rank holds: sequences [seq_begin, seq_end) of the batch and tokens
 // [vocab_begin, vocab_end) of the vocabulary.
