@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 
 #include <immintrin.h>
@@ -60,7 +61,7 @@ __attribute__((target("avx2,fma"))) void dots_4x4_avx2(const float* a, const flo
       s12 = _mm256_fmadd_ps(x1, w2, s12);
       s13 = _mm256_fmadd_ps(x1, w3, s13);
     }
-    float* o = out + i * 4;
+    float* o = out + static_cast<std::ptrdiff_t>(i) * 4;
     o[0] = hsum_avx2(s00);
     o[1] = hsum_avx2(s01);
     o[2] = hsum_avx2(s02);
