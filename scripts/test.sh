@@ -22,7 +22,7 @@ cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs" ${GRPO_TEST_LABEL:+-L "$GRPO_TEST_LABEL"}
 if [[ -n "${GRPO_TEST_LABEL:-}" && "$GRPO_TEST_LABEL" != mpi ]]; then
   if ctest --test-dir build -N -L mpi | grep -q "Total Tests: [1-9]"; then
-    ctest --test-dir build --output-on-failure -L mpi
+    ctest --test-dir build --output-on-failure -j "$jobs" -L mpi
   else
     echo "test.sh: grpo::mpi not built (no MPI found): no mpi tests" >&2
   fi
