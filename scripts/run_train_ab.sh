@@ -7,7 +7,8 @@
 # it is missing. Run it alone on the machine: the step times are the result.
 #   GRPO_PY_VENV, GRPO_PY_BUILD, GRPO_PYTHON  the venv (scripts/lib/python_venv.sh)
 #   GRPO_SKIP_INSTALL=1  use the venv's installed grpo as it is
-# Extra arguments go to scripts/train_ab.py (--smoke, --arms trl,grpo,grpo_loss, --steps N, --set FIELD=VALUE).
+# Extra arguments go to scripts/train_ab.py (--smoke, --arms trl,grpo,grpo_loss, --steps N, --set FIELD=VALUE,
+# --checkpoint-every N: resumable arms, run the same command again to go on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -56,6 +56,18 @@ run in f32 on the bf16 values, rounded to bf16, in every arm and the warm
 start (Setup.bf16_matmul, F32Matmul below): torch's own bf16 backward is
 ~100x slower there and the A/B would not finish.
 
+--checkpoint-every N (for a CPU where an arm outlasts a session: 100 `trl`
+steps take 2.4 hours on a Zen 3) saves each arm's trainer state (weights,
+optimizer, RNG, data position: TRL's own checkpoints) every N steps in
+<out>/<arm>.checkpoints/; the same command run again goes on from the last
+one, and the steps logged after it are dropped and run again. A resumed arm
+logs the same metrics, bit for bit, as one never stopped
+(python/tests/test_train_ab.py). Its time and peak RSS are summed / maxed over
+the processes that ran it (each up to its last checkpoint), recorded per
+segment with the CPU in <arm>.info.json; another setup or warm start is
+refused. bf16_matmul=auto resolves per CPU: to go on on another CPU, pass the
+recorded value.
+
 Writes to --out: <arm>.jsonl (one JSON object per step: reward, loss, KL,
 entropy, clip ratio, the three times, the memory), summary.json, train_ab.png
 (reward and step time of both arms against the step) and prints a markdown
@@ -437,7 +449,7 @@ LOG_KEYS = {"reward": "reward", "reward_std": "reward_std", "loss": "loss", "kl"
             "completion_length": "completions/mean_length", "trl_step_time": "step_time"}
 
 
-def make_callback(phases: Phases, out_path: str):
+def make_callback(phases: Phases, out_path: str, append: bool = False):
     from transformers import TrainerCallback
 
     class StepRecorder(TrainerCallback):
@@ -445,7 +457,7 @@ def make_callback(phases: Phases, out_path: str):
 
         def __init__(self):
             self.pending = None
-            self.file = open(out_path, "w")
+            self.file = open(out_path, "a" if append else "w")
 
         def on_step_begin(self, args, state, control, **kwargs):
             phases.reset()
@@ -579,19 +591,126 @@ def use_fused_loss(trainer, grad_filter=None) -> None:
 # --------------------------------------------------------------------------- one arm (its own process)
 
 
-def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str) -> dict:
+def cpu_name() -> str:
+    """The CPU the arm ran on, as /proc/cpuinfo names it (model name, family and model): step times hold on it."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
+    except OSError:
+        return "unknown"
+    name, family, model = (fields.get(k, "?") for k in ("model name", "cpu family", "model"))
+    return f"{name} (family {family} model {model})"
+
+
+def warm_start_fingerprint(model_dir: str) -> str:
+    """sha256 of the warm start's weights: a resumed arm must continue from the policy (and reference) it began with."""
+    digest = hashlib.sha256()
+    with open(os.path.join(model_dir, "model.safetensors"), "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def checkpoint_dir(out_dir: str, arm: str) -> str:
+    return os.path.join(out_dir, f"{arm}.checkpoints")
+
+
+def latest_checkpoint(trainer_dir: str) -> tuple[str | None, int]:
+    """The newest complete checkpoint TRL saved in trainer_dir (Trainer's checkpoint-<step>) and its step."""
+    best, step = None, 0
+    if os.path.isdir(trainer_dir):
+        for name in os.listdir(trainer_dir):
+            path = os.path.join(trainer_dir, name)
+            if (name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit()
+                    and os.path.exists(os.path.join(path, "trainer_state.json")) and int(name[11:]) > step):
+                best, step = path, int(name[11:])
+    return best, step
+
+
+def _write_json(path: str, value) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, path)  # a run killed mid-write leaves the previous file
+
+
+def arm_complete(out_dir: str, arm: str, setup: Setup) -> bool:
+    """Whether --out holds a finished checkpointed run of this arm and setup (its info.json has the segments)."""
+    path = os.path.join(out_dir, f"{arm}.info.json")
+    if not os.path.exists(path) or os.path.isdir(checkpoint_dir(out_dir, arm)):
+        return False
+    with open(path) as f:
+        info = json.load(f)
+    return "segments" in info and info.get("setup") == dataclasses.asdict(setup)
+
+
+def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, checkpoint_every: int = 0) -> dict:
     import tempfile
 
+    if checkpoint_every > 0:
+        return _run_arm(arm, setup, model_dir, out_dir, checkpoint_dir(out_dir, arm), checkpoint_every)
     with tempfile.TemporaryDirectory(prefix=f"train_ab_{arm}_") as trainer_dir:  # TRL's output_dir (saves nothing)
-        return _run_arm(arm, setup, model_dir, out_dir, trainer_dir)
+        return _run_arm(arm, setup, model_dir, out_dir, trainer_dir, 0)
 
 
-def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: str) -> dict:
+def recorded_run(trainer_dir: str, setup: Setup, model_dir: str) -> tuple[dict, dict | None]:
+    """What a checkpointed run is a run of (the setup and the warm start's fingerprint), and the record of the run
+    in trainer_dir if there is one; refuses a record of another setup or warm start."""
+    ident = dict(setup=dataclasses.asdict(setup), warm_start=warm_start_fingerprint(model_dir))
+    path = os.path.join(trainer_dir, "run.json")
+    if not os.path.exists(path):
+        return ident, None
+    with open(path) as f:
+        run = json.load(f)
+    if run["ident"] != ident:
+        diff = sorted(k for k in ident["setup"] if ident["setup"][k] != run["ident"]["setup"].get(k))
+        what = f"setup ({', '.join(diff)} differ)" if diff else "warm start (another model.safetensors)"
+        raise SystemExit(f"--checkpoint-every: {trainer_dir} holds a run of another {what}; resume it with the "
+                         f"same --set values (bf16_matmul=auto resolves per CPU: pass the recorded "
+                         f"bf16_matmul={run['ident']['setup']['bf16_matmul']}), or remove the directory to start over")
+    return ident, run
+
+
+def _resume_state(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: str) -> tuple[dict, str | None]:
+    """--checkpoint-every: the arm's run record (<arm>.checkpoints/run.json: what it is a run of, and its segments,
+    one per process that ran it) and the checkpoint to resume from, if any. Refuses to resume another setup or
+    another warm start. The per-step records past the checkpoint (steps a killed process ran after its last save)
+    are dropped: the resumed run computes them again."""
+    ident, run = recorded_run(trainer_dir, setup, model_dir)
+    path = os.path.join(trainer_dir, "run.json")
+    resume, step = latest_checkpoint(trainer_dir)
+    if resume is None or run is None:
+        os.makedirs(trainer_dir, exist_ok=True)
+        run, resume, step = dict(ident=ident, segments=[]), None, 0
+    else:
+        run["segments"] = [s for s in run["segments"] if s["to_step"] <= step and s["to_step"] > s["from_step"]]
+    records = os.path.join(out_dir, f"{arm}.jsonl")
+    if resume is not None:
+        with open(records) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        if len(rows) != step:
+            raise SystemExit(f"--checkpoint-every: {records} has {len(rows)} of the {step} steps {resume} holds")
+        with open(records, "w") as f:
+            f.writelines(rows)
+    run["segments"].append(dict(from_step=step, to_step=step, wall_s=0.0, peak_rss_mib=0.0, cpu=cpu_name()))
+    _write_json(path, run)
+    return run, resume
+
+
+def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: str, checkpoint_every: int) -> dict:
     import torch
     import transformers
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
+    run, resume = _resume_state(arm, setup, model_dir, out_dir, trainer_dir) if checkpoint_every else (None, None)
     phases = Phases()
     args = GRPOConfig(
         output_dir=trainer_dir, use_cpu=True, seed=setup.grpo_seed(), data_seed=setup.grpo_seed(),
@@ -600,7 +719,8 @@ def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: 
         generation_kwargs={"min_new_tokens": setup.completion}, max_steps=setup.steps, loss_type="dapo",
         beta=setup.beta, epsilon=setup.epsilon, epsilon_high=setup.epsilon_high,
         learning_rate=setup.learning_rate, lr_scheduler_type="constant", logging_steps=1, report_to="none",
-        save_strategy="no", disable_tqdm=True)
+        save_strategy="steps" if checkpoint_every else "no", save_steps=max(checkpoint_every, 1), save_total_limit=1,
+        disable_tqdm=True)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=count_reward_for(setup), args=args,
                           train_dataset=dataset(setup), processing_class=make_tokenizer(setup))
     if arm in ("grpo", "grpo_loss", "grpo_filtered"):
@@ -612,16 +732,48 @@ def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: 
     elif arm != "trl":
         raise ValueError(f"unknown arm {arm!r} (one of {', '.join(ALL_ARMS)})")
     instrument(trainer, phases)
-    trainer.add_callback(make_callback(phases, os.path.join(out_dir, f"{arm}.jsonl")))
     start = time.perf_counter()
+    trainer.add_callback(make_callback(phases, os.path.join(out_dir, f"{arm}.jsonl"), append=resume is not None))
+    if run is not None:
+        trainer.add_callback(make_segment_recorder(phases, os.path.join(trainer_dir, "run.json"), run, start))
     with bf16_matmul_mode(setup):
-        trainer.train()
-    info = dict(arm=arm, seconds=time.perf_counter() - start, peak_rss_mib=phases.final_peak_kib() / 1024,
+        trainer.train(resume_from_checkpoint=resume)
+    seconds = time.perf_counter() - start
+    info = dict(arm=arm, seconds=seconds, peak_rss_mib=phases.final_peak_kib() / 1024,
                 threads=torch.get_num_threads(), torch=torch.__version__, trl=trl.__version__,
-                transformers=transformers.__version__, bf16_matmul=setup.bf16_matmul)
+                transformers=transformers.__version__, bf16_matmul=setup.bf16_matmul, cpu=cpu_name())
+    if run is not None:
+        # The arm's time and peak over the processes that ran it: each earlier one up to its last checkpoint (what
+        # it ran past that was run again here), this one to the end.
+        run["segments"][-1].update(to_step=setup.steps, wall_s=seconds, peak_rss_mib=info["peak_rss_mib"])
+        segments = run["segments"]
+        info.update(seconds=sum(s["wall_s"] for s in segments), peak_rss_mib=max(s["peak_rss_mib"] for s in segments),
+                    checkpoint_every=checkpoint_every, segments=segments, setup=dataclasses.asdict(setup))
+        cpus = sorted({s["cpu"] for s in segments})
+        info["cpu"] = cpus[0] if len(cpus) == 1 else "mixed: " + "; ".join(cpus)
     with open(os.path.join(out_dir, f"{arm}.info.json"), "w") as f:
         json.dump(info, f, indent=1)
+    if run is not None:
+        import shutil
+
+        shutil.rmtree(trainer_dir)  # the checkpoints (model, optimizer: ~1 GB at the full size) are spent
     return info
+
+
+def make_segment_recorder(phases: Phases, path: str, run: dict, start: float):
+    from transformers import TrainerCallback
+
+    class SegmentRecorder(TrainerCallback):
+        """After each checkpoint: this process's wall time and peak RSS up to it, in run.json."""
+
+        def on_save(self, args, state, control, **kwargs):
+            run["segments"][-1].update(to_step=state.global_step, wall_s=time.perf_counter() - start,
+                                       peak_rss_mib=phases.final_peak_kib() / 1024)
+            _write_json(path, run)
+            if state.global_step == int(os.environ.get("GRPO_TRAIN_AB_KILL_AFTER_SAVE", "0")):
+                os._exit(9)  # python/tests/test_train_ab.py: a process killed right after a checkpoint
+
+    return SegmentRecorder()
 
 
 # --------------------------------------------------------------------------- summary, table, plot
@@ -647,6 +799,7 @@ def summarize(out_dir: str, arms: list[str], setup: Setup) -> dict:
         timed = rows[1:] if len(rows) > 1 else rows
         with open(os.path.join(out_dir, f"{arm}.info.json")) as f:
             info = json.load(f)
+        info.pop("setup", None)  # a checkpointed run's own copy (arm_complete): the summary has it once
         window = max(1, min(10, len(rows) // 4)) if len(rows) >= 4 else 1
         summary["arms"][arm] = dict(
             info,
@@ -768,6 +921,10 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 steps: checks the script end to end")
     parser.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "grpo_train_ab"))
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a Setup field")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="save each arm's trainer state every N steps in <out>/<arm>.checkpoints/ and, when the "
+                             "same command is run again, go on from the last one (arms complete in --out are kept): "
+                             "for a CPU where an arm outlasts a session. 0 (default): no checkpoints")
     parser.add_argument("--run-arm", help=argparse.SUPPRESS)  # internal: run one arm in this process
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -781,8 +938,10 @@ def main(argv=None) -> int:
         fields[key] = {"int": int, "float": float, "str": str}[types[key]](value)
     setup = Setup(**fields)
 
+    if opts.checkpoint_every < 0:
+        raise SystemExit(f"--checkpoint-every {opts.checkpoint_every}: a number of steps >= 0")
     if opts.run_arm:
-        run_arm(opts.run_arm, setup, opts.model_dir, opts.out)
+        run_arm(opts.run_arm, setup, opts.model_dir, opts.out, opts.checkpoint_every)
         return 0
 
     os.makedirs(opts.out, exist_ok=True)
@@ -798,11 +957,19 @@ def main(argv=None) -> int:
         if arm in reused:
             print(f"== arm {arm}: reused from {opts.out}/{arm}.jsonl", flush=True)
             continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--model-dir", model_dir, "--out", opts.out]
+        resuming = False
+        if opts.checkpoint_every:
+            if arm_complete(opts.out, arm, setup):
+                print(f"== arm {arm}: complete in {opts.out} (a checkpointed run of this setup)", flush=True)
+                continue
+            recorded_run(checkpoint_dir(opts.out, arm), setup, model_dir)  # refuses another setup before the arm runs
+            resuming = latest_checkpoint(checkpoint_dir(opts.out, arm))[0] is not None
+        cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--model-dir", model_dir, "--out", opts.out,
+               f"--checkpoint-every={opts.checkpoint_every}"]
         cmd += ["--smoke"] if opts.smoke else []
         cmd += [f"--set={k}={v}" for k, v in fields.items()]
-        print(f"== arm {arm} (full output: {arm}.log)", flush=True)
-        with open(os.path.join(opts.out, f"{arm}.log"), "w") as log:
+        print(f"== arm {arm} (full output: {arm}.log){' resumed' if resuming else ''}", flush=True)
+        with open(os.path.join(opts.out, f"{arm}.log"), "a" if resuming else "w") as log:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             tail = []
             for line in proc.stdout:

@@ -70,6 +70,53 @@ def test_train_ab_smoke(tmp_path):
     assert summary["setup"]["bf16_matmul"] in ("native", "f32")  # "auto" is resolved before the run
 
 
+@pytest.mark.slow
+def test_train_ab_resumes_a_killed_arm_bit_for_bit(tmp_path):
+    """--checkpoint-every (an arm longer than a session): an arm killed right after its step-2 checkpoint and run
+    again goes on from it and logs the same reward, loss, KL, entropy and gradient norm at every step as an arm
+    that was never stopped; a run of another setup is refused; a complete arm is kept, not run again."""
+    if not SCRIPT.exists():
+        pytest.skip(f"{SCRIPT} is not in this checkout")
+    import os
+
+    def run(out, *extra, kill_after=None):
+        env = dict(os.environ)
+        env.pop("GRPO_TRAIN_AB_KILL_AFTER_SAVE", None)
+        if kill_after is not None:
+            env["GRPO_TRAIN_AB_KILL_AFTER_SAVE"] = str(kill_after)
+        return subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--steps", "3", "--arms", "grpo_filtered",
+                               "--checkpoint-every", "2", "--out", str(tmp_path / out), "--cache-dir",
+                               str(tmp_path / "cache"), *extra], capture_output=True, text=True, timeout=600, env=env)
+
+    def rows(out):
+        return [json.loads(line) for line in (tmp_path / out / "grpo_filtered.jsonl").read_text().splitlines()]
+
+    whole = run("whole")
+    assert whole.returncode == 0, whole.stdout[-4000:] + whole.stderr[-4000:]
+    killed = run("resumed", kill_after=2)
+    assert killed.returncode != 0
+    assert [r["step"] for r in rows("resumed")] == [1, 2]
+    assert (tmp_path / "resumed" / "grpo_filtered.checkpoints" / "checkpoint-2").is_dir()
+    other = run("resumed", "--set", "learning_rate=1e-4")
+    assert other.returncode != 0 and "learning_rate differ" in other.stdout + other.stderr
+    resumed = run("resumed")
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    assert "resumed" in resumed.stdout
+    a, b = rows("whole"), rows("resumed")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        for key in ("reward", "loss", "kl", "entropy", "grad_norm"):
+            assert x[key] == y[key], (x["step"], key)
+    assert 0.0 < a[-1]["kl"]  # the policy moved: step 3 depends on the resumed weights and optimizer state
+    info = json.loads((tmp_path / "resumed" / "grpo_filtered.info.json").read_text())
+    assert [(s["from_step"], s["to_step"]) for s in info["segments"]] == [(0, 2), (2, 3)]
+    assert info["seconds"] == pytest.approx(sum(s["wall_s"] for s in info["segments"]))
+    assert not (tmp_path / "resumed" / "grpo_filtered.checkpoints").exists()  # spent checkpoints are removed
+    again = run("resumed")
+    assert again.returncode == 0 and "grpo_filtered: complete" in again.stdout
+    assert rows("resumed") == b
+
+
 def _train_ab_module():
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT} is not in this checkout")
