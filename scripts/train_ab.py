@@ -189,7 +189,8 @@ def _f32_matmul_class():
 
     class F32Matmul(TorchDispatchMode):
         """torch's bf16 matrix products (mm, addmm, bmm, baddbmm: what linear and matmul become below autograd,
-        forward and backward) computed in f32 on the bf16 values and rounded to bf16.
+        forward and backward, and their out= forms, which TRL's chunked LM head calls) computed in f32 on the bf16
+        values and rounded to bf16.
 
         Why: on a CPU without AVX512_BF16 or AMX, torch 2.15 runs a bf16 matmul's backward in a slow fallback
         (measured on a Zen 3: the LM head's backward at [128 x 512] x [512 x 151936], 115 s in bf16 against
@@ -201,6 +202,8 @@ def _f32_matmul_class():
         """
 
         ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+        out_ops = {aten.mm.out: aten.mm.default, aten.addmm.out: aten.addmm.default, aten.bmm.out: aten.bmm.default,
+                   aten.baddbmm.out: aten.baddbmm.default}
         twin_min_numel = 1 << 20  # f32 -> bf16 casts this large (autocast's casts of the weights) get an f32 twin
 
         def __init__(self):
@@ -213,6 +216,7 @@ def _f32_matmul_class():
             # and a produced tensor's own version must be unchanged for its twin to be used.
             self.twins = collections.OrderedDict()  # source key -> (source, f32 twin of its bf16 values)
             self.produced = collections.OrderedDict()  # bf16 data_ptr -> (bf16 tensor, its version, f32 twin)
+            self.products = 0  # products computed in f32 (a count for the tests)
 
         @staticmethod
         def _key(t):
@@ -243,7 +247,16 @@ def _f32_matmul_class():
             kwargs = kwargs or {}
             if func in self.ops and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
                 up = [self._f32(a) if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+                self.products += 1
                 return func(*up, **kwargs).to(torch.bfloat16)
+            # The out= forms (TRL's chunked LM head: torch.mm(hidden, w.t(), out=tile)): the same product, rounded
+            # into out.
+            if (func in self.out_ops and kwargs.get("out") is not None and kwargs["out"].dtype == torch.bfloat16
+                    and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args)):
+                up = [self._f32(a) if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+                rest = {k: v for k, v in kwargs.items() if k != "out"}
+                self.products += 1
+                return kwargs["out"].copy_(self.out_ops[func](*up, **rest))  # copy_ rounds to nearest even as .to
             out = func(*args, **kwargs)
             if (func is aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
                     and args[0].dtype == torch.float32 and out.numel() >= self.twin_min_numel):

@@ -139,12 +139,18 @@ def test_f32_matmul_mode_is_f32_products_rounded_to_bf16():
     w = torch.randn(130, 96, generator=gen).bfloat16().requires_grad_()
     b = torch.randn(130, generator=gen).bfloat16().requires_grad_()
     g = torch.randn(37, 130, generator=gen).bfloat16()
-    with train_ab.F32Matmul():
+    mode = train_ab.F32Matmul()
+    with mode:
         y = torch.nn.functional.linear(x, w, b)
         y.backward(g)
         y3 = torch.matmul(x.detach().view(1, 37, 96).expand(2, 37, 96), w.detach().t())  # bmm
         f = torch.randn(5, 7) @ torch.randn(7, 3)
+        tile = torch.empty(37, 130, dtype=torch.bfloat16)
+        before = mode.products
+        torch.mm(x.detach(), w.detach().t(), out=tile)  # the out= form (TRL's chunked LM head)
+        assert mode.products == before + 1  # computed by the mode (torch's own bf16 product can be equal)
     xf, wf, gf = x.detach().float(), w.detach().float(), g.float()
+    assert torch.equal(tile, (xf @ wf.t()).bfloat16())
     assert torch.equal(y, (torch.addmm(b.detach().float(), xf, wf.t())).bfloat16())
     assert torch.equal(x.grad, (gf @ wf).bfloat16())
     assert torch.equal(w.grad, (gf.t() @ xf).bfloat16())
