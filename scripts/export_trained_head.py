@@ -33,7 +33,6 @@ Needs torch, transformers, TRL and datasets (the A/B's [trl] extras); the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import struct
@@ -84,7 +83,7 @@ def trained_policy(setup: train_ab.Setup, arm: str, cache_dir: str, save_every: 
     try:
         with tempfile.TemporaryDirectory(prefix="export_head_") as tmp_out, \
                 tempfile.TemporaryDirectory(prefix="export_head_trainer_") as trainer_dir:
-            train_ab._run_arm(arm, setup, warm_dir, tmp_out, trainer_dir)
+            train_ab._run_arm(arm, setup, warm_dir, tmp_out, trainer_dir, 0, None)  # no checkpoints of its own
             rewards = [json.loads(line).get("reward") for line in open(os.path.join(tmp_out, f"{arm}.jsonl"))]
     finally:
         trl.GRPOTrainer = base
@@ -175,14 +174,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a Setup field")
     opts = parser.parse_args(argv)
 
-    fields = dict(train_ab.SMOKE) if opts.smoke else {}
-    if opts.steps is not None:
-        fields["steps"] = opts.steps
-    types = {f.name: f.type for f in dataclasses.fields(train_ab.Setup)}
-    for item in opts.set:
-        key, value = item.split("=", 1)
-        fields[key] = {"int": int, "float": float}[types[key]](value)
-    setup = train_ab.Setup(**fields)
+    setup = train_ab.Setup(**train_ab.setup_fields(opts.smoke, opts.steps, opts.set))
 
     start = time.perf_counter()
     if opts.warm_start_only:

@@ -622,6 +622,20 @@ def cpu_name() -> str:
     return f"{name} (family {family} model {model})"
 
 
+def setup_fields(smoke: bool, steps: int | None, sets: list[str]) -> dict:
+    """The Setup fields of --smoke, --steps and --set FIELD=VALUE (each value parsed as its field's type)."""
+    fields = dict(SMOKE) if smoke else {}
+    if steps is not None:
+        fields["steps"] = steps
+    types = {f.name: f.type for f in dataclasses.fields(Setup)}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise SystemExit(f"--set {item}: FIELD=VALUE with FIELD one of {', '.join(types)}")
+        fields[key] = {"int": int, "float": float, "str": str}[types[key]](value)
+    return fields
+
+
 def warm_start_fingerprint(model_dir: str) -> str:
     """sha256 of the warm start's weights: a resumed arm must continue from the policy (and reference) it began with."""
     digest = hashlib.sha256()
@@ -640,11 +654,17 @@ def latest_checkpoint(trainer_dir: str) -> tuple[str | None, int]:
     best, step = None, 0
     if os.path.isdir(trainer_dir):
         for name in os.listdir(trainer_dir):
+            prefix, _, number = name.partition("-")
             path = os.path.join(trainer_dir, name)
-            if (name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit()
-                    and os.path.exists(os.path.join(path, "trainer_state.json")) and int(name[11:]) > step):
-                best, step = path, int(name[11:])
+            if (prefix == "checkpoint" and number.isdigit() and int(number) > step
+                    and os.path.exists(os.path.join(path, "trainer_state.json"))):
+                best, step = path, int(number)
     return best, step
+
+
+def run_record_path(trainer_dir: str) -> str:
+    """A checkpointed arm's run record: what it is a run of, and its segments (one per process that ran it)."""
+    return os.path.join(trainer_dir, "run.json")
 
 
 def _write_json(path: str, value) -> None:
@@ -664,22 +684,31 @@ def arm_complete(out_dir: str, arm: str, setup: Setup) -> bool:
     return "segments" in info and info.get("setup") == dataclasses.asdict(setup)
 
 
-def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, checkpoint_every: int = 0) -> dict:
+def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, checkpoint_every: int = 0,
+            warm_start: str | None = None) -> dict:
+    """One arm in this process. warm_start: the warm start's fingerprint when the caller has it (the driver's
+    --warm-start), else computed here when checkpoints need it."""
     import tempfile
 
     if checkpoint_every > 0:
-        return _run_arm(arm, setup, model_dir, out_dir, checkpoint_dir(out_dir, arm), checkpoint_every)
+        ident = dict(setup=dataclasses.asdict(setup), warm_start=warm_start) if warm_start else run_ident(setup, model_dir)
+        return _run_arm(arm, setup, model_dir, out_dir, checkpoint_dir(out_dir, arm), checkpoint_every, ident)
     with tempfile.TemporaryDirectory(prefix=f"train_ab_{arm}_") as trainer_dir:  # TRL's output_dir (saves nothing)
-        return _run_arm(arm, setup, model_dir, out_dir, trainer_dir, 0)
+        return _run_arm(arm, setup, model_dir, out_dir, trainer_dir, 0, None)
 
 
-def recorded_run(trainer_dir: str, setup: Setup, model_dir: str) -> tuple[dict, dict | None]:
-    """What a checkpointed run is a run of (the setup and the warm start's fingerprint), and the record of the run
-    in trainer_dir if there is one; refuses a record of another setup or warm start."""
-    ident = dict(setup=dataclasses.asdict(setup), warm_start=warm_start_fingerprint(model_dir))
-    path = os.path.join(trainer_dir, "run.json")
+def run_ident(setup: Setup, model_dir: str) -> dict:
+    """What a checkpointed run is a run of: the setup and the warm start's fingerprint (sha256 of 335 MB at the
+    full size: computed once, by the driver, and handed to the arm process)."""
+    return dict(setup=dataclasses.asdict(setup), warm_start=warm_start_fingerprint(model_dir))
+
+
+def recorded_run(trainer_dir: str, ident: dict) -> dict | None:
+    """The record of the checkpointed run in trainer_dir, if there is one; refuses a record of another run than
+    ident (another setup or warm start)."""
+    path = run_record_path(trainer_dir)
     if not os.path.exists(path):
-        return ident, None
+        return None
     with open(path) as f:
         run = json.load(f)
     if run["ident"] != ident:
@@ -688,16 +717,15 @@ def recorded_run(trainer_dir: str, setup: Setup, model_dir: str) -> tuple[dict, 
         raise SystemExit(f"--checkpoint-every: {trainer_dir} holds a run of another {what}; resume it with the "
                          f"same --set values (bf16_matmul=auto resolves per CPU: pass the recorded "
                          f"bf16_matmul={run['ident']['setup']['bf16_matmul']}), or remove the directory to start over")
-    return ident, run
+    return run
 
 
-def _resume_state(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: str) -> tuple[dict, str | None]:
+def _resume_state(arm: str, ident: dict, out_dir: str, trainer_dir: str) -> tuple[dict, str | None]:
     """--checkpoint-every: the arm's run record (<arm>.checkpoints/run.json: what it is a run of, and its segments,
     one per process that ran it) and the checkpoint to resume from, if any. Refuses to resume another setup or
     another warm start. The per-step records past the checkpoint (steps a killed process ran after its last save)
     are dropped: the resumed run computes them again."""
-    ident, run = recorded_run(trainer_dir, setup, model_dir)
-    path = os.path.join(trainer_dir, "run.json")
+    run = recorded_run(trainer_dir, ident)
     resume, step = latest_checkpoint(trainer_dir)
     if resume is None or run is None:
         os.makedirs(trainer_dir, exist_ok=True)
@@ -713,17 +741,18 @@ def _resume_state(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_
         with open(records, "w") as f:
             f.writelines(rows)
     run["segments"].append(dict(from_step=step, to_step=step, wall_s=0.0, peak_rss_mib=0.0, cpu=cpu_name()))
-    _write_json(path, run)
+    _write_json(run_record_path(trainer_dir), run)
     return run, resume
 
 
-def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: str, checkpoint_every: int) -> dict:
+def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: str, checkpoint_every: int,
+             ident: dict | None) -> dict:
     import torch
     import transformers
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
-    run, resume = _resume_state(arm, setup, model_dir, out_dir, trainer_dir) if checkpoint_every else (None, None)
+    run, resume = _resume_state(arm, ident, out_dir, trainer_dir) if checkpoint_every else (None, None)
     phases = Phases()
     args = GRPOConfig(
         output_dir=trainer_dir, use_cpu=True, seed=setup.grpo_seed(), data_seed=setup.grpo_seed(),
@@ -748,7 +777,7 @@ def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: 
     start = time.perf_counter()
     trainer.add_callback(make_callback(phases, os.path.join(out_dir, f"{arm}.jsonl"), append=resume is not None))
     if run is not None:
-        trainer.add_callback(make_segment_recorder(phases, os.path.join(trainer_dir, "run.json"), run, start))
+        trainer.add_callback(make_segment_recorder(phases, run_record_path(trainer_dir), run, start))
     with bf16_matmul_mode(setup):
         trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - start
@@ -940,21 +969,16 @@ def main(argv=None) -> int:
                              "for a CPU where an arm outlasts a session. 0 (default): no checkpoints")
     parser.add_argument("--run-arm", help=argparse.SUPPRESS)  # internal: run one arm in this process
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--warm-start", help=argparse.SUPPRESS)  # internal: the warm start's fingerprint
     opts = parser.parse_args(argv)
 
-    fields = dict(SMOKE) if opts.smoke else {}
-    if opts.steps is not None:
-        fields["steps"] = opts.steps
-    types = {f.name: f.type for f in dataclasses.fields(Setup)}
-    for item in opts.set:
-        key, value = item.split("=", 1)
-        fields[key] = {"int": int, "float": float, "str": str}[types[key]](value)
+    fields = setup_fields(opts.smoke, opts.steps, opts.set)
     setup = Setup(**fields)
 
     if opts.checkpoint_every < 0:
         raise SystemExit(f"--checkpoint-every {opts.checkpoint_every}: a number of steps >= 0")
     if opts.run_arm:
-        run_arm(opts.run_arm, setup, opts.model_dir, opts.out, opts.checkpoint_every)
+        run_arm(opts.run_arm, setup, opts.model_dir, opts.out, opts.checkpoint_every, opts.warm_start)
         return 0
 
     os.makedirs(opts.out, exist_ok=True)
@@ -966,19 +990,22 @@ def main(argv=None) -> int:
     for arm in reused:
         if arm not in arms or not os.path.exists(os.path.join(opts.out, f"{arm}.jsonl")):
             raise SystemExit(f"--reuse {arm}: not in --arms, or no {arm}.jsonl in {opts.out}")
+    ident = None  # run_ident(): computed once, when an arm is checkpointed
     for arm in arms:
         if arm in reused:
             print(f"== arm {arm}: reused from {opts.out}/{arm}.jsonl", flush=True)
             continue
-        resuming = False
+        resuming, fingerprint = False, []
         if opts.checkpoint_every:
             if arm_complete(opts.out, arm, setup):
                 print(f"== arm {arm}: complete in {opts.out} (a checkpointed run of this setup)", flush=True)
                 continue
-            recorded_run(checkpoint_dir(opts.out, arm), setup, model_dir)  # refuses another setup before the arm runs
+            ident = ident or run_ident(setup, model_dir)
+            recorded_run(checkpoint_dir(opts.out, arm), ident)  # refuses another setup before the arm runs
             resuming = latest_checkpoint(checkpoint_dir(opts.out, arm))[0] is not None
+            fingerprint = [f"--warm-start={ident['warm_start']}"]
         cmd = [sys.executable, os.path.abspath(__file__), "--run-arm", arm, "--model-dir", model_dir, "--out", opts.out,
-               f"--checkpoint-every={opts.checkpoint_every}"]
+               f"--checkpoint-every={opts.checkpoint_every}", *fingerprint]
         cmd += ["--smoke"] if opts.smoke else []
         cmd += [f"--set={k}={v}" for k, v in fields.items()]
         print(f"== arm {arm} (full output: {arm}.log){' resumed' if resuming else ''}", flush=True)

@@ -2,7 +2,8 @@
 
 Marked slow: 13-17 s on a quiet 2-core machine, but 45-50 s measured while
 other jobs compiled (an arm subprocess per arm, each importing torch /
-transformers / TRL, and the warm start), over the fast tier's 30 s.
+transformers / TRL, and the warm start), over the fast tier's 30 s. The two
+slow tests share one smoke run (the fixture) and its warm start.
 
 The same seed and data order give both arms the same first batch: the
 generation runs before any update and never calls the LM-head patch (it runs
@@ -30,19 +31,36 @@ FIELDS = ("step", "step_s", "generation_s", "logprob_loss_s", "rest_s", "logprob
           "completion_length")
 
 
-@pytest.mark.slow
-def test_train_ab_smoke(tmp_path):
+def _run(out, cache, *args, env=None):
+    return subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--cache-dir", str(cache), *args],
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One smoke run of the three arms, shared by the tests below (each arm is a process importing torch,
+    transformers and TRL: the run is most of this file's time)."""
     if not SCRIPT.exists():
         pytest.skip(f"{SCRIPT} is not in this checkout")
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--arms", ",".join(ARMS), "--out", str(out),
-                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600)
+    root = tmp_path_factory.mktemp("train_ab")
+    proc = _run(root / "out", root / "cache", "--arms", ",".join(ARMS))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return root, proc
+
+
+def _rows(out, arm):
+    return [json.loads(line) for line in (out / f"{arm}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_train_ab_smoke(smoke):
+    root, proc = smoke
+    out = root / "out"
     summary = json.loads((out / "summary.json").read_text())
     length = summary["setup"]["completion"]
     steps = {}
     for arm in ARMS:
-        rows = [json.loads(line) for line in (out / f"{arm}.jsonl").read_text().splitlines()]
+        rows = _rows(out, arm)
         assert [r["step"] for r in rows] == [1, 2]
         for r in rows:
             assert set(FIELDS) <= r.keys(), set(FIELDS) - r.keys()
@@ -71,50 +89,45 @@ def test_train_ab_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_ab_resumes_a_killed_arm_bit_for_bit(tmp_path):
-    """--checkpoint-every (an arm longer than a session): an arm killed right after its step-2 checkpoint and run
-    again goes on from it and logs the same reward, loss, KL, entropy and gradient norm at every step as an arm
-    that was never stopped; a run of another setup is refused; a complete arm is kept, not run again."""
-    if not SCRIPT.exists():
-        pytest.skip(f"{SCRIPT} is not in this checkout")
+def test_train_ab_resumes_a_killed_arm_bit_for_bit(smoke):
+    """--checkpoint-every (an arm longer than a session): an arm killed right after its step-1 checkpoint and run
+    again goes on from it and logs the same reward, loss, KL, entropy and gradient norm at every step as the smoke's
+    arm, which never stopped and saved nothing; a run of another setup is refused; a complete arm is kept, not run
+    again."""
     import os
 
-    def run(out, *extra, kill_after=None):
+    root, _ = smoke
+    out, arm = root / "resumed", "grpo_loss"
+
+    def run(*extra, kill_after=None):
         env = dict(os.environ)
         env.pop("GRPO_TRAIN_AB_KILL_AFTER_SAVE", None)
         if kill_after is not None:
             env["GRPO_TRAIN_AB_KILL_AFTER_SAVE"] = str(kill_after)
-        return subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--steps", "3", "--arms", "grpo_filtered",
-                               "--checkpoint-every", "2", "--out", str(tmp_path / out), "--cache-dir",
-                               str(tmp_path / "cache"), *extra], capture_output=True, text=True, timeout=600, env=env)
+        return _run(out, root / "cache", "--arms", arm, "--checkpoint-every", "1", *extra, env=env)
 
-    def rows(out):
-        return [json.loads(line) for line in (tmp_path / out / "grpo_filtered.jsonl").read_text().splitlines()]
-
-    whole = run("whole")
-    assert whole.returncode == 0, whole.stdout[-4000:] + whole.stderr[-4000:]
-    killed = run("resumed", kill_after=2)
+    killed = run(kill_after=1)
     assert killed.returncode != 0
-    assert [r["step"] for r in rows("resumed")] == [1, 2]
-    assert (tmp_path / "resumed" / "grpo_filtered.checkpoints" / "checkpoint-2").is_dir()
-    other = run("resumed", "--set", "learning_rate=1e-4")
+    assert [r["step"] for r in _rows(out, arm)] == [1]
+    assert (out / f"{arm}.checkpoints" / "checkpoint-1").is_dir()
+    other = run("--set", "learning_rate=1e-4")
     assert other.returncode != 0 and "learning_rate differ" in other.stdout + other.stderr
-    resumed = run("resumed")
+    resumed = run()
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
     assert "resumed" in resumed.stdout
-    a, b = rows("whole"), rows("resumed")
-    assert [r["step"] for r in b] == [1, 2, 3]
+    a, b = _rows(root / "out", arm), _rows(out, arm)
+    assert [r["step"] for r in b] == [1, 2]
     for x, y in zip(a, b):
         for key in ("reward", "loss", "kl", "entropy", "grad_norm"):
             assert x[key] == y[key], (x["step"], key)
-    assert 0.0 < a[-1]["kl"]  # the policy moved: step 3 depends on the resumed weights and optimizer state
-    info = json.loads((tmp_path / "resumed" / "grpo_filtered.info.json").read_text())
-    assert [(s["from_step"], s["to_step"]) for s in info["segments"]] == [(0, 2), (2, 3)]
+    assert 0.0 < a[-1]["kl"]  # the policy moved: step 2 depends on the resumed weights and optimizer state
+    info = json.loads((out / f"{arm}.info.json").read_text())
+    assert [(s["from_step"], s["to_step"]) for s in info["segments"]] == [(0, 1), (1, 2)]
     assert info["seconds"] == pytest.approx(sum(s["wall_s"] for s in info["segments"]))
-    assert not (tmp_path / "resumed" / "grpo_filtered.checkpoints").exists()  # spent checkpoints are removed
-    again = run("resumed")
-    assert again.returncode == 0 and "grpo_filtered: complete" in again.stdout
-    assert rows("resumed") == b
+    assert not (out / f"{arm}.checkpoints").exists()  # spent checkpoints are removed
+    again = run()
+    assert again.returncode == 0 and f"{arm}: complete" in again.stdout
+    assert _rows(out, arm) == b
 
 
 def _train_ab_module():
@@ -192,3 +205,20 @@ def test_f32_matmul_mode_twins_follow_the_weight():
                 assert torch.equal(y, expect()), update
             w.mul_(-0.5)
     assert len(mode.twins) > 0  # the twin path ran
+
+
+@pytest.mark.slow
+def test_export_trained_head_smoke(smoke):
+    """scripts/export_trained_head.py (issue 20's real trained head) end to end on the smoke's warm start: trains
+    the policy through train_ab's own arm (2 GRPO steps), runs it on a batch of its completions and writes the
+    microbench input and its stats."""
+    root, _ = smoke
+    script = SCRIPT.parent / "export_trained_head.py"
+    out = root / "head.grpoin"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out), "--cache-dir",
+                           str(root / "cache")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "trained in" in proc.stdout  # not a cached policy: the fixture's cache holds only the warm start
+    stats = json.loads(out.with_name(out.name + ".json").read_text())
+    assert stats["steps"] == 2 and stats["train_seconds"] > 0
+    assert out.stat().st_size > 0 and 0.0 < stats["frac_above_eps"] < 1.0
