@@ -921,7 +921,7 @@ def plot(out_dir: str, arms: list[str]) -> str | None:
     except ImportError:
         print("matplotlib is not installed (the [bench] extra): no PNG", flush=True)
         return None
-    colors = {"trl": "tab:blue", "grpo": "tab:red", "grpo_loss": "tab:green"}
+    colors = {"trl": "tab:blue", "grpo": "tab:red", "grpo_loss": "tab:green", "grpo_filtered": "tab:orange"}
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for arm in arms:
         rows = load_steps(out_dir, arm)
@@ -929,7 +929,7 @@ def plot(out_dir: str, arms: list[str]) -> str | None:
         reward = [r["reward"] for r in rows]
         k = 10
         smooth = [_mean(reward[max(0, i - k + 1):i + 1]) for i in range(len(reward))]
-        c = colors.get(arm)
+        c = colors.get(arm, f"C{len(colors) + arms.index(arm)}")  # one color for an arm's lines
         ax1.plot(x, reward, color=c, alpha=0.3, lw=1)
         ax1.plot(x, smooth, color=c, lw=2, label=f"{arm} ({k}-step mean)")
         ax2.plot(x, [r["step_s"] for r in rows], color=c, lw=2, label=f"{arm}: step")
@@ -941,7 +941,7 @@ def plot(out_dir: str, arms: list[str]) -> str | None:
     ax2.legend(fontsize=8)
     names = {"trl": "TRL as is (trl)", "grpo": "grpo's head patched in (grpo)",
              "grpo_loss": "grpo's head and fused loss (grpo_loss)",
-             "grpo_filtered": "grpo_loss, filtered backward (grpo_filtered)"}
+             "grpo_filtered": "grpo's fused loss, filtered backward (grpo_filtered)"}
     fig.suptitle("GRPO on CPU with TRL 1.16: " + " vs ".join(names.get(a, a) for a in arms))
     fig.tight_layout()
     path = os.path.join(out_dir, "train_ab.png")
