@@ -2,7 +2,7 @@
 # CMakeLists.txt when GRPO_INSTALL is on (the default for a top-level build).
 #
 # What a consumer gets after `cmake --install`:
-#   <prefix>/include/grpo/*.hpp          public headers, plus the generated version.hpp
+#   <prefix>/include/grpo/*.hpp          public headers
 #   <prefix>/lib/libgrpo.{a,so*}         static or shared, as BUILD_SHARED_LIBS chose
 #   <prefix>/lib/libgrpo_baseline.*      the unfused comparison paths (grpo::baseline), apart
 #   <prefix>/lib/cmake/grpo/             grpoConfig.cmake, grpoConfigVersion.cmake, grpo*Targets*.cmake
@@ -35,13 +35,9 @@ install(TARGETS grpo
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT grpo_runtime NAMELINK_COMPONENT grpo_development
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT grpo_runtime)
 
-# version.hpp.in is a template: only the configured copy from the build tree
-# is a usable header.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/grpo
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} COMPONENT grpo_development
   FILES_MATCHING PATTERN "*.hpp" PATTERN "mpi_communicator.hpp" EXCLUDE)
-install(FILES ${PROJECT_BINARY_DIR}/include/grpo/version.hpp
-  DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/grpo COMPONENT grpo_development)
 
 install(EXPORT grpoTargets
   NAMESPACE grpo::

@@ -11,6 +11,7 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/scripts/lib/ccache.sh"  # the library's objects from build/'s compile, when test.sh ran first
 jobs=${JOBS:-2}
 kinds=("$@")
 if ((${#kinds[@]} == 0)); then kinds=(static shared); fi

@@ -6,6 +6,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config
+  ccache             # ccache 4.7: the library compiled once for build/, the wheel and the install check (scripts/lib/ccache.sh)
   libdnnl-dev        # oneDNN 2.6.3 (OpenMP CPU runtime): matmuls
   ocl-icd-opencl-dev # Debian's dnnl-config.cmake calls find_package(OpenCL); not pulled in with --no-install-recommends
   libtbb-dev         # oneTBB 2021.8: task parallelism

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the fast test tier with AddressSanitizer + UndefinedBehaviorSanitizer
 # (GRPO_SANITIZE=address,undefined, applied to libgrpo, the oracle and the
-# tests) in its own build dir and runs it: ctest -L fast, then ctest -L mpi
-# (the scale-out tests under mpirun) when grpo::mpi is built.
+# tests) in its own build dir and runs it: the fast tier (grpo_tests_fast in
+# gtest shards, its other tests with ctest), then ctest -L mpi (the scale-out
+# tests under mpirun) when grpo::mpi is built.
 #
 #   scripts/sanitize.sh                 build-asan/, g++
 #   BUILD_DIR=... CXX=clang++ scripts/sanitize.sh
@@ -41,7 +42,11 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsa
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=1${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
 
 cd "$build"
-ctest -L fast --output-on-failure -j "$jobs" --timeout 900
+# The fast tier: grpo_tests_fast in JOBS gtest shards (ASan's start and
+# LeakSanitizer's exit scan cost ~0.12 s a process, 1414 times under ctest),
+# its other tests through ctest (scripts/lib/fast_tier.sh).
+source "$root/scripts/lib/fast_tier.sh"
+grpo_fast_tier "$build" "$jobs"
 # The scale-out tests (label mpi, under mpirun) when grpo::mpi is built.
 # LeakSanitizer off for them alone: Open MPI keeps allocations of its
 # dlopen'ed components until exit (reported as leaks from unknown modules,

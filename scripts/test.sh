@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs what is missing, checks the docs'
-# links and paths (scripts/check_docs.py), builds Release, and runs
+# links and paths (scripts/check_docs.py), builds Release (through ccache:
+# scripts/lib/ccache.sh), and runs
 # every test tier (fast, slow and, when MPI is built, mpi) with ctest, then the
 # Python package's tests (scripts/test_python.sh). GRPO_TEST_LABEL=fast runs
 # one tier, plus the mpi label (the scale-out tests under mpirun with 1-4
@@ -12,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install_deps.sh
+source scripts/lib/ccache.sh  # build/ccache: the wheel's build takes build/'s library objects
 # The docs first (a fraction of a second): every link resolves, every script,
 # config and path they name exists.
 python3 scripts/check_docs.py

@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source scripts/lib/ccache.sh  # the wheel's library objects from build/'s compile
 source scripts/lib/python_venv.sh
 grpo_install_python test
 
