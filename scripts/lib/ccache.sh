@@ -13,8 +13,13 @@
 # A launcher already set in CMAKE_CXX_COMPILER_LAUNCHER is kept. CMake reads
 # it when it configures a new build tree; a tree configured before keeps its
 # own setting.
+# ccache hashes the compiler's name: CXX names one compiler for every tree
+# (CMake's default, c++; without it the wheel's build takes Debian Python's
+# x86_64-linux-gnu-g++, the same g++ by another name, and every object
+# missed). A CXX already set is kept.
 if [[ "${GRPO_CCACHE:-1}" == 1 ]] && command -v ccache >/dev/null; then
   export CMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER:-ccache}
+  export CXX=${CXX:-c++}
   CCACHE_DIR=${CCACHE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/build/ccache}
   export CCACHE_DIR
 fi
