@@ -42,9 +42,7 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsa
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=1${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
 
 cd "$build"
-# The fast tier: grpo_tests_fast in JOBS gtest shards (ASan's start and
-# LeakSanitizer's exit scan cost ~0.12 s a process, 1414 times under ctest),
-# its other tests through ctest (scripts/lib/fast_tier.sh).
+# The fast tier, grpo_tests_fast in JOBS gtest shards (scripts/lib/fast_tier.sh).
 source "$root/scripts/lib/fast_tier.sh"
 grpo_fast_tier "$build" "$jobs"
 # The scale-out tests (label mpi, under mpirun) when grpo::mpi is built.

@@ -691,16 +691,16 @@ def run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, checkpoint_eve
     import tempfile
 
     if checkpoint_every > 0:
-        ident = dict(setup=dataclasses.asdict(setup), warm_start=warm_start) if warm_start else run_ident(setup, model_dir)
+        ident = run_ident(setup, model_dir, warm_start)
         return _run_arm(arm, setup, model_dir, out_dir, checkpoint_dir(out_dir, arm), checkpoint_every, ident)
     with tempfile.TemporaryDirectory(prefix=f"train_ab_{arm}_") as trainer_dir:  # TRL's output_dir (saves nothing)
         return _run_arm(arm, setup, model_dir, out_dir, trainer_dir, 0, None)
 
 
-def run_ident(setup: Setup, model_dir: str) -> dict:
+def run_ident(setup: Setup, model_dir: str, fingerprint: str | None = None) -> dict:
     """What a checkpointed run is a run of: the setup and the warm start's fingerprint (sha256 of 335 MB at the
-    full size: computed once, by the driver, and handed to the arm process)."""
-    return dict(setup=dataclasses.asdict(setup), warm_start=warm_start_fingerprint(model_dir))
+    full size: computed once, by the driver, and handed to the arm process as fingerprint)."""
+    return dict(setup=dataclasses.asdict(setup), warm_start=fingerprint or warm_start_fingerprint(model_dir))
 
 
 def recorded_run(trainer_dir: str, ident: dict) -> dict | None:
