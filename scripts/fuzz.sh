@@ -51,11 +51,21 @@ set +e
   -print_final_stats=1 -artifact_prefix="$findings/" "$corpus" >"$log" 2>&1
 status=$?
 set -e
-grep -E '^(#[0-9]+ +(INITED|DONE)|==[0-9]+==|fuzz_api:|SUMMARY|stat::)' "$log" || true
+grep -E '^(#[0-9]+ +(INITED|DONE)|==[0-9]+==|fuzz_api:|  (entry|loss_type|ids|mask|advantages|old_logp|ref_logp|is_weight|logp|refusal)|SUMMARY|stat::)' \
+  "$log" || true
 if ((status != 0)); then tail -n 40 "$log" >&2; fi
 execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n1)
 echo "fuzz: ${execs:-0} executions in ${seconds} s, corpus $(ls "$corpus" | wc -l) inputs"
 if ((status != 0)); then
   echo "fuzz: FINDING (exit $status); reproducer(s): $(ls "$findings")" >&2
+  # The reproducers as base64 (inputs are <= 4096 bytes): a CI log is all a
+  # finding on another machine leaves. To replay one: base64 -d > crash, then
+  # build-fuzz/tests/fuzz/grpo_fuzz_api crash (GRPO_FUZZ_PRINT=1 prints the problem).
+  for f in "$findings"/*; do
+    [[ -f "$f" ]] || continue
+    echo "fuzz: reproducer $(basename "$f") ($(stat -c %s "$f") bytes), base64:" >&2
+    base64 -w 0 "$f" >&2
+    echo >&2
+  done
   exit "$status"
 fi

@@ -122,7 +122,9 @@ bool run_on(GemmBackendKind kind, const GemmEngine& engine, const GemmSpec& spec
             const void* bias) {
   std::vector<std::byte> scratch;
   auto aligned = [&](std::size_t bytes) {
-    scratch.assign(bytes + 64, std::byte{0});
+    // All ones: NaN as bf16 and as f32, so a backend that reads scratch it
+    // did not write (a packing tail taken as zero) gives NaN, not a pass.
+    scratch.assign(bytes + 64, std::byte{0xff});
     auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
     return reinterpret_cast<void*>((p + 63) / 64 * 64);
   };
