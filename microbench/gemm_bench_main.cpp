@@ -1,0 +1,188 @@
+// grpo-gemm-bench: the fused bf16 step's three GEMMs alone, on one thread,
+// per GEMM backend, against one thread's measured vdpbf16ps / AMX peak.
+//
+//   forward  logits tile [T, tile] = hidden [T, H] x W tile^T   (hidden packed once, as the plan does)
+//   dW       dW tile [tile, H] += dlogits^T [tile, T] x hidden [T, H]  (accumulating, f32)
+//   dhidden  [T, chunk] = dlogits [T, V] x W [V, chunk]
+//
+// Shapes, strides and the shared operand are the plan's (vocab-major W);
+// inputs are N(0, 1) bf16, which no GEMM's speed depends on. Each case is
+// timed best of --reps after one untimed run, on a warm C; the fraction is of
+// one thread's peak of the fastest bf16 unit (measure_machine_peak on one
+// thread, in this process).
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "grpo/types.hpp"
+#include "kernels/gemm.hpp"
+#include "kernels/gemm_backend.hpp"
+#include "machine_peak.hpp"
+
+namespace {
+
+using grpo::DType;
+using grpo::kernels::Gemm;
+using grpo::kernels::GemmBackendKind;
+using grpo::kernels::GemmBinding;
+using grpo::kernels::GemmSpec;
+using grpo::kernels::SharedOperand;
+
+std::vector<std::uint16_t> random_bf16(std::size_t n, unsigned seed) {
+  std::vector<std::uint16_t> v(n);
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0F, 1.0F);
+  for (auto& x : v) {
+    const float f = dist(gen);
+    std::uint32_t u = 0;
+    std::memcpy(&u, &f, sizeof(u));
+    x = static_cast<std::uint16_t>(u >> 16);
+  }
+  return v;
+}
+
+struct Aligned {
+  std::vector<std::byte> bytes;
+  void* get(std::size_t n) {
+    bytes.assign(n + 64, std::byte{0});
+    void* p = bytes.data();
+    std::size_t space = bytes.size();
+    return std::align(64, n, p, space);
+  }
+};
+
+struct Case {
+  const char* name;
+  GemmSpec spec;
+  const void* a;
+  const void* b;
+  std::size_t c_elems;
+};
+
+int run(int argc, char** argv) {
+  CLI::App app{"The fused bf16 step's three GEMMs alone, one thread, per GEMM backend"};
+  std::int64_t tokens = 512, hidden = 4096, vocab = 151936, tile = 2048, chunk = 2048;
+  int reps = 5;
+  std::vector<std::string> backends{"onednn", "avx512bf16", "amx"};
+  app.add_option("--tokens", tokens, "T: rows of the token block")->check(CLI::PositiveNumber);
+  app.add_option("--hidden", hidden, "H")->check(CLI::PositiveNumber);
+  app.add_option("--vocab", vocab, "V (dhidden's K)")->check(CLI::PositiveNumber);
+  app.add_option("--vocab-tile", tile, "vocab columns per forward / dW GEMM")->check(CLI::PositiveNumber);
+  app.add_option("--hidden-chunk", chunk, "hidden columns per dhidden GEMM")->check(CLI::PositiveNumber);
+  app.add_option("--reps", reps, "timed runs per case (best of)")->check(CLI::PositiveNumber);
+  app.add_option("--backends", backends, "amx, avx512bf16, avx2, onednn, reference (each skipped where the CPU lacks it)");
+  CLI11_PARSE(app, argc, argv);
+  if (tile > vocab || chunk > hidden) {
+    std::fprintf(stderr, "grpo-gemm-bench: --vocab-tile must be <= --vocab and --hidden-chunk <= --hidden\n");
+    return 2;
+  }
+
+  grpo::bench::PeakProbeOptions one;
+  one.threads = 1;
+  const grpo::bench::MachinePeak peak = grpo::bench::measure_machine_peak(one);
+  const double peak_gflops = peak.for_dtype(DType::bf16);
+  std::printf("one thread's bf16 peak: %.1f GFLOP/s (vdpbf16ps %.1f, AMX %.1f, f32 FMA %.1f)%s%s\n", peak_gflops,
+              peak.avx512_bf16_gflops, peak.amx_bf16_gflops, peak.f32_fma_gflops, peak.missing.empty() ? "" : "; ",
+              peak.missing.c_str());
+
+  const auto hid = random_bf16(static_cast<std::size_t>(tokens * hidden), 1);
+  const auto w = random_bf16(static_cast<std::size_t>(vocab * hidden), 2);
+  const auto dl = random_bf16(static_cast<std::size_t>(tokens * vocab), 3);
+  std::vector<Case> cases;
+  {
+    GemmSpec g;
+    g.a = {DType::bf16, tokens, hidden, hidden, 1};
+    g.b = {DType::bf16, hidden, tile, 1, hidden};
+    g.c = {DType::f32, tokens, tile, tile, 1};
+    g.shared = SharedOperand::a;
+    cases.push_back({"forward", g, hid.data(), w.data(), static_cast<std::size_t>(tokens * tile)});
+  }
+  {
+    GemmSpec g;
+    g.a = {DType::bf16, tile, tokens, 1, vocab};
+    g.b = {DType::bf16, tokens, hidden, hidden, 1};
+    g.c = {DType::f32, tile, hidden, hidden, 1};
+    g.accumulate = true;
+    g.shared = SharedOperand::b;
+    cases.push_back({"dweight", g, dl.data(), hid.data(), static_cast<std::size_t>(tile * hidden)});
+  }
+  {
+    GemmSpec g;
+    g.a = {DType::bf16, tokens, vocab, vocab, 1};
+    g.b = {DType::bf16, vocab, chunk, hidden, 1};
+    g.c = {DType::f32, tokens, chunk, hidden, 1};
+    cases.push_back({"dhidden", g, dl.data(), w.data(), static_cast<std::size_t>(tokens * hidden)});
+  }
+
+  const grpo::kernels::GemmEngine engine;
+  std::printf("%-12s %-8s %-22s %-34s %10s %9s %7s\n", "backend", "gemm", "M x K x N", "implementation", "best ms",
+              "GFLOP/s", "of peak");
+  for (const std::string& name : backends) {
+    GemmBackendKind kind{};
+    bool known = false;
+    for (const auto k : {GemmBackendKind::amx, GemmBackendKind::avx512_bf16, GemmBackendKind::avx2,
+                         GemmBackendKind::onednn, GemmBackendKind::reference}) {
+      if (name == grpo::kernels::to_string(k)) {
+        kind = k;
+        known = true;
+      }
+    }
+    if (!known) {
+      std::fprintf(stderr, "grpo-gemm-bench: --backends: unknown backend '%s'\n", name.c_str());
+      return 2;
+    }
+    for (const Case& c : cases) {
+      std::unique_ptr<Gemm> g;
+      try {
+        g = std::make_unique<Gemm>(engine, c.spec, kind);
+      } catch (const grpo::Error& e) {
+        std::printf("%-12s %-8s skipped: %s\n", name.c_str(), c.name, e.what());
+        continue;
+      }
+      Aligned scratch_mem, packed_mem;
+      void* scratch = scratch_mem.get(g->scratchpad_bytes());
+      void* packed = nullptr;
+      if (g->shared_packed_bytes() > 0) {
+        packed = packed_mem.get(g->shared_packed_bytes());
+        g->pack_shared(c.spec.shared == SharedOperand::a ? c.a : c.b, packed);
+      }
+      const GemmBinding binding(*g);
+      std::vector<float> out(c.c_elems, 0.0F);
+      binding.run(c.a, c.b, out.data(), nullptr, scratch, packed);
+      double best = 1e30;
+      for (int r = 0; r < reps; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        binding.run(c.a, c.b, out.data(), nullptr, scratch, packed);
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      const double flops = 2.0 * static_cast<double>(c.spec.a.rows) * static_cast<double>(c.spec.a.cols) *
+                           static_cast<double>(c.spec.b.cols);
+      const std::string shape = std::to_string(c.spec.a.rows) + " x " + std::to_string(c.spec.a.cols) + " x " +
+                                std::to_string(c.spec.b.cols);
+      const double gflops = flops / best * 1e-9;
+      std::printf("%-12s %-8s %-22s %-34s %10.2f %9.1f %6.1f%%\n", name.c_str(), c.name, shape.c_str(),
+                  g->implementation(), best * 1e3, gflops, peak_gflops > 0.0 ? 100.0 * gflops / peak_gflops : 0.0);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "grpo-gemm-bench: %s\n", e.what());
+    return 1;
+  }
+}
