@@ -5,10 +5,11 @@
 // broadcasts each row's X pair: 16 vdpbf16ps per 2 loads and 8 broadcasts.
 // Every element is summed over k pairs in ascending order, whatever M or N.
 //
-// Not in the default list yet: it is for CPUs with AVX512-BF16 and no AMX
-// (Zen 4/5), where it has not been measured against oneDNN; GRPO_GEMM=
-// avx512bf16 (or the microbench's gemm_backend) selects it, and the GEMM
-// tester holds it to the double reference wherever the CPU can run it.
+// Not in the default list: on a Zen 4 (docs/benchmarks.md) it runs the
+// step's GEMMs at 83-85% of the vdpbf16ps peak on one thread where oneDNN
+// 2.6 runs 92-93%, and the headline step 3% slower; GRPO_GEMM=avx512bf16
+// (or the microbench's gemm_backend) selects it, and the GEMM tester holds it
+// to the double reference wherever the CPU can run it.
 //
 // This file alone is compiled with AVX-512F/BW/DQ/VL and AVX512-BF16; the
 // CPU probe and the gate are in gemm_dispatch.cpp.
