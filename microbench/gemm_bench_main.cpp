@@ -79,7 +79,8 @@ int run(int argc, char** argv) {
   app.add_option("--vocab-tile", tile, "vocab columns per forward / dW GEMM")->check(CLI::PositiveNumber);
   app.add_option("--hidden-chunk", chunk, "hidden columns per dhidden GEMM")->check(CLI::PositiveNumber);
   app.add_option("--reps", reps, "timed runs per case (best of)")->check(CLI::PositiveNumber);
-  app.add_option("--backends", backends, "amx, avx512bf16, avx2, onednn, reference (each skipped where the CPU lacks it)");
+  app.add_option("--backends", backends,
+                 "amx, avx512bf16, avx2, onednn, reference (each skipped where the CPU lacks it)");
   CLI11_PARSE(app, argc, argv);
   if (tile > vocab || chunk > hidden) {
     std::fprintf(stderr, "grpo-gemm-bench: --vocab-tile must be <= --vocab and --hidden-chunk <= --hidden\n");
@@ -166,8 +167,8 @@ int run(int argc, char** argv) {
       }
       const double flops = 2.0 * static_cast<double>(c.spec.a.rows) * static_cast<double>(c.spec.a.cols) *
                            static_cast<double>(c.spec.b.cols);
-      const std::string shape = std::to_string(c.spec.a.rows) + " x " + std::to_string(c.spec.a.cols) + " x " +
-                                std::to_string(c.spec.b.cols);
+      const std::string shape =
+          std::to_string(c.spec.a.rows) + " x " + std::to_string(c.spec.a.cols) + " x " + std::to_string(c.spec.b.cols);
       const double gflops = flops / best * 1e-9;
       std::printf("%-12s %-8s %-22s %-34s %10.2f %9.1f %6.1f%%\n", name.c_str(), c.name, shape.c_str(),
                   g->implementation(), best * 1e3, gflops, peak_gflops > 0.0 ? 100.0 * gflops / peak_gflops : 0.0);
