@@ -72,6 +72,12 @@ std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
   }
   std::unique_ptr<GemmBackend> own = make_amx_gemm(spec);
   if (own == nullptr && avx2_gemm_is_default()) own = make_avx2_gemm(spec);
+  // A bf16 C (the step's dW with bf16 gradients) on an AVX512-BF16 CPU
+  // without AMX: oneDNN 2.6's gemm:jit asks a scratchpad the size of C for it,
+  // which leaves the plan's workspace budget room for one tile slot, so the
+  // step runs on one thread (a Zen 4, T=512: 9.17 s against 4.36 s with ours;
+  // docs/benchmarks.md). f32 C stays with oneDNN there (its GEMMs are faster).
+  if (own == nullptr && spec.c.dtype == DType::bf16) own = make_avx512_bf16_gemm(spec);
   return own;
 }
 
