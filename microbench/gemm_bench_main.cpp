@@ -16,7 +16,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <exception>
 #include <memory>
 #include <random>
@@ -27,6 +26,7 @@
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 #include "machine_peak.hpp"
+#include "synth.hpp"
 
 namespace {
 
@@ -41,24 +41,9 @@ std::vector<std::uint16_t> random_bf16(std::size_t n, unsigned seed) {
   std::vector<std::uint16_t> v(n);
   std::mt19937 gen(seed);
   std::normal_distribution<float> dist(0.0F, 1.0F);
-  for (auto& x : v) {
-    const float f = dist(gen);
-    std::uint32_t u = 0;
-    std::memcpy(&u, &f, sizeof(u));
-    x = static_cast<std::uint16_t>(u >> 16);
-  }
+  for (auto& x : v) x = grpo::bench::float_to_bf16(dist(gen));
   return v;
 }
-
-struct Aligned {
-  std::vector<std::byte> bytes;
-  void* get(std::size_t n) {
-    bytes.assign(n + 64, std::byte{0});
-    void* p = bytes.data();
-    std::size_t space = bytes.size();
-    return std::align(64, n, p, space);
-  }
-};
 
 struct Case {
   const char* name;
@@ -149,20 +134,17 @@ int run(int argc, char** argv) {
         std::printf("%-12s %-8s skipped: %s\n", name.c_str(), c.name, e.what());
         continue;
       }
-      Aligned scratch_mem, packed_mem;
-      void* scratch = scratch_mem.get(g->scratchpad_bytes());
-      void* packed = nullptr;
-      if (g->shared_packed_bytes() > 0) {
-        packed = packed_mem.get(g->shared_packed_bytes());
-        g->pack_shared(c.spec.shared == SharedOperand::a ? c.a : c.b, packed);
-      }
+      const grpo::bench::HostBuffer scratch(g->scratchpad_bytes());
+      const grpo::bench::HostBuffer packed(g->shared_packed_bytes());
+      scratch.fill_zero();
+      if (!packed.empty()) g->pack_shared(c.spec.shared == SharedOperand::a ? c.a : c.b, packed.data());
       const GemmBinding binding(*g);
       std::vector<float> out(c.c_elems, 0.0F);
-      binding.run(c.a, c.b, out.data(), nullptr, scratch, packed);
+      binding.run(c.a, c.b, out.data(), nullptr, scratch.data(), packed.data());
       double best = 1e30;
       for (int r = 0; r < reps; ++r) {
         const auto t0 = std::chrono::steady_clock::now();
-        binding.run(c.a, c.b, out.data(), nullptr, scratch, packed);
+        binding.run(c.a, c.b, out.data(), nullptr, scratch.data(), packed.data());
         best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       const double flops = 2.0 * static_cast<double>(c.spec.a.rows) * static_cast<double>(c.spec.a.cols) *
