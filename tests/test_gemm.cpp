@@ -237,9 +237,12 @@ std::vector<Case> cases() {
         }
       }
       // The step's own kinds of shape, scaled down: a reduction split into k
-      // blocks (K = 3000 over N = 256 takes two 2560-deep blocks), a wide N
-      // split into column blocks, and the forward's 160 rows.
+      // blocks (K = 3000 over N = 256 takes a 2048-deep block and the rest),
+      // a wide N split into column blocks, both at once with several X
+      // panels and a tail (X packed as first needed and kept for the later
+      // column blocks), and the forward's 160 rows.
       out.push_back({33, 256, 3000, a_t, b_t, true, 0, DType::f32});
+      out.push_back({40, 600, 2100, a_t, b_t, true, 2, DType::f32});
       out.push_back({40, 1100, 640, a_t, b_t, true, 0, DType::bf16});
       out.push_back({160, 300, 256, a_t, b_t, false, 1, DType::f32});
       // f32 A and B (the f32 models' GEMMs), edges and a split reduction.
@@ -315,7 +318,8 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   struct Shape {
     std::int64_t m, n, k;
   };
-  for (const Shape sh : {Shape{160, 300, 256}, Shape{40, 1100, 640}, Shape{33, 256, 3000}, Shape{17, 5, 33}}) {
+  for (const Shape sh :
+       {Shape{160, 300, 256}, Shape{40, 1100, 640}, Shape{33, 256, 3000}, Shape{40, 600, 2100}, Shape{17, 5, 33}}) {
     for (const SharedOperand shared : {SharedOperand::a, SharedOperand::b}) {
       for (const bool t : {false, true}) {
         Buffer a = make(DType::bf16, sh.m, sh.k, t, 1, rng);

@@ -190,7 +190,6 @@ class BlockedGemm final : public GemmBackend {
       const std::int64_t kb32 = round_up(kb, kKStep);
       const bool first = k0 == 0;
       const bool last = k0 + kb >= k_;
-      if (x_whole_) pack_x(xs, 0, mx_, k0, kb, kb32, xpack);
       for (std::int64_t n0 = 0; n0 < ny_; n0 += nc_) {
         const std::int64_t nb = std::min(nc_, ny_ - n0);
         const std::int64_t nb32 = round_up(nb, kPanel);
@@ -202,13 +201,17 @@ class BlockedGemm final : public GemmBackend {
           ypack = yscratch;
           pack_y(ys, k0, kb, kb32, n0, nb, nb32, yscratch);
         }
+        // X panels are packed when first needed (a whole k block's panels
+        // are kept for the later column blocks), and while one panel is in
+        // use the next one's rows are prefetched into L2, a slice per block:
+        // X (the forward's W tile) comes from DRAM, and a packing pass of its
+        // own waited on it (Zen 4, T = 640: forward 58.1 -> 56.2 ms).
+        const bool pack_now = !x_whole_ || n0 == 0;
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
-          const std::uint16_t* xp = xpack + m0 * kb32;  // [k step][2 tiles][16][32]
-          if (!x_whole_) {
-            xp = xpack;
-            pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xpack);
-          }
+          std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 : xpack;  // [k step][2 tiles][16][32]
+          if (pack_now) pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xp);
           for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
+            if (pack_now && m0 + kPanel < mx_) prefetch_x(xs, m0 + kPanel, k0, kb, nn / kPanel, nb32 / kPanel);
             const std::int64_t ncol = n0 + nn;  // Y column of the block
             float* acc_at = acc + m0 * acc_ld_ + ncol;
             const std::uint16_t* y0 = ypack + (nn / kTile) * (kb32 / 2) * 32;
@@ -284,6 +287,28 @@ class BlockedGemm final : public GemmBackend {
           _mm512_store_si512(out + panel_at(r0 + r, kk, kb32), row);
         }
       }
+    }
+  }
+
+  // Slice `part` of `parts` of the cache lines X rows [m0, m0 + 32) x k
+  // [k0, k0 + kb) span, prefetched into L2.
+  void prefetch_x(const std::uint16_t* x, std::int64_t m0, std::int64_t k0, std::int64_t kb, std::int64_t part,
+                  std::int64_t parts) const {
+    const std::int64_t rows = std::min(kPanel, mx_ - m0);
+    if (x_kcontig_) {  // each row a run of kb elements; rows far apart
+      const std::int64_t lines = (kb * 2 + 63) / 64;
+      const std::int64_t total = rows * lines;
+      for (std::int64_t i = total * part / parts; i < total * (part + 1) / parts; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(x + (m0 + i / lines) * x_.rs + k0) + (i % lines) * 64, _MM_HINT_T1);
+      }
+      return;
+    }
+    // Columns contiguous: for each k, the panel's rows are one run (64 bytes
+    // at most: its first and last line).
+    for (std::int64_t k = kb * part / parts; k < kb * (part + 1) / parts; ++k) {
+      const std::uint16_t* run = x + m0 + (k0 + k) * x_.cs;
+      _mm_prefetch(reinterpret_cast<const char*>(run), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(run + rows - 1), _MM_HINT_T1);
     }
   }
 
