@@ -24,13 +24,14 @@
 namespace grpo::kernels {
 namespace {
 
-constexpr int kGroupRows = 8;  // rows of C per register group (16 accumulators + 2 Y + 1 broadcast of 32 zmm)
+constexpr std::int64_t kGroupRows = 8;  // rows of C per register group (16 accumulators + 2 Y + 1 broadcast of 32 zmm)
 
 struct Avx512Bf16Micro {
   static constexpr GemmBackendKind kKind = GemmBackendKind::avx512_bf16;
   static constexpr const char* kName = "grpo:avx512_bf16";
   static constexpr const char* kSwappedName = "grpo:avx512_bf16 (swapped)";
   static constexpr std::size_t kStateBytes = 0;
+  static constexpr std::int64_t kXGroupRows = kGroupRows;  // X packed as [k pair][8 rows] per group
 
   static void begin(void* /*state*/) {}
   static void end() {}
@@ -44,16 +45,16 @@ struct Avx512Bf16Micro {
           acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_at + (g + r) * acc_ld + h * kTile);
         }
       }
-      // Row g + r of the panel: tile (g + r) / 16, row (g + r) % 16, k step kk / 32.
-      const std::uint16_t* xg = xp + (g / kTile) * kTile * kKStep + (g % kTile) * kKStep;
+      // The group's pairs: [kb32 / 2][8 rows] u32 (gemm_blocked.hpp).
+      const std::uint16_t* xg = xp + (g / kGroupRows) * (kb32 / 2) * kGroupRows * 2;
       for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
-        const std::uint16_t* xk = xg + kk * kPanel;
+        const std::uint16_t* xk = xg + (kk / 2) * kGroupRows * 2;
         for (std::int64_t p = 0; p < kKStep / 2; ++p) {
           const auto ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + (kk / 2 + p) * 32));
           const auto yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + (kk / 2 + p) * 32));
           for (int r = 0; r < kGroupRows; ++r) {
             std::uint32_t pair = 0;
-            std::memcpy(&pair, xk + r * kKStep + 2 * p, sizeof(pair));
+            std::memcpy(&pair, xk + (p * kGroupRows + r) * 2, sizeof(pair));
             const auto xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, ya);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, yb);

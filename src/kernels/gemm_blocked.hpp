@@ -11,10 +11,13 @@
 //   operand (GemmSpec::shared) Y. Y is packed into VNNI layout (pairs of k
 //   interleaved: what tdpbf16ps and vdpbf16ps both take), one block of
 //   kc x nc at a time (<= kYBlockBytes, so it stays in L2 while every X panel
-//   streams past it). X is copied into panels of 32 rows whose every 16 x 32
-//   tile is 1 KiB of contiguous memory: read in place, rows of a power-of-two
-//   stride (the W rows, 8 KiB apart) all fall in one L1 set and evict each
-//   other.
+//   streams past it). X is copied into panels of 32 rows in the layout its
+//   Micro reads (Micro::kXGroupRows): 0, tiles, every 16 x 32 tile 1 KiB of
+//   contiguous memory (the AMX tile loads); 8, row groups, each group's
+//   (k, k + 1) pairs [k pair][8 rows], the 8 broadcasts of a k pair one half
+//   line and the group one sequential stream. Read in place, rows of a
+//   power-of-two stride (the W rows, 8 KiB apart) all fall in one L1 set and
+//   evict each other.
 //   Each element's reduction runs over k in ascending order (Micro's own
 //   order within its k step, then f32 partial sums stored and reloaded
 //   exactly between k blocks): the same whatever M, N or the element's
@@ -24,9 +27,10 @@
 // Only for translation units compiled with AVX-512F/BW/VL and AVX512-BF16;
 // everything is in an unnamed namespace (one copy per such unit).
 //
-// Micro: kKind, kName, kSwappedName, kStateBytes; begin(state), end();
-//   block(xp, y0, y1, kb32, acc_at, acc_ld, first, last, staged): the 32 x 32
-//   block of C from the X panel xp ([kb32 / 32][2][16][32]) and the two Y
+// Micro: kKind, kName, kSwappedName, kStateBytes, kXGroupRows; begin(state),
+//   end(); block(xp, y0, y1, kb32, acc_at, acc_ld, first, last, staged): the
+//   32 x 32 block of C from the X panel xp ([kb32 / 32][2][16][32] tiles, or
+//   [32 / g][kb32 / 2][g] u32 pairs for kXGroupRows g) and the two Y
 //   tiles y0, y1 ([kb32 / 2][16][2] each), starting from zero (first) or
 //   from acc_at (ld acc_ld floats); leaves it in acc_at, or when last, as
 //   four 16 x 16 tiles in staged (rows 0-15 x cols 0-15, 0-15 x 16-31,
@@ -81,6 +85,17 @@ __mmask16 mask16(std::int64_t n) { return n >= 16 ? __mmask16{0xffff} : static_c
 __m512i column_offsets(std::int64_t stride) {
   return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                             _mm512_set1_epi32(static_cast<int>(stride)));
+}
+
+// (k, k + 1) pairs of 32 elements: r0 holds k's, r1 k + 1's; lo gets the
+// pairs of elements 0-15 (k's in the low halves), hi those of 16-31.
+inline void interleave_pairs(__m512i r0, __m512i r1, __m512i& lo, __m512i& hi) {
+  const __m512i lo_idx =
+      _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005, 0x00260006, 0x00270007,
+                        0x00280008, 0x00290009, 0x002a000a, 0x002b000b, 0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  lo = _mm512_permutex2var_epi16(r0, lo_idx, r1);
+  hi = _mm512_permutex2var_epi16(r0, hi_idx, r1);
 }
 
 template <class Micro>
@@ -245,6 +260,10 @@ class BlockedGemm final : public GemmBackend {
   }
   void pack_x(const std::uint16_t* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb,
               std::int64_t kb32, std::uint16_t* out) const {
+    if constexpr (Micro::kXGroupRows > 0) {
+      pack_x_groups(x, m0, rows, k0, kb, kb32, out);
+      return;
+    }
     const std::int64_t rows32 = round_up(rows, kPanel);
     if (x_kcontig_) {  // rows K-contiguous: copy
       // The rows are short runs (kb elements) of rows far apart (W's 8 KiB):
@@ -290,6 +309,72 @@ class BlockedGemm final : public GemmBackend {
     }
   }
 
+  // pack_x for a Micro reading row groups: each 8 rows x kb k of the panel
+  // as [kb32 / 2 k pairs][8 rows] u32, the groups one after another.
+  void pack_x_groups(const std::uint16_t* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb,
+                     std::int64_t kb32, std::uint16_t* out) const {
+    static_assert(Micro::kXGroupRows == 8, "the group packing below transposes 8 rows");
+    constexpr std::int64_t kG = 8;
+    auto* pairs = reinterpret_cast<std::uint32_t*>(out);
+    const std::int64_t kp32 = kb32 / 2;
+    if (x_kcontig_) {
+      // Per group and 32 k: 8 rows of 16 pairs -> 16 pairs of 8 rows, an
+      // 8 x 16 u32 transpose (two unpack rounds, then 128-bit quarters).
+      for (std::int64_t g = 0; g < kPanel; g += kG) {
+        std::uint32_t* og = pairs + (g / kG) * kp32 * kG;
+        if (g + kG < rows) {  // the next group's rows, while this one is copied
+          for (std::int64_t r = g + kG; r < std::min(rows, g + 2 * kG); ++r) {
+            const auto* ahead = reinterpret_cast<const char*>(x + (m0 + r) * x_.rs + k0);
+            for (std::int64_t b = 0; b < kb * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+          }
+        }
+        for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
+          __m512i v[kG];
+          for (std::int64_t r = 0; r < kG; ++r) {
+            v[r] = g + r < rows ? _mm512_maskz_loadu_epi16(mask32(kb - kk), x + (m0 + g + r) * x_.rs + k0 + kk)
+                                : _mm512_setzero_si512();
+          }
+          __m512i t[kG];
+          for (std::int64_t r = 0; r < kG; r += 2) {
+            t[r] = _mm512_unpacklo_epi32(v[r], v[r + 1]);
+            t[r + 1] = _mm512_unpackhi_epi32(v[r], v[r + 1]);
+          }
+          // lo[j] / hi[j], 128-bit quarter q: pair 4q + j of rows 0-3 / 4-7.
+          const __m512i lo[4] = {_mm512_unpacklo_epi64(t[0], t[2]), _mm512_unpackhi_epi64(t[0], t[2]),
+                                 _mm512_unpacklo_epi64(t[1], t[3]), _mm512_unpackhi_epi64(t[1], t[3])};
+          const __m512i hi[4] = {_mm512_unpacklo_epi64(t[4], t[6]), _mm512_unpackhi_epi64(t[4], t[6]),
+                                 _mm512_unpacklo_epi64(t[5], t[7]), _mm512_unpackhi_epi64(t[5], t[7])};
+          std::uint32_t* o = og + (kk / 2) * kG;
+          for (int j = 0; j < 4; ++j) {
+            for (int q = 0; q < 4; ++q) {
+              auto* at = reinterpret_cast<__m128i*>(o + (4 * q + j) * kG);
+              _mm_store_si128(at, _mm512_extracti32x4_epi32(lo[j], q));
+              _mm_store_si128(at + 1, _mm512_extracti32x4_epi32(hi[j], q));
+            }
+          }
+        }
+      }
+      return;
+    }
+    // Columns contiguous (x_.rs == 1): per k pair, the panel's 32 rows at k
+    // and at k + 1 interleaved into 32 pairs, 8 to each group.
+    const __mmask32 rmask = mask32(rows);
+    for (std::int64_t kp = 0; kp < kp32; ++kp) {
+      const std::int64_t k = 2 * kp;
+      const __m512i r0 = k < kb ? _mm512_maskz_loadu_epi16(rmask, x + m0 + (k0 + k) * x_.cs) : _mm512_setzero_si512();
+      const __m512i r1 =
+          k + 1 < kb ? _mm512_maskz_loadu_epi16(rmask, x + m0 + (k0 + k + 1) * x_.cs) : _mm512_setzero_si512();
+      __m512i lo;  // rows 0-15
+      __m512i hi;  // 16-31
+      interleave_pairs(r0, r1, lo, hi);
+      std::uint32_t* o = pairs + kp * kG;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o), _mm512_extracti64x4_epi64(lo, 0));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o + kp32 * kG), _mm512_extracti64x4_epi64(lo, 1));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o + 2 * kp32 * kG), _mm512_extracti64x4_epi64(hi, 0));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o + 3 * kp32 * kG), _mm512_extracti64x4_epi64(hi, 1));
+    }
+  }
+
   // Slice `part` of `parts` of the cache lines X rows [m0, m0 + 32) x k
   // [k0, k0 + kb) span, prefetched into L2.
   void prefetch_x(const std::uint16_t* x, std::int64_t m0, std::int64_t k0, std::int64_t kb, std::int64_t part,
@@ -318,11 +403,6 @@ class BlockedGemm final : public GemmBackend {
               std::int64_t nb, std::int64_t nb32, std::uint16_t* out) const {
     const std::int64_t rows_per_tile = kb32 / 2;
     if (y_.cs == 1) {  // rows (k) N-contiguous: interleave row pairs
-      // (k, n) pairs for 32 columns: lo = columns 0-15, hi = 16-31.
-      const __m512i lo_idx = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
-                                               0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b,
-                                               0x002c000c, 0x002d000d, 0x002e000e, 0x002f000f);
-      const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
       for (std::int64_t nn = 0; nn < nb32; nn += 32) {
         const __mmask32 cmask = mask32(nb - nn);
         std::uint16_t* t0 = out + (nn / kTile) * rows_per_tile * 32;
@@ -333,8 +413,11 @@ class BlockedGemm final : public GemmBackend {
                                                : _mm512_setzero_si512();
           const __m512i r1 = k + 1 < kb && nn < nb ? _mm512_maskz_loadu_epi16(cmask, y + (k0 + k + 1) * y_.rs + n0 + nn)
                                                    : _mm512_setzero_si512();
-          _mm512_storeu_si512(t0 + kp * 32, _mm512_permutex2var_epi16(r0, lo_idx, r1));
-          _mm512_storeu_si512(t1 + kp * 32, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+          __m512i lo;  // columns 0-15
+          __m512i hi;  // 16-31
+          interleave_pairs(r0, r1, lo, hi);
+          _mm512_storeu_si512(t0 + kp * 32, lo);
+          _mm512_storeu_si512(t1 + kp * 32, hi);
         }
       }
       return;
