@@ -139,7 +139,10 @@ int run(int argc, char** argv) {
       scratch.fill_zero();
       if (!packed.empty()) g->pack_shared(c.spec.shared == SharedOperand::a ? c.a : c.b, packed.data());
       const GemmBinding binding(*g);
-      std::vector<float> out(c.c_elems, 0.0F);
+      // 64-byte aligned, as the step's outputs are (a std::vector's data is
+      // 16-byte aligned: rows would straddle cache lines).
+      const grpo::bench::HostBuffer out(c.c_elems * sizeof(float));
+      out.fill_zero();
       binding.run(c.a, c.b, out.data(), nullptr, scratch.data(), packed.data());
       double best = 1e30;
       for (int r = 0; r < reps; ++r) {

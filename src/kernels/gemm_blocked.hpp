@@ -346,11 +346,16 @@ class BlockedGemm final : public GemmBackend {
                                  _mm512_unpacklo_epi64(t[5], t[7]), _mm512_unpackhi_epi64(t[5], t[7])};
           std::uint32_t* o = og + (kk / 2) * kG;
           for (int j = 0; j < 4; ++j) {
-            for (int q = 0; q < 4; ++q) {
+            // Pair 4q + j: rows 0-3 then 4-7 (the quarter index must be a literal).
+            const auto put = [&](int q, __m128i rows03, __m128i rows47) {
               auto* at = reinterpret_cast<__m128i*>(o + (4 * q + j) * kG);
-              _mm_store_si128(at, _mm512_extracti32x4_epi32(lo[j], q));
-              _mm_store_si128(at + 1, _mm512_extracti32x4_epi32(hi[j], q));
-            }
+              _mm_store_si128(at, rows03);
+              _mm_store_si128(at + 1, rows47);
+            };
+            put(0, _mm512_extracti32x4_epi32(lo[j], 0), _mm512_extracti32x4_epi32(hi[j], 0));
+            put(1, _mm512_extracti32x4_epi32(lo[j], 1), _mm512_extracti32x4_epi32(hi[j], 1));
+            put(2, _mm512_extracti32x4_epi32(lo[j], 2), _mm512_extracti32x4_epi32(hi[j], 2));
+            put(3, _mm512_extracti32x4_epi32(lo[j], 3), _mm512_extracti32x4_epi32(hi[j], 3));
           }
         }
       }
