@@ -72,12 +72,13 @@ std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
   }
   std::unique_ptr<GemmBackend> own = make_amx_gemm(spec);
   if (own == nullptr && avx2_gemm_is_default()) own = make_avx2_gemm(spec);
-  // A bf16 C (the step's dW with bf16 gradients) on an AVX512-BF16 CPU
-  // without AMX: oneDNN 2.6's gemm:jit asks a scratchpad the size of C for it,
-  // which leaves the plan's workspace budget room for one tile slot, so the
-  // step runs on one thread (a Zen 4, T=512: 9.17 s against 4.36 s with ours;
-  // docs/benchmarks.md). f32 C stays with oneDNN there (its GEMMs are faster).
-  if (own == nullptr && spec.c.dtype == DType::bf16) own = make_avx512_bf16_gemm(spec);
+  // bf16 A and B on an AVX512-BF16 CPU without AMX. Measured on a Zen 4
+  // (docs/benchmarks.md): the headline step ties oneDNN 2.6's (66.96 s
+  // against 66.76 s), the T=512 step is 8% faster (4.25 s against 4.63 s),
+  // and with bf16 gradients oneDNN's gemm:jit asked a scratchpad the size of
+  // the dW tile in f32, which left the workspace budget one tile slot: the
+  // step ran on one thread (9.17 s against 4.36 s).
+  if (own == nullptr) own = make_avx512_bf16_gemm(spec);
   return own;
 }
 

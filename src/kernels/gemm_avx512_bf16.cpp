@@ -5,12 +5,10 @@
 // broadcasts each row's X pair: 16 vdpbf16ps per 2 loads and 8 broadcasts.
 // Every element is summed over k pairs in ascending order, whatever M or N.
 //
-// In the default list only for a bf16 C on CPUs without AMX (gemm.cpp): on
-// a Zen 4 (docs/benchmarks.md) it runs the step's GEMMs at 83-85% of the
-// vdpbf16ps peak on one thread where oneDNN 2.6 runs 92-93%, and the
-// headline step with f32 gradients 3% slower; with bf16 gradients oneDNN's
-// dW scratchpad cost the step its second thread. GRPO_GEMM=avx512bf16 (or the
-// microbench's gemm_backend) selects it for every GEMM, and the GEMM tester
+// The default for bf16 GEMMs on CPUs with AVX512-BF16 and no AMX (gemm.cpp):
+// on a Zen 4 (docs/benchmarks.md) the headline step ties oneDNN 2.6's and
+// the T=512 step is 8% faster. GRPO_GEMM=avx512bf16 (or the microbench's
+// gemm_backend) forces it where AMX would be picked, and the GEMM tester
 // holds it to the double reference wherever the CPU can run it.
 //
 // This file alone is compiled with AVX-512F/BW/DQ/VL and AVX512-BF16; the

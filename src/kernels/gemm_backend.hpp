@@ -4,9 +4,8 @@
 // the first backend of the priority list that serves the spec:
 //   amx        our AMX-BF16 microkernels (gemm_amx.cpp): bf16 A and B, when the
 //              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
-//   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): only when
-//              forced for now (not yet measured where it would matter, on
-//              CPUs with AVX512-BF16 and no AMX)
+//   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): bf16 A
+//              and B on CPUs with AVX512-BF16 where amx does not serve
 //   avx2       our f32 FMA microkernels, bf16 widened as it is packed
 //              (gemm_avx2.cpp): bf16 or f32 on CPUs with AVX2 and no AVX-512,
 //              where oneDNN 2.6 has no bf16 matmul and its f32 one is not
