@@ -304,8 +304,10 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
 }
 
 // A shared operand packed once (Gemm::pack_shared) and handed to run() gives
-// bitwise the result of the call that packs it itself, for either operand,
-// both layouts, and shapes that split K and N into blocks.
+// bitwise the result of the call that packs it itself, and of the same GEMM
+// without a shared operand (blocked differently: the shared Y may be taken
+// whole), for either operand, both layouts, and shapes that split K and N
+// into blocks (K = 4200 is past the shared Y's k block).
 // (The avx2 backend packs nothing once: it widens its panels as it goes.)
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   std::vector<GemmBackendKind> ours;
@@ -318,8 +320,8 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   struct Shape {
     std::int64_t m, n, k;
   };
-  for (const Shape sh :
-       {Shape{160, 300, 256}, Shape{40, 1100, 640}, Shape{33, 256, 3000}, Shape{40, 600, 2100}, Shape{17, 5, 33}}) {
+  for (const Shape sh : {Shape{160, 300, 256}, Shape{40, 1100, 640}, Shape{33, 256, 3000}, Shape{40, 600, 2100},
+                         Shape{17, 40, 4200}, Shape{17, 5, 33}}) {
     for (const SharedOperand shared : {SharedOperand::a, SharedOperand::b}) {
       for (const bool t : {false, true}) {
         Buffer a = make(DType::bf16, sh.m, sh.k, t, 1, rng);
@@ -348,6 +350,15 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
           EXPECT_EQ(0, std::memcmp(plain.data(), reused.data(), plain.size() * sizeof(float)))
               << "M" << sh.m << " N" << sh.n << " K" << sh.k << " shared " << (shared == SharedOperand::a ? "a" : "b")
               << " transposed " << t << " " << to_string(kind);
+          GemmSpec unshared_spec = spec;
+          unshared_spec.shared = SharedOperand::none;
+          const Gemm u(engine, unshared_spec, kind);
+          std::vector<std::byte> u_scratch(u.scratchpad_bytes() + 64);
+          std::vector<float> unshared(plain.size());
+          u.run(a.data(), b.data(), unshared.data(), nullptr, align(u_scratch));
+          EXPECT_EQ(0, std::memcmp(plain.data(), unshared.data(), plain.size() * sizeof(float)))
+              << "unshared: M" << sh.m << " N" << sh.n << " K" << sh.k << " shared "
+              << (shared == SharedOperand::a ? "a" : "b") << " transposed " << t << " " << to_string(kind);
         }
       }
     }

@@ -30,6 +30,7 @@ struct Avx512Bf16Micro {
   static constexpr const char* kSwappedName = "grpo:avx512_bf16 (swapped)";
   static constexpr std::size_t kStateBytes = 0;
   static constexpr std::int64_t kXGroupRows = kGroupRows;  // X packed as [k pair][8 rows] per group
+  static constexpr bool kWholeSharedY = true;
 
   static void begin(void* /*state*/) {}
   static void end() {}
