@@ -55,8 +55,10 @@ namespace {
 // the X panel passing by (32 rows x kc bf16, <= 160 KiB at kc = 2560) stay in
 // L2 together.
 constexpr std::size_t kYBlockBytes = std::size_t{1024} << 10;
-// The k block of a Micro::kWholeSharedY GEMM's shared Y (below).
+// The k block of a Micro::kWholeSharedY GEMM's shared Y, and the most of it
+// taken whole (below).
 constexpr std::int64_t kSharedKBlock = 4096;
+constexpr std::size_t kSharedYWholeBytes = std::size_t{8} << 20;
 constexpr std::int64_t kTile = 16;   // rows of a tile; f32 columns of an accumulator tile
 constexpr std::int64_t kKStep = 32;  // bf16 k per tile row (64 bytes)
 constexpr std::int64_t kPanel = 32;  // rows (or columns) of a 2 x 2 accumulator block
@@ -141,13 +143,15 @@ class BlockedGemm final : public GemmBackend {
         k32, std::max<std::int64_t>(kKStep, static_cast<std::int64_t>(kYBlockBytes) / (nc_ * 2) / kKStep * kKStep));
     nc_ = std::min<std::int64_t>(
         ny32, std::max<std::int64_t>(nc_, static_cast<std::int64_t>(kYBlockBytes) / (kc_ * 2) / kPanel * kPanel));
-    if (Micro::kWholeSharedY && spec.shared != SharedOperand::none) {
+    if (Micro::kWholeSharedY && spec.shared != SharedOperand::none &&
+        static_cast<std::size_t>(std::min(k32, kSharedKBlock) * ny32) * 2 <= kSharedYWholeBytes) {
       // Y packed once for many calls (the forward's hidden rows): one column
       // block of all of Y, k blocks of up to kSharedKBlock, so each X panel
       // is packed once and used against all of Y while it is in L2, and
       // there are no partial sums for K <= kSharedKBlock. Y comes from L3 a
-      // 32-column panel at a time. Zen 4, forward 640 x 4096 x 2048, one
-      // thread: 53.4 -> 48.7 ms.
+      // 32-column panel at a time, so only while it is a small part of L3.
+      // Zen 4, forward 640 x 4096 x 2048, one thread: 53.4 -> 48.7 ms; in the
+      // step with 2624-row blocks (21 MiB of Y) the forward took 37% longer.
       kc_ = std::min(k32, kSharedKBlock);
       nc_ = ny32;
     }
