@@ -307,7 +307,8 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
 // bitwise the result of the call that packs it itself, and of the same GEMM
 // without a shared operand (blocked differently: the shared Y may be taken
 // whole), for either operand, both layouts, and shapes that split K and N
-// into blocks (K = 4200 is past the shared Y's k block).
+// into blocks (K = 4200 is past the shared Y's k block; 4096 x 1100 bf16 is
+// past the 8 MiB of a shared Y taken whole).
 // (The avx2 backend packs nothing once: it widens its panels as it goes.)
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   std::vector<GemmBackendKind> ours;
@@ -321,7 +322,7 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
     std::int64_t m, n, k;
   };
   for (const Shape sh : {Shape{160, 300, 256}, Shape{40, 1100, 640}, Shape{33, 256, 3000}, Shape{40, 600, 2100},
-                         Shape{17, 40, 4200}, Shape{17, 5, 33}}) {
+                         Shape{17, 40, 4200}, Shape{17, 1100, 4096}, Shape{17, 5, 33}}) {
     for (const SharedOperand shared : {SharedOperand::a, SharedOperand::b}) {
       for (const bool t : {false, true}) {
         Buffer a = make(DType::bf16, sh.m, sh.k, t, 1, rng);
