@@ -7,9 +7,10 @@
 //
 // The default for bf16 GEMMs on CPUs with AVX512-BF16 and no AMX (gemm.cpp):
 // on a Zen 4 (docs/benchmarks.md) the headline step is 2% faster than with
-// oneDNN 2.6 (87.4% of the vdpbf16ps peak) and the T=512 step 9-11%. GRPO_GEMM=avx512bf16 (or the microbench's
-// gemm_backend) forces it where AMX would be picked, and the GEMM tester
-// holds it to the double reference wherever the CPU can run it.
+// oneDNN 2.6 (87.4% of the vdpbf16ps peak) and the T=512 step 9-11%.
+// GRPO_GEMM=avx512bf16 (or the microbench's gemm_backend) forces it where AMX
+// would be picked, and the GEMM tester holds it to the double reference
+// wherever the CPU can run it.
 //
 // This file alone is compiled with AVX-512F/BW/DQ/VL and AVX512-BF16; the
 // CPU probe and the gate are in gemm_dispatch.cpp.
@@ -44,8 +45,8 @@ struct Avx512Bf16Micro {
           acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_at + (g + r) * acc_ld + h * kTile);
         }
       }
-      // The group's pairs: [kb32 / 2][8 rows] u32 (gemm_blocked.hpp).
-      const std::uint16_t* xg = xp + (g / kGroupRows) * (kb32 / 2) * kGroupRows * 2;
+      // The group's pairs: [kb32 / 2][8 rows] u32 from panel row g on (gemm_blocked.hpp).
+      const std::uint16_t* xg = xp + g * kb32;
       for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
         const std::uint16_t* xk = xg + (kk / 2) * kGroupRows * 2;
         for (std::int64_t p = 0; p < kKStep / 2; ++p) {

@@ -11,18 +11,13 @@
 //   operand (GemmSpec::shared) Y. Y is packed into VNNI layout (pairs of k
 //   interleaved: what tdpbf16ps and vdpbf16ps both take), one block of
 //   kc x nc at a time (<= kYBlockBytes, so it stays in L2 while every X panel
-//   streams past it). X is copied into panels of 32 rows in the layout its
-//   Micro reads (Micro::kXGroupRows): 0, tiles, every 16 x 32 tile 1 KiB of
-//   contiguous memory (the AMX tile loads); 8, row groups, each group's
-//   (k, k + 1) pairs [k pair][8 rows], the 8 broadcasts of a k pair one half
-//   line and the group one sequential stream. Read in place, rows of a
-//   power-of-two stride (the W rows, 8 KiB apart) all fall in one L1 set and
-//   evict each other.
-//   Each element's reduction runs over k in ascending order (Micro's own
-//   order within its k step, then f32 partial sums stored and reloaded
-//   exactly between k blocks): the same whatever M, N or the element's
-//   position, so a row's result does not depend on its batch
-//   (GemmTraits::m_independent).
+//   streams past it; a shared Y may be taken whole, see the constructor). X is copied into panels of 32 rows in the
+//   layout its Micro reads (Micro::kXGroupRows): 0, tiles, every 16 x 32 tile 1 KiB of contiguous memory (the AMX tile
+//   loads); 8, row groups, each group's (k, k + 1) pairs [k pair][8 rows], the 8 broadcasts of a k pair one half line
+//   and the group one sequential stream. Read in place, rows of a power-of-two stride (the W rows, 8 KiB apart) all
+//   fall in one L1 set and evict each other. Each element's reduction runs over k in ascending order (Micro's own order
+//   within its k step, then f32 partial sums stored and reloaded exactly between k blocks): the same whatever M, N or
+//   the element's position, so a row's result does not depend on its batch (GemmTraits::m_independent).
 //
 // Only for translation units compiled with AVX-512F/BW/VL and AVX512-BF16;
 // everything is in an unnamed namespace (one copy per such unit).
@@ -240,7 +235,7 @@ class BlockedGemm final : public GemmBackend {
         // own waited on it (Zen 4, T = 640: forward 58.1 -> 56.2 ms).
         const bool pack_now = !x_whole_ || n0 == 0;
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
-          std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 : xpack;  // [k step][2 tiles][16][32]
+          std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 : xpack;  // the panel, in Micro's layout
           if (pack_now) pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xp);
           for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
             if (pack_now && m0 + kPanel < mx_) prefetch_x(xs, m0 + kPanel, k0, kb, nn / kPanel, nb32 / kPanel);
@@ -287,10 +282,7 @@ class BlockedGemm final : public GemmBackend {
       // the hardware prefetchers do not follow; ask for kPrefetchRows ahead.
       constexpr std::int64_t kPrefetchRows = 4;
       for (std::int64_t r = 0; r < rows32; ++r) {
-        if (r + kPrefetchRows < rows) {
-          const auto* ahead = reinterpret_cast<const char*>(x + (m0 + r + kPrefetchRows) * x_.rs + k0);
-          for (std::int64_t b = 0; b < kb * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-        }
+        if (r + kPrefetchRows < rows) prefetch_row(x, m0 + r + kPrefetchRows, k0, kb);
         for (std::int64_t kk = 0; kk < kb32; kk += 32) {
           const __m512i v = r < rows ? _mm512_maskz_loadu_epi16(mask32(kb - kk), x + (m0 + r) * x_.rs + k0 + kk)
                                      : _mm512_setzero_si512();
@@ -330,21 +322,17 @@ class BlockedGemm final : public GemmBackend {
   // as [kb32 / 2 k pairs][8 rows] u32, the groups one after another.
   void pack_x_groups(const std::uint16_t* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb,
                      std::int64_t kb32, std::uint16_t* out) const {
-    static_assert(Micro::kXGroupRows == 8, "the group packing below transposes 8 rows");
-    constexpr std::int64_t kG = 8;
+    constexpr std::int64_t kG = Micro::kXGroupRows;
+    static_assert(kG == 8, "the group packing below transposes 8 rows");
     auto* pairs = reinterpret_cast<std::uint32_t*>(out);
     const std::int64_t kp32 = kb32 / 2;
     if (x_kcontig_) {
       // Per group and 32 k: 8 rows of 16 pairs -> 16 pairs of 8 rows, an
       // 8 x 16 u32 transpose (two unpack rounds, then 128-bit quarters).
       for (std::int64_t g = 0; g < kPanel; g += kG) {
-        std::uint32_t* og = pairs + (g / kG) * kp32 * kG;
-        if (g + kG < rows) {  // the next group's rows, while this one is copied
-          for (std::int64_t r = g + kG; r < std::min(rows, g + 2 * kG); ++r) {
-            const auto* ahead = reinterpret_cast<const char*>(x + (m0 + r) * x_.rs + k0);
-            for (std::int64_t b = 0; b < kb * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-          }
-        }
+        std::uint32_t* og = pairs + g * kp32;  // group g's pairs (the group of panel row g)
+        // The next group's rows, while this one is copied.
+        for (std::int64_t r = g + kG; r < std::min(rows, g + 2 * kG); ++r) prefetch_row(x, m0 + r, k0, kb);
         for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
           __m512i v[kG];
           for (std::int64_t r = 0; r < kG; ++r) {
@@ -395,6 +383,12 @@ class BlockedGemm final : public GemmBackend {
       _mm256_store_si256(reinterpret_cast<__m256i*>(o + 2 * kp32 * kG), _mm512_extracti64x4_epi64(hi, 0));
       _mm256_store_si256(reinterpret_cast<__m256i*>(o + 3 * kp32 * kG), _mm512_extracti64x4_epi64(hi, 1));
     }
+  }
+
+  // X row `row`'s k [k0, k0 + kb) (K-contiguous) into L1.
+  void prefetch_row(const std::uint16_t* x, std::int64_t row, std::int64_t k0, std::int64_t kb) const {
+    const auto* at = reinterpret_cast<const char*>(x + row * x_.rs + k0);
+    for (std::int64_t b = 0; b < kb * 2; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
   }
 
   // Slice `part` of `parts` of the cache lines X rows [m0, m0 + 32) x k
