@@ -39,6 +39,7 @@
 
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
+#include "kernels/prefetch.hpp"
 
 namespace grpo::kernels {
 namespace {
@@ -282,8 +283,8 @@ class Avx2Gemm final : public GemmBackend {
     if (!first) {
       for (std::int64_t r = 0; r < rows; ++r) {
         const float* p = acc + (i + r) * acc_ld_ + j;
-        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p + kNr - 1), _MM_HINT_T0);
+        prefetch_l1(p);
+        prefetch_l1(p + kNr - 1);
       }
     }
     if (last) {
@@ -291,8 +292,8 @@ class Avx2Gemm final : public GemmBackend {
       const std::int64_t size = co.dtype == DType::f32 ? 4 : 2;
       for (std::int64_t r = 0; r < rows; ++r) {
         const char* p = static_cast<const char*>(c) + ((i + r) * co.row_stride + j) * size;
-        _mm_prefetch(p, _MM_HINT_T0);
-        _mm_prefetch(p + (kNr - 1) * size, _MM_HINT_T0);
+        prefetch_l1(p);
+        prefetch_l1(p + (kNr - 1) * size);
       }
     }
   }

@@ -11,13 +11,14 @@
 //   operand (GemmSpec::shared) Y. Y is packed into VNNI layout (pairs of k
 //   interleaved: what tdpbf16ps and vdpbf16ps both take), one block of
 //   kc x nc at a time (<= kYBlockBytes, so it stays in L2 while every X panel
-//   streams past it; a shared Y may be taken whole, see the constructor). X is copied into panels of 32 rows in the
-//   layout its Micro reads (Micro::kXGroupRows): 0, tiles, every 16 x 32 tile 1 KiB of contiguous memory (the AMX tile
-//   loads); 8, row groups, each group's (k, k + 1) pairs [k pair][8 rows], the 8 broadcasts of a k pair one half line
-//   and the group one sequential stream. Read in place, rows of a power-of-two stride (the W rows, 8 KiB apart) all
-//   fall in one L1 set and evict each other. Each element's reduction runs over k in ascending order (Micro's own order
-//   within its k step, then f32 partial sums stored and reloaded exactly between k blocks): the same whatever M, N or
-//   the element's position, so a row's result does not depend on its batch (GemmTraits::m_independent).
+//   streams past it; a shared Y, or one too wide for that, may be taken whole across its columns, see the constructor).
+//   X is copied into panels of 32 rows in the layout its Micro reads (Micro::kXGroupRows): 0, tiles, every 16 x 32 tile
+//   1 KiB of contiguous memory (the AMX tile loads); 8, row groups, each group's (k, k + 1) pairs [k pair][8 rows], the
+//   8 broadcasts of a k pair one half line and the group one sequential stream. Read in place, rows of a power-of-two
+//   stride (the W rows, 8 KiB apart) all fall in one L1 set and evict each other. Each element's reduction runs over k
+//   in ascending order (Micro's own order within its k step, then f32 partial sums stored and reloaded exactly between
+//   k blocks): the same whatever M, N or the element's position, so a row's result does not depend on its batch
+//   (GemmTraits::m_independent).
 //
 // Only for translation units compiled with AVX-512F/BW/VL and AVX512-BF16;
 // everything is in an unnamed namespace (one copy per such unit).
@@ -42,6 +43,7 @@
 
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
+#include "kernels/prefetch.hpp"
 
 namespace grpo::kernels {
 namespace {
@@ -54,6 +56,9 @@ constexpr std::size_t kYBlockBytes = std::size_t{1024} << 10;
 // taken whole (below).
 constexpr std::int64_t kSharedKBlock = 4096;
 constexpr std::size_t kSharedYWholeBytes = std::size_t{8} << 20;
+// The shortest k block a Y packed whole across its columns may take (more
+// partial-sum round trips than that cost more than the packing saves).
+constexpr std::int64_t kWideYMinK = 1024;
 constexpr std::int64_t kTile = 16;   // rows of a tile; f32 columns of an accumulator tile
 constexpr std::int64_t kKStep = 32;  // bf16 k per tile row (64 bytes)
 constexpr std::int64_t kPanel = 32;  // rows (or columns) of a 2 x 2 accumulator block
@@ -149,6 +154,20 @@ class BlockedGemm final : public GemmBackend {
       // step with 2624-row blocks (21 MiB of Y) the forward took 37% longer.
       kc_ = std::min(k32, kSharedKBlock);
       nc_ = ny32;
+    } else if (Micro::kWholeSharedY && spec.shared == SharedOperand::none && y_.cs == 1 && nc_ < ny32) {
+      // Y packed by this call from N-contiguous rows too wide for one L2
+      // block (dhidden's W chunk: 2048 columns of rows 8 KiB apart): all
+      // its columns in one block of k rows, read as whole row runs (each a
+      // 4 KiB page at the headline, which the prefetchers follow) instead of
+      // 512-byte pieces of 2048 rows per block; the Y panels then come from
+      // L3, as a whole shared Y's do. Zen 4, one thread, dhidden 512 x
+      // 151936 x 2048: packing 170 -> 77 ms of 1.6 s, 83 -> 88-89% of the peak.
+      const std::int64_t kc_wide =
+          std::min(k32, static_cast<std::int64_t>(kSharedYWholeBytes) / (ny32 * 2) / kKStep * kKStep);
+      if (kc_wide >= kWideYMinK) {
+        kc_ = kc_wide;
+        nc_ = ny32;
+      }
     }
     const std::int64_t mx32 = round_up(mx_, kPanel);
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
@@ -229,16 +248,15 @@ class BlockedGemm final : public GemmBackend {
           pack_y(ys, k0, kb, kb32, n0, nb, nb32, yscratch);
         }
         // X panels are packed when first needed (a whole k block's panels
-        // are kept for the later column blocks), and while one panel is in
-        // use the next one's rows are prefetched into L2, a slice per block:
-        // X (the forward's W tile) comes from DRAM, and a packing pass of its
-        // own waited on it (Zen 4, T = 640: forward 58.1 -> 56.2 ms).
+        // are kept for the later column blocks), not in a packing pass of
+        // their own that waited on DRAM (Zen 4, T = 640: forward 58.1 ->
+        // 56.2 ms; a look-ahead prefetch of the next panel into L2, dead code
+        // until prefetch.hpp, then measured 0.6% slower at T = 512: gone).
         const bool pack_now = !x_whole_ || n0 == 0;
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
           std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 : xpack;  // the panel, in Micro's layout
           if (pack_now) pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xp);
           for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
-            if (pack_now && m0 + kPanel < mx_) prefetch_x(xs, m0 + kPanel, k0, kb, nn / kPanel, nb32 / kPanel);
             const std::int64_t ncol = n0 + nn;  // Y column of the block
             float* acc_at = acc + m0 * acc_ld_ + ncol;
             const std::uint16_t* y0 = ypack + (nn / kTile) * (kb32 / 2) * 32;
@@ -247,6 +265,16 @@ class BlockedGemm final : public GemmBackend {
             // this block's tile loads are under way).
             flush();
             float* t = tmp + set * 4 * kTile * kTile;
+            // What this block's and the next one's stores and loads will
+            // touch, into L2 while this block runs: its C lines (flushed
+            // after the next block; an accumulating C is read too) and the
+            // next block's partial sums. Both come from beyond L2 (dW's C,
+            // a 32 MiB tile; dhidden's partial sums, 4 MiB), and a C
+            // block's 32 rows lie 16 KiB apart, more streams than the
+            // hardware prefetchers follow. Zen 4, one thread, T = 512: dW
+            // 43.6 -> 41.2-41.9 ms, dhidden 2% faster.
+            if (last) prefetch_c(c, m0, ncol);
+            if (!first && nn + kPanel < nb32) prefetch_acc(acc_at + kPanel);
             Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, t);
             if (!last) continue;
             // This block's tiles wait in one set while the next block runs.
@@ -388,28 +416,35 @@ class BlockedGemm final : public GemmBackend {
   // X row `row`'s k [k0, k0 + kb) (K-contiguous) into L1.
   void prefetch_row(const std::uint16_t* x, std::int64_t row, std::int64_t k0, std::int64_t kb) const {
     const auto* at = reinterpret_cast<const char*>(x + row * x_.rs + k0);
-    for (std::int64_t b = 0; b < kb * 2; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+    for (std::int64_t b = 0; b < kb * 2; b += 64) prefetch_l1(at + b);
   }
 
-  // Slice `part` of `parts` of the cache lines X rows [m0, m0 + 32) x k
-  // [k0, k0 + kb) span, prefetched into L2.
-  void prefetch_x(const std::uint16_t* x, std::int64_t m0, std::int64_t k0, std::int64_t kb, std::int64_t part,
-                  std::int64_t parts) const {
-    const std::int64_t rows = std::min(kPanel, mx_ - m0);
-    if (x_kcontig_) {  // each row a run of kb elements; rows far apart
-      const std::int64_t lines = (kb * 2 + 63) / 64;
-      const std::int64_t total = rows * lines;
-      for (std::int64_t i = total * part / parts; i < total * (part + 1) / parts; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(x + (m0 + i / lines) * x_.rs + k0) + (i % lines) * 64, _MM_HINT_T1);
+  // C's lines of the 32 x 32 block at X row xr0, Y column yc0 (C's column,
+  // row when swapped), into L2.
+  void prefetch_c(const void* c, std::int64_t xr0, std::int64_t yc0) const {
+    const std::int64_t r0 = swapped_ ? yc0 : xr0;
+    const std::int64_t c0 = swapped_ ? xr0 : yc0;
+    const std::int64_t rows = std::min(kPanel, (swapped_ ? ny_ : mx_) - r0);
+    const std::int64_t cols = std::min(kPanel, (swapped_ ? mx_ : ny_) - c0);
+    if (rows <= 0 || cols <= 0) return;
+    const std::size_t elem = spec_.c.dtype == DType::f32 ? sizeof(float) : sizeof(std::uint16_t);
+    const auto* base = static_cast<const char*>(c);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const char* first = base + static_cast<std::size_t>((r0 + r) * spec_.c.row_stride + c0) * elem;
+      const char* last = first + static_cast<std::size_t>(cols) * elem - 1;
+      for (auto line = reinterpret_cast<std::uintptr_t>(first) & ~std::uintptr_t{63};
+           line <= reinterpret_cast<std::uintptr_t>(last); line += 64) {
+        prefetch_l2(reinterpret_cast<const char*>(line));
       }
-      return;
     }
-    // Columns contiguous: for each k, the panel's rows are one run (64 bytes
-    // at most: its first and last line).
-    for (std::int64_t k = kb * part / parts; k < kb * (part + 1) / parts; ++k) {
-      const std::uint16_t* run = x + m0 + (k0 + k) * x_.cs;
-      _mm_prefetch(reinterpret_cast<const char*>(run), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(run + rows - 1), _MM_HINT_T1);
+  }
+
+  // The partial sums of a 32 x 32 block (32 rows of acc_ld_ floats from at), into L2.
+  void prefetch_acc(const float* at) const {
+    for (std::int64_t r = 0; r < kPanel; ++r) {
+      const auto* row = reinterpret_cast<const char*>(at + r * acc_ld_);
+      prefetch_l2(row);
+      prefetch_l2(row + 64);
     }
   }
 
@@ -418,13 +453,13 @@ class BlockedGemm final : public GemmBackend {
   void pack_y(const std::uint16_t* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0,
               std::int64_t nb, std::int64_t nb32, std::uint16_t* out) const {
     const std::int64_t rows_per_tile = kb32 / 2;
-    if (y_.cs == 1) {  // rows (k) N-contiguous: interleave row pairs
-      for (std::int64_t nn = 0; nn < nb32; nn += 32) {
-        const __mmask32 cmask = mask32(nb - nn);
-        std::uint16_t* t0 = out + (nn / kTile) * rows_per_tile * 32;
-        std::uint16_t* t1 = t0 + rows_per_tile * 32;
-        for (std::int64_t kp = 0; kp < rows_per_tile; ++kp) {
-          const std::int64_t k = 2 * kp;
+    if (y_.cs == 1) {  // rows (k) N-contiguous: interleave row pairs, each pair's columns in one run
+      for (std::int64_t kp = 0; kp < rows_per_tile; ++kp) {
+        const std::int64_t k = 2 * kp;
+        for (std::int64_t nn = 0; nn < nb32; nn += 32) {
+          const __mmask32 cmask = mask32(nb - nn);
+          std::uint16_t* t0 = out + (nn / kTile) * rows_per_tile * 32;
+          std::uint16_t* t1 = t0 + rows_per_tile * 32;
           const __m512i r0 = k < kb && nn < nb ? _mm512_maskz_loadu_epi16(cmask, y + (k0 + k) * y_.rs + n0 + nn)
                                                : _mm512_setzero_si512();
           const __m512i r1 = k + 1 < kb && nn < nb ? _mm512_maskz_loadu_epi16(cmask, y + (k0 + k + 1) * y_.rs + n0 + nn)
