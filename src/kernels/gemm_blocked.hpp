@@ -432,9 +432,8 @@ class BlockedGemm final : public GemmBackend {
     for (std::int64_t r = 0; r < rows; ++r) {
       const char* first = base + static_cast<std::size_t>((r0 + r) * spec_.c.row_stride + c0) * elem;
       const char* last = first + static_cast<std::size_t>(cols) * elem - 1;
-      for (auto line = reinterpret_cast<std::uintptr_t>(first) & ~std::uintptr_t{63};
-           line <= reinterpret_cast<std::uintptr_t>(last); line += 64) {
-        prefetch_l2(reinterpret_cast<const char*>(line));
+      for (const char* line = first - (reinterpret_cast<std::uintptr_t>(first) & 63); line <= last; line += 64) {
+        prefetch_l2(line);
       }
     }
   }
