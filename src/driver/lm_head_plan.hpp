@@ -50,6 +50,8 @@ inline constexpr std::int64_t kDefaultVocabTile = 2048;
 // entropy, would depend on the batch it came in. Every forward call therefore
 // has exactly forward_rows rows (a partial chunk is staged and zero-padded),
 // and forward_rows depends on the shape, options and budget, never on N.
+// (A backend whose rows do not depend on M takes a shorter last block in
+// calls of its own rows: LmHeadPlanData::forward_tail.)
 // 160 = 5 x kRowQuantum: single-thread bf16 AMX brgemm with K = 4096 over a
 // 2048-column tile measured 348 / 508 / 622 / 665 / 588 GFLOP/s at M = 32 / 64 /
 // 128 / 160 / 640, and f32 83 / 150 / 165 / 175 / 176.
@@ -227,6 +229,13 @@ struct LmHeadPlanData {
   std::unique_ptr<kernels::GemmEngine> engine;
   // Forward logits tile: [forward_rows] x [tile or last tile].
   FullAndLast<std::unique_ptr<kernels::Gemm>> forward;
+  // The last token block's, when it is shorter than the others and one
+  // forward call takes a whole block of rows that do not depend on M (ours,
+  // GemmTraits::m_independent: the same bits): [forward_tail_rows] x [tile or
+  // last tile], its rows rounded up to kRowQuantum. Null otherwise (the last
+  // block is zero-padded to forward_rows).
+  FullAndLast<std::unique_ptr<kernels::Gemm>> forward_tail;
+  std::int64_t forward_tail_rows = 0;
   // The backward GEMMs' padded rows; the vectors below are indexed by its rungs.
   RowLadder row_ladder;
   // Backward, indexed by row_ladder.index_of(padded active rows).

@@ -238,6 +238,8 @@ std::size_t bytes_since(const MemorySample& before) {
 void release_gemms(LmHeadPlanData& p) {
   p.gemms.clear();
   p.forward = {};
+  p.forward_tail = {};
+  p.forward_tail_rows = 0;
   p.dweight.clear();
   p.dhidden.clear();
   p.dweight_kept.clear();
@@ -273,6 +275,17 @@ std::size_t create_gemms(LmHeadPlanData& p) {
   // Full and last tiles pack the shared hidden rows alike (only W's side differs).
   std::size_t packed =
       static_cast<std::size_t>(p.block_rows_alloc / p.forward_rows) * p.forward.full->shared_packed_bytes();
+  // A shorter last block with one whole-block forward call of ours: its own
+  // GEMMs, so it computes its rows (rounded up to kRowQuantum), not the
+  // block's (T = 8192 in 640-row blocks: 512 rows, not 640, in the last).
+  const std::int64_t block = p.schedule.token_block;
+  const std::int64_t tail_rows = round_up(p.rows - (p.rows - 1) / block * block, kRowQuantum);
+  if (p.forward_rows == p.block_rows_alloc && tail_rows < p.forward_rows && p.forward.full->traits().m_independent) {
+    p.forward_tail_rows = tail_rows;
+    p.forward_tail.full = make(forward_spec(s, tail_rows, vt, vt));
+    p.forward_tail.last = make(forward_spec(s, tail_rows, last_tile, last_tile));
+    packed = std::max(packed, p.forward_tail.full->shared_packed_bytes());
+  }
   p.row_ladder = RowLadder();
   if (!p.options.forward_only) {
     const std::int64_t last_chunk = s.hidden - (p.hidden_chunks - 1) * p.hidden_chunk;

@@ -217,10 +217,12 @@ struct LmHeadStep {
   }
 
   // Logits, statistics, LSE, logp and entropy of rows [b0, b0 + nb). Every
-  // logits GEMM call has exactly forward_rows rows (see kForwardRows): a
+  // logits GEMM call has exactly forward_rows rows (see kForwardRows), or
+  // forward_tail_rows for the shorter last block that has its own GEMMs: a
   // partial last chunk is copied to the stage buffer and zero-padded.
   void forward(std::int64_t b0, std::int64_t nb, bool keep) {
-    const std::int64_t fr = p.forward_rows;
+    const bool tail = p.forward_tail.full != nullptr && nb <= p.forward_tail_rows;
+    const std::int64_t fr = tail ? p.forward_tail_rows : p.forward_rows;
     const std::int64_t chunks = (nb + fr - 1) / fr;
     const std::int64_t partial = nb - (chunks - 1) * fr;  // rows of the last chunk
     const bool staged = partial != fr;
@@ -230,7 +232,7 @@ struct LmHeadStep {
       std::memset(ws.stage.data() + used, 0, static_cast<std::size_t>(fr) * act_row_bytes - used);
     }
     forward_rows(
-        nb, keep,
+        nb, keep, tail ? p.forward_tail : p.forward, fr,
         [&](std::int64_t c) -> const void* {
           return c == chunks - 1 && staged ? ws.stage.data() : static_cast<const void*>(hidden_row(b0 + c * fr));
         },
@@ -244,7 +246,7 @@ struct LmHeadStep {
   // bitwise the forward pass's.
   void forward_gathered(std::int64_t b0, std::int64_t na) {
     forward_rows(
-        na, true,
+        na, true, p.forward, p.forward_rows,
         [&](std::int64_t c) -> const void* {
           return ws.hidden_act.data() + static_cast<std::size_t>(c * p.forward_rows) * act_row_bytes;
         },
@@ -955,14 +957,14 @@ struct LmHeadStep {
     });
   }
 
-  // The forward of nb rows: chunk_source(c) is the GEMM's A operand for rows
-  // [c * forward_rows, (c + 1) * forward_rows) (forward_rows rows of stride
+  // The forward of nb rows by `gemms`, calls of fr rows: chunk_source(c) is
+  // the GEMM's A operand for rows [c * fr, (c + 1) * fr) (fr rows of stride
   // hidden_ld), row_of(r) the batch row of block row r.
   template <class ChunkSource, class RowOf>
-  void forward_rows(std::int64_t nb, bool keep, ChunkSource&& chunk_source, RowOf&& row_of) {
+  void forward_rows(std::int64_t nb, bool keep, const FullAndLast<std::unique_ptr<kernels::Gemm>>& gemms,
+                    std::int64_t fr, ChunkSource&& chunk_source, RowOf&& row_of) {
     const std::int64_t vt = p.schedule.vocab_tile;
     const std::int64_t vocab = p.shape.vocab;
-    const std::int64_t fr = p.forward_rows;
     const std::int64_t chunks = (nb + fr - 1) / fr;
     stats.logits_gemm_rows += chunks * fr;
     // W read by every chunk's calls; the kept logits written once.
@@ -972,11 +974,10 @@ struct LmHeadStep {
     const std::size_t bias_size = in.bias.empty() ? 0 : size_of(in.bias.dtype);
     // Each chunk's hidden rows packed once for every vocab tile (full and last
     // tiles pack them alike), the chunks in parallel.
-    const std::size_t chunk_packed = p.forward.full->shared_packed_bytes();
+    const std::size_t chunk_packed = gemms.full->shared_packed_bytes();
     if (chunk_packed > 0) {
       for_each_item(chunks, p.schedule.slots, [&](std::int64_t c, int /*slot*/) {
-        p.forward.full->pack_shared(chunk_source(c),
-                                    ws.packed_hidden.data() + static_cast<std::size_t>(c) * chunk_packed);
+        gemms.full->pack_shared(chunk_source(c), ws.packed_hidden.data() + static_cast<std::size_t>(c) * chunk_packed);
       });
     }
     const auto packed_chunk = [&](std::int64_t c) -> const void* {
@@ -986,7 +987,7 @@ struct LmHeadStep {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
       float* tile = slot_tile(slot);
-      const kernels::Gemm& gemm = *p.forward.pick(j == p.tiles - 1);
+      const kernels::Gemm& gemm = *gemms.pick(j == p.tiles - 1);
       const void* bias = in.bias.empty() ? nullptr : static_cast<const std::byte*>(in.bias.data) + c0 * bias_size;
       for (std::int64_t c = 0; c < chunks; ++c) {
         const std::int64_t r0 = c * fr;
