@@ -11,14 +11,18 @@
 //   operand (GemmSpec::shared) Y. Y is packed into VNNI layout (pairs of k
 //   interleaved: what tdpbf16ps and vdpbf16ps both take), one block of
 //   kc x nc at a time (<= kYBlockBytes, so it stays in L2 while every X panel
-//   streams past it; a shared Y, or one too wide for that, may be taken whole across its columns, see the constructor).
-//   X is copied into panels of 32 rows in the layout its Micro reads (Micro::kXGroupRows): 0, tiles, every 16 x 32 tile
-//   1 KiB of contiguous memory (the AMX tile loads); 8, row groups, each group's (k, k + 1) pairs [k pair][8 rows], the
-//   8 broadcasts of a k pair one half line and the group one sequential stream. Read in place, rows of a power-of-two
-//   stride (the W rows, 8 KiB apart) all fall in one L1 set and evict each other. Each element's reduction runs over k
-//   in ascending order (Micro's own order within its k step, then f32 partial sums stored and reloaded exactly between
-//   k blocks): the same whatever M, N or the element's position, so a row's result does not depend on its batch
-//   (GemmTraits::m_independent).
+//   streams past it; a shared Y, or one too wide for an L2 block, may be
+//   taken whole across its columns, see the constructor). X is copied into
+//   panels of 32 rows in the layout its Micro reads (Micro::kXGroupRows): 0,
+//   tiles, every 16 x 32 tile 1 KiB of contiguous memory (the AMX tile
+//   loads); 8, row groups, each group's (k, k + 1) pairs [k pair][8 rows],
+//   the 8 broadcasts of a k pair one half line and the group one sequential
+//   stream. Read in place, rows of a power-of-two stride (the W rows, 8 KiB
+//   apart) all fall in one L1 set and evict each other. Each element's
+//   reduction runs over k in ascending order (Micro's own order within its k
+//   step, then f32 partial sums stored and reloaded exactly between k
+//   blocks): the same whatever M, N or the element's position, so a row's
+//   result does not depend on its batch (GemmTraits::m_independent).
 //
 // Only for translation units compiled with AVX-512F/BW/VL and AVX512-BF16;
 // everything is in an unnamed namespace (one copy per such unit).
@@ -143,29 +147,33 @@ class BlockedGemm final : public GemmBackend {
         k32, std::max<std::int64_t>(kKStep, static_cast<std::int64_t>(kYBlockBytes) / (nc_ * 2) / kKStep * kKStep));
     nc_ = std::min<std::int64_t>(
         ny32, std::max<std::int64_t>(nc_, static_cast<std::int64_t>(kYBlockBytes) / (kc_ * 2) / kPanel * kPanel));
-    if (Micro::kWholeSharedY && spec.shared != SharedOperand::none &&
-        static_cast<std::size_t>(std::min(k32, kSharedKBlock) * ny32) * 2 <= kSharedYWholeBytes) {
-      // Y packed once for many calls (the forward's hidden rows): one column
-      // block of all of Y, k blocks of up to kSharedKBlock, so each X panel
-      // is packed once and used against all of Y while it is in L2, and
-      // there are no partial sums for K <= kSharedKBlock. Y comes from L3 a
-      // 32-column panel at a time, so only while it is a small part of L3.
-      // Zen 4, forward 640 x 4096 x 2048, one thread: 53.4 -> 48.7 ms; in the
-      // step with 2624-row blocks (21 MiB of Y) the forward took 37% longer.
-      kc_ = std::min(k32, kSharedKBlock);
-      nc_ = ny32;
-    } else if (Micro::kWholeSharedY && spec.shared == SharedOperand::none && y_.cs == 1 && nc_ < ny32) {
-      // Y packed by this call from N-contiguous rows too wide for one L2
-      // block (dhidden's W chunk: 2048 columns of rows 8 KiB apart): all
-      // its columns in one block of k rows, read as whole row runs (each a
-      // 4 KiB page at the headline, which the prefetchers follow) instead of
-      // 512-byte pieces of 2048 rows per block; the Y panels then come from
-      // L3, as a whole shared Y's do. Zen 4, one thread, dhidden 512 x
-      // 151936 x 2048: packing 170 -> 77 ms of 1.6 s, 83 -> 88-89% of the peak.
-      const std::int64_t kc_wide =
-          std::min(k32, static_cast<std::int64_t>(kSharedYWholeBytes) / (ny32 * 2) / kKStep * kKStep);
-      if (kc_wide >= kWideYMinK) {
-        kc_ = kc_wide;
+    if (Micro::kWholeSharedY) {
+      // Y taken whole across its columns, in k blocks of kc_whole (0: the
+      // L2 blocks above stay). Its panels then come from L3 a 32-column
+      // panel at a time, so only while the block is a small part of L3.
+      std::int64_t kc_whole = 0;
+      if (spec.shared != SharedOperand::none) {
+        // Y packed once for many calls (the forward's hidden rows): k blocks
+        // of up to kSharedKBlock, so each X panel is packed once and used
+        // against all of Y while it is in L2, and there are no partial sums
+        // for K <= kSharedKBlock. Zen 4, forward 640 x 4096 x 2048, one
+        // thread: 53.4 -> 48.7 ms; in the step with 2624-row blocks (21 MiB
+        // of Y) the forward took 37% longer.
+        const std::int64_t kc = std::min(k32, kSharedKBlock);
+        if (static_cast<std::size_t>(kc * ny32) * 2 <= kSharedYWholeBytes) kc_whole = kc;
+      } else if (y_.cs == 1 && nc_ < ny32) {
+        // Y packed by this call from N-contiguous rows too wide for one L2
+        // block (dhidden's W chunk: 2048 columns of rows 8 KiB apart), read
+        // as whole row runs (each a 4 KiB page at the headline, which the
+        // prefetchers follow) instead of 512-byte pieces of 2048 rows per
+        // block. Zen 4, one thread, dhidden 512 x 151936 x 2048: packing
+        // 170 -> 77 ms of 1.6 s, 83 -> 88-89% of the peak.
+        const std::int64_t kc =
+            std::min(k32, static_cast<std::int64_t>(kSharedYWholeBytes) / (ny32 * 2) / kKStep * kKStep);
+        if (kc >= kWideYMinK) kc_whole = kc;
+      }
+      if (kc_whole > 0) {
+        kc_ = kc_whole;
         nc_ = ny32;
       }
     }
