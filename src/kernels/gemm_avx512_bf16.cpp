@@ -16,7 +16,9 @@
 // CPU probe and the gate are in gemm_dispatch.cpp.
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/gemm_blocked.hpp"
 
@@ -32,12 +34,19 @@ struct Avx512Bf16Micro {
   static constexpr std::size_t kStateBytes = 0;
   static constexpr std::int64_t kXGroupRows = kGroupRows;  // X packed as [k pair][8 rows] per group
   static constexpr bool kWholeSharedY = true;
+  static constexpr bool kDirectC = true;  // finished rows straight from registers to C (block's to_c)
 
   static void begin(void* /*state*/) {}
   static void end() {}
 
   static void block(const std::uint16_t* xp, const std::uint16_t* y0, const std::uint16_t* y1, std::int64_t kb32,
                     float* acc_at, std::int64_t acc_ld, bool first, bool last, float* staged) {
+    block(xp, y0, y1, kb32, acc_at, acc_ld, first, last, staged, nullptr);
+  }
+
+  template <class ToC>
+  static void block(const std::uint16_t* xp, const std::uint16_t* y0, const std::uint16_t* y1, std::int64_t kb32,
+                    float* acc_at, std::int64_t acc_ld, bool first, bool last, float* staged, const ToC& to_c) {
     for (std::int64_t g = 0; g < kPanel; g += kGroupRows) {
       __m512 acc[kGroupRows][2];
       for (int r = 0; r < kGroupRows; ++r) {
@@ -66,6 +75,8 @@ struct Avx512Bf16Micro {
         for (int h = 0; h < 2; ++h) {
           if (!last) {
             _mm512_storeu_ps(acc_at + row * acc_ld + h * kTile, acc[r][h]);
+          } else if constexpr (!std::is_same_v<ToC, std::nullptr_t>) {
+            to_c(row, h, acc[r][h]);
           } else {
             // Staged tiles: (rows 0-15 | 16-31) x (columns 0-15 | 16-31).
             float* tile = staged + ((row / kTile) * 2 + h) * kTile * kTile;

@@ -35,7 +35,9 @@
 //   tiles y0, y1 ([kb32 / 2][16][2] each), starting from zero (first) or
 //   from acc_at (ld acc_ld floats); leaves it in acc_at, or when last, as
 //   four 16 x 16 tiles in staged (rows 0-15 x cols 0-15, 0-15 x 16-31,
-//   16-31 x 0-15, 16-31 x 16-31).
+//   16-31 x 0-15, 16-31 x 16-31). kDirectC: block(..., to_c) also exists,
+//   which when last hands each finished row of 16 sums to to_c(row, half,
+//   v) instead (used when not swapped, see direct_c_).
 #pragma once
 
 #include <immintrin.h>
@@ -177,6 +179,11 @@ class BlockedGemm final : public GemmBackend {
         nc_ = ny32;
       }
     }
+    // A Micro that can hand its finished rows straight to C does so when C's
+    // rows are X's (not swapped: no transpose), instead of staging tiles for
+    // a separate pass. Zen 4, one thread, dW 2048 x 512 x 4096 (its C read
+    // and written once per call): 87-89% -> 90-92% of the peak.
+    direct_c_ = Micro::kDirectC && !swapped_;
     const std::int64_t mx32 = round_up(mx_, kPanel);
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
     y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * 2);
@@ -283,6 +290,16 @@ class BlockedGemm final : public GemmBackend {
             // 43.6 -> 41.2-41.9 ms, dhidden 2% faster.
             if (last) prefetch_c(c, m0, ncol);
             if (!first && nn + kPanel < nb32) prefetch_acc(acc_at + kPanel);
+            if constexpr (Micro::kDirectC) {
+              if (direct_c_) {
+                // Each finished row goes to C from registers at the end of its group.
+                const auto to_c = [&](std::int64_t row, std::int64_t half, __m512 v) {
+                  store_row(m0 + row, ncol + half * kTile, v, c, bias);
+                };
+                Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, t, to_c);
+                continue;
+              }
+            }
             Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, t);
             if (!last) continue;
             // This block's tiles wait in one set while the next block runs.
@@ -532,33 +549,43 @@ class BlockedGemm final : public GemmBackend {
       cols = std::min(kTile, ny_ - yc0);
     }
     const __mmask16 cmask = mask16(cols);
-    __m512 bv = _mm512_setzero_ps();
-    if (spec_.has_bias) {
-      if (spec_.bias_dtype == DType::f32) {
-        bv = _mm512_maskz_loadu_ps(cmask, static_cast<const float*>(bias) + c0);
-      } else {
-        const __m256i h = _mm256_maskz_loadu_epi16(cmask, static_cast<const std::uint16_t*>(bias) + c0);
-        bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      }
-    }
+    const __m512 bv = spec_.has_bias ? bias_at(bias, c0, cmask) : _mm512_setzero_ps();
+    for (std::int64_t r = 0; r < rows; ++r) put(_mm512_load_ps(tmp + r * kTile), r0 + r, c0, cmask, bv, c);
+  }
+
+  // X row xr's finished sums for Y columns [yc0, yc0 + 16) into C (not
+  // swapped: C's row xr), clipped to C's edges.
+  void store_row(std::int64_t xr, std::int64_t yc0, __m512 v, void* c, const void* bias) const {
+    if (xr >= mx_ || yc0 >= ny_) return;
+    const __mmask16 cmask = mask16(ny_ - yc0);
+    put(v, xr, yc0, cmask, spec_.has_bias ? bias_at(bias, yc0, cmask) : _mm512_setzero_ps(), c);
+  }
+
+  // The bias of C's columns [c0, c0 + 16) under cmask, as f32.
+  __m512 bias_at(const void* bias, std::int64_t c0, __mmask16 cmask) const {
+    if (spec_.bias_dtype == DType::f32) return _mm512_maskz_loadu_ps(cmask, static_cast<const float*>(bias) + c0);
+    const __m256i h = _mm256_maskz_loadu_epi16(cmask, static_cast<const std::uint16_t*>(bias) + c0);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+
+  // C[r][c0 + j] (+)= v[j] + bv[j] for the columns under cmask (bv only with
+  // a bias); rounded to bf16 (nearest even) for a bf16 C.
+  void put(__m512 v, std::int64_t r, std::int64_t c0, __mmask16 cmask, __m512 bv, void* c) const {
+    if (spec_.has_bias) v = _mm512_add_ps(v, bv);
     const GemmOperand& co = spec_.c;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      __m512 v = _mm512_load_ps(tmp + r * kTile);
-      if (spec_.has_bias) v = _mm512_add_ps(v, bv);
-      const std::int64_t at = (r0 + r) * co.row_stride + c0;
-      if (co.dtype == DType::f32) {
-        float* dst = static_cast<float*>(c) + at;
-        if (spec_.accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(cmask, dst), v);
-        _mm512_mask_storeu_ps(dst, cmask, v);
-      } else {
-        std::uint16_t* dst = static_cast<std::uint16_t*>(c) + at;
-        if (spec_.accumulate) {
-          const __m256i old = _mm256_maskz_loadu_epi16(cmask, dst);
-          v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), v);
-        }
-        const auto packed = std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v));  // round to nearest even
-        _mm256_mask_storeu_epi16(dst, cmask, packed);
+    const std::int64_t at = r * co.row_stride + c0;
+    if (co.dtype == DType::f32) {
+      float* dst = static_cast<float*>(c) + at;
+      if (spec_.accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(cmask, dst), v);
+      _mm512_mask_storeu_ps(dst, cmask, v);
+    } else {
+      std::uint16_t* dst = static_cast<std::uint16_t*>(c) + at;
+      if (spec_.accumulate) {
+        const __m256i old = _mm256_maskz_loadu_epi16(cmask, dst);
+        v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), v);
       }
+      const auto packed = std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v));  // round to nearest even
+      _mm256_mask_storeu_epi16(dst, cmask, packed);
     }
   }
 
@@ -569,6 +596,7 @@ class BlockedGemm final : public GemmBackend {
   View x_, y_;
   bool x_kcontig_ = false;  // X's rows are K-contiguous: packing is a copy
   bool x_whole_ = false;    // X packed a whole k block at a time (Y spans several column blocks)
+  bool direct_c_ = false;   // finished rows go from the Micro's registers to C (no staged tiles)
   std::int64_t kc_ = 0, nc_ = 0;
   std::int64_t acc_ld_ = 0;
   std::size_t y_bytes_ = 0, x_bytes_ = 0, acc_bytes_ = 0, scratch_bytes_ = 0;
