@@ -4,6 +4,8 @@
 // k, loads the two packed Y rows (16 columns x one (k, k + 1) pair each) and
 // broadcasts each row's X pair: 16 vdpbf16ps per 2 loads and 8 broadcasts.
 // Every element is summed over k pairs in ascending order, whatever M or N.
+// A finished group goes from its registers to C (gemm_blocked.hpp's
+// store_group, transposed when swapped) while the next group computes.
 //
 // The default for bf16 GEMMs on CPUs with AVX512-BF16 and no AMX (gemm.cpp):
 // on a Zen 4 (docs/benchmarks.md) the headline step is 4% faster than with
@@ -16,9 +18,7 @@
 // CPU probe and the gate are in gemm_dispatch.cpp.
 #include <immintrin.h>
 
-#include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 #include "kernels/gemm_blocked.hpp"
 
@@ -34,19 +34,14 @@ struct Avx512Bf16Micro {
   static constexpr std::size_t kStateBytes = 0;
   static constexpr std::int64_t kXGroupRows = kGroupRows;  // X packed as [k pair][8 rows] per group
   static constexpr bool kWholeSharedY = true;
-  static constexpr bool kDirectC = true;  // finished rows straight from registers to C (block's to_c)
+  static constexpr bool kDirectC = true;  // finished groups go from registers to C (block's to_c)
 
   static void begin(void* /*state*/) {}
   static void end() {}
 
-  static void block(const std::uint16_t* xp, const std::uint16_t* y0, const std::uint16_t* y1, std::int64_t kb32,
-                    float* acc_at, std::int64_t acc_ld, bool first, bool last, float* staged) {
-    block(xp, y0, y1, kb32, acc_at, acc_ld, first, last, staged, nullptr);
-  }
-
   template <class ToC>
   static void block(const std::uint16_t* xp, const std::uint16_t* y0, const std::uint16_t* y1, std::int64_t kb32,
-                    float* acc_at, std::int64_t acc_ld, bool first, bool last, float* staged, const ToC& to_c) {
+                    float* acc_at, std::int64_t acc_ld, bool first, bool last, const ToC& to_c) {
     for (std::int64_t g = 0; g < kPanel; g += kGroupRows) {
       __m512 acc[kGroupRows][2];
       for (int r = 0; r < kGroupRows; ++r) {
@@ -70,19 +65,12 @@ struct Avx512Bf16Micro {
           }
         }
       }
+      if (last) {
+        to_c(g, acc);
+        continue;
+      }
       for (int r = 0; r < kGroupRows; ++r) {
-        const std::int64_t row = g + r;
-        for (int h = 0; h < 2; ++h) {
-          if (!last) {
-            _mm512_storeu_ps(acc_at + row * acc_ld + h * kTile, acc[r][h]);
-          } else if constexpr (!std::is_same_v<ToC, std::nullptr_t>) {
-            to_c(row, h, acc[r][h]);
-          } else {
-            // Staged tiles: (rows 0-15 | 16-31) x (columns 0-15 | 16-31).
-            float* tile = staged + ((row / kTile) * 2 + h) * kTile * kTile;
-            _mm512_store_ps(tile + (row % kTile) * kTile, acc[r][h]);
-          }
-        }
+        for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc_at + (g + r) * acc_ld + h * kTile, acc[r][h]);
       }
     }
   }

@@ -35,9 +35,11 @@
 //   tiles y0, y1 ([kb32 / 2][16][2] each), starting from zero (first) or
 //   from acc_at (ld acc_ld floats); leaves it in acc_at, or when last, as
 //   four 16 x 16 tiles in staged (rows 0-15 x cols 0-15, 0-15 x 16-31,
-//   16-31 x 0-15, 16-31 x 16-31). kDirectC: block(..., to_c) also exists,
-//   which when last hands each finished row of 16 sums to to_c(row, half,
-//   v) instead (used when not swapped, see direct_c_).
+//   16-31 x 0-15, 16-31 x 16-31). A kDirectC Micro has instead
+//   block(xp, y0, y1, kb32, acc_at, acc_ld, first, last, to_c), which when
+//   last hands each finished group of kXGroupRows rows to to_c(g, sums)
+//   (sums[r][h]: row g + r, columns 16 h .. 16 h + 15), stored to C from
+//   registers (store_group).
 #pragma once
 
 #include <immintrin.h>
@@ -179,11 +181,6 @@ class BlockedGemm final : public GemmBackend {
         nc_ = ny32;
       }
     }
-    // A Micro that can hand its finished rows straight to C does so when C's
-    // rows are X's (not swapped: no transpose), instead of staging tiles for
-    // a separate pass. Zen 4, one thread, dW 2048 x 512 x 4096 (its C read
-    // and written once per call): 87-89% -> 90-92% of the peak.
-    direct_c_ = Micro::kDirectC && !swapped_;
     const std::int64_t mx32 = round_up(mx_, kPanel);
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
     y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * 2);
@@ -195,8 +192,11 @@ class BlockedGemm final : public GemmBackend {
     x_bytes_ = align_up(static_cast<std::size_t>((x_whole_ ? mx32 : kPanel) * kc_) * 2);
     acc_bytes_ = kc_ < k_ ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
     acc_ld_ = ny32;
-    scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + kStaged * sizeof(float) + Micro::kStateBytes;
+    scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + kStagedFloats * sizeof(float) + Micro::kStateBytes;
   }
+
+  // The staged tile sets (none for a Micro that stores from registers).
+  static constexpr std::int64_t kStagedFloats = Micro::kDirectC ? 0 : kStaged;
 
   GemmBackendKind kind() const override { return Micro::kKind; }
 
@@ -230,7 +230,7 @@ class BlockedGemm final : public GemmBackend {
     auto* xpack = reinterpret_cast<std::uint16_t*>(s + y_bytes_);
     auto* acc = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_);
     auto* tmp = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_ + acc_bytes_);
-    Micro::begin(tmp + kStaged);
+    Micro::begin(tmp + kStagedFloats);
 
     const std::int64_t mx32 = round_up(mx_, kPanel);
     // The staged block whose tiles wait for store(): X row, Y column, set.
@@ -276,13 +276,13 @@ class BlockedGemm final : public GemmBackend {
             float* acc_at = acc + m0 * acc_ld_ + ncol;
             const std::uint16_t* y0 = ypack + (nn / kTile) * (kb32 / 2) * 32;
             const std::uint16_t* y1 = y0 + (kb32 / 2) * 32;
-            // The previous block's tiles go to C first (with AMX, while
-            // this block's tile loads are under way).
+            // The previous block's staged tiles go to C first (with AMX,
+            // while this block's tile loads are under way).
             flush();
-            float* t = tmp + set * 4 * kTile * kTile;
             // What this block's and the next one's stores and loads will
-            // touch, into L2 while this block runs: its C lines (flushed
-            // after the next block; an accumulating C is read too) and the
+            // touch, into L2 while this block runs: its C lines (stored as
+            // each group ends, or staged ones after the next block; an
+            // accumulating C is read too) and the
             // next block's partial sums. Both come from beyond L2 (dW's C,
             // a 32 MiB tile; dhidden's partial sums, 4 MiB), and a C
             // block's 32 rows lie 16 KiB apart, more streams than the
@@ -291,21 +291,21 @@ class BlockedGemm final : public GemmBackend {
             if (last) prefetch_c(c, m0, ncol);
             if (!first && nn + kPanel < nb32) prefetch_acc(acc_at + kPanel);
             if constexpr (Micro::kDirectC) {
-              if (direct_c_) {
-                // Each finished row goes to C from registers at the end of its group.
-                const auto to_c = [&](std::int64_t row, std::int64_t half, __m512 v) {
-                  store_row(m0 + row, ncol + half * kTile, v, c, bias);
-                };
-                Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, t, to_c);
-                continue;
-              }
+              // Each finished group goes to C from registers as it ends (its
+              // C lines came into L2 while the block ran); the next group's
+              // vdpbf16ps run meanwhile.
+              const auto to_c = [&](std::int64_t g, const __m512(&sums)[Micro::kXGroupRows][2]) {
+                store_group(m0 + g, ncol, sums, c, bias);
+              };
+              Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, to_c);
+            } else {
+              Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, tmp + set * 4 * kTile * kTile);
+              if (!last) continue;
+              // This block's tiles wait in one set while the next block runs.
+              pending_m = m0;
+              pending_n = ncol;
+              set = 1 - set;
             }
-            Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, t);
-            if (!last) continue;
-            // This block's tiles wait in one set while the next block runs.
-            pending_m = m0;
-            pending_n = ncol;
-            set = 1 - set;
           }
         }
       }
@@ -553,12 +553,56 @@ class BlockedGemm final : public GemmBackend {
     for (std::int64_t r = 0; r < rows; ++r) put(_mm512_load_ps(tmp + r * kTile), r0 + r, c0, cmask, bv, c);
   }
 
-  // X row xr's finished sums for Y columns [yc0, yc0 + 16) into C (not
-  // swapped: C's row xr), clipped to C's edges.
-  void store_row(std::int64_t xr, std::int64_t yc0, __m512 v, void* c, const void* bias) const {
-    if (xr >= mx_ || yc0 >= ny_) return;
-    const __mmask16 cmask = mask16(ny_ - yc0);
-    put(v, xr, yc0, cmask, spec_.has_bias ? bias_at(bias, yc0, cmask) : _mm512_setzero_ps(), c);
+  // A finished group straight from registers (a kDirectC Micro): X rows
+  // [xr0, xr0 + g) x Y columns [yc0, yc0 + 32), acc[r][h] holding row r's
+  // columns 16 h .. 16 h + 15; clipped to C's edges. Zen 4, one thread, dW
+  // 2048 x 512 x 4096 (its C read and written once per call): 87-89% ->
+  // 90-92% of the peak against staged tiles stored in a pass of their own.
+  template <std::int64_t g>
+  void store_group(std::int64_t xr0, std::int64_t yc0, const __m512 (&acc)[g][2], void* c, const void* bias) const {
+    static_assert(g == 8, "the swapped store transposes 8 rows");
+    if (xr0 >= mx_ || yc0 >= ny_) return;
+    if (!swapped_) {
+      for (std::int64_t h = 0; h < 2 && yc0 + h * kTile < ny_; ++h) {
+        const std::int64_t c0 = yc0 + h * kTile;
+        const __mmask16 cmask = mask16(ny_ - c0);
+        const __m512 bv = spec_.has_bias ? bias_at(bias, c0, cmask) : _mm512_setzero_ps();
+        for (std::int64_t r = 0; r < std::min(g, mx_ - xr0); ++r) put(acc[r][h], xr0 + r, c0, cmask, bv, c);
+      }
+      return;
+    }
+    // Swapped: C row yc0 + j, columns [xr0, xr0 + 8) is column j of the
+    // group: an 8 x 16 transpose per half (two unpack rounds, then each
+    // 128-bit quarter's rows 0-3 and 4-7 side by side).
+    const __mmask16 cmask = mask16(std::min<std::int64_t>(g, mx_ - xr0));  // 8 columns of C
+    const __m512 bv = spec_.has_bias ? bias_at(bias, xr0, cmask) : _mm512_setzero_ps();
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (std::int64_t h = 0; h < 2 && yc0 + h * kTile < ny_; ++h) {
+      __m512 t[8];
+      for (int r = 0; r < 8; r += 2) {
+        t[r] = _mm512_unpacklo_ps(acc[r][h], acc[r + 1][h]);
+        t[r + 1] = _mm512_unpackhi_ps(acc[r][h], acc[r + 1][h]);
+      }
+      const auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
+      const auto ps = [](__m512d v) { return _mm512_castpd_ps(v); };
+      // u[q] / w[q], quarter l: column 4 l + q's rows 0-3 / 4-7.
+      const __m512 u[4] = {ps(_mm512_unpacklo_pd(pd(t[0]), pd(t[2]))), ps(_mm512_unpackhi_pd(pd(t[0]), pd(t[2]))),
+                           ps(_mm512_unpacklo_pd(pd(t[1]), pd(t[3]))), ps(_mm512_unpackhi_pd(pd(t[1]), pd(t[3])))};
+      const __m512 w[4] = {ps(_mm512_unpacklo_pd(pd(t[4]), pd(t[6]))), ps(_mm512_unpackhi_pd(pd(t[4]), pd(t[6]))),
+                           ps(_mm512_unpacklo_pd(pd(t[5]), pd(t[7]))), ps(_mm512_unpackhi_pd(pd(t[5]), pd(t[7])))};
+      const std::int64_t rows = std::min(kTile, ny_ - (yc0 + h * kTile));
+      for (int q = 0; q < 4; ++q) {
+        // Columns q and 4 + q of the group (low / high 256 bits), then 8 + q and 12 + q.
+        const __m512 a = _mm512_permutex2var_ps(u[q], lo_idx, w[q]);
+        const __m512 b = _mm512_permutex2var_ps(u[q], hi_idx, w[q]);
+        const __m512 cols[4] = {a, _mm512_shuffle_f32x4(a, a, 0xee), b, _mm512_shuffle_f32x4(b, b, 0xee)};
+        for (int l = 0; l < 4; ++l) {
+          const std::int64_t j = 4 * l + q;
+          if (j < rows) put(cols[l], yc0 + h * kTile + j, xr0, cmask, bv, c);
+        }
+      }
+    }
   }
 
   // The bias of C's columns [c0, c0 + 16) under cmask, as f32.
@@ -596,7 +640,6 @@ class BlockedGemm final : public GemmBackend {
   View x_, y_;
   bool x_kcontig_ = false;  // X's rows are K-contiguous: packing is a copy
   bool x_whole_ = false;    // X packed a whole k block at a time (Y spans several column blocks)
-  bool direct_c_ = false;   // finished rows go from the Micro's registers to C (no staged tiles)
   std::int64_t kc_ = 0, nc_ = 0;
   std::int64_t acc_ld_ = 0;
   std::size_t y_bytes_ = 0, x_bytes_ = 0, acc_bytes_ = 0, scratch_bytes_ = 0;
