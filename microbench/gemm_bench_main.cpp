@@ -7,7 +7,9 @@
 //
 // Shapes, strides and the shared operand are the plan's (vocab-major W);
 // inputs are N(0, 1) bf16, which no GEMM's speed depends on. Each case is
-// timed best of --reps after one untimed run, on a warm C; the fraction is of
+// timed best of --reps after one untimed run, on a warm C, the forward and dW
+// on the next vocab tile of W / dlogits each run (as the step reads them:
+// from memory, not from the last run's caches); the fraction is of
 // one thread's peak of the fastest bf16 unit (measure_machine_peak on one
 // thread, in this process).
 #include <CLI/CLI.hpp>
@@ -51,6 +53,11 @@ struct Case {
   const void* a;
   const void* b;
   std::size_t c_elems;
+  // Run r takes A at a + (r % tiles) * a_step (B likewise), bf16 elements:
+  // the forward and dW walk the vocab tiles as the step does, so their W or
+  // dlogits tile does not come warm from the last run's caches.
+  std::size_t a_step = 0;
+  std::size_t b_step = 0;
 };
 
 int run(int argc, char** argv) {
@@ -84,13 +91,15 @@ int run(int argc, char** argv) {
   const auto w = random_bf16(static_cast<std::size_t>(vocab * hidden), 2);
   const auto dl = random_bf16(static_cast<std::size_t>(tokens * vocab), 3);
   std::vector<Case> cases;
+  const std::int64_t tiles = vocab / tile;  // whole vocab tiles the forward and dW cases walk
   {
     GemmSpec g;
     g.a = {DType::bf16, tokens, hidden, hidden, 1};
     g.b = {DType::bf16, hidden, tile, 1, hidden};
     g.c = {DType::f32, tokens, tile, tile, 1};
     g.shared = SharedOperand::a;
-    cases.push_back({"forward", g, hid.data(), w.data(), static_cast<std::size_t>(tokens * tile)});
+    cases.push_back({"forward", g, hid.data(), w.data(), static_cast<std::size_t>(tokens * tile), 0,
+                     static_cast<std::size_t>(tile * hidden)});
   }
   {
     GemmSpec g;
@@ -99,7 +108,8 @@ int run(int argc, char** argv) {
     g.c = {DType::f32, tile, hidden, hidden, 1};
     g.accumulate = true;
     g.shared = SharedOperand::b;
-    cases.push_back({"dweight", g, dl.data(), hid.data(), static_cast<std::size_t>(tile * hidden)});
+    cases.push_back({"dweight", g, dl.data(), hid.data(), static_cast<std::size_t>(tile * hidden),
+                     static_cast<std::size_t>(tile), 0});
   }
   {
     GemmSpec g;
@@ -143,11 +153,20 @@ int run(int argc, char** argv) {
       // 16-byte aligned: rows would straddle cache lines).
       const grpo::bench::HostBuffer out(c.c_elems * sizeof(float));
       out.fill_zero();
-      binding.run(c.a, c.b, out.data(), nullptr, scratch.data(), packed.data());
+      const auto operands = [&](int r, auto*& a, auto*& b) {
+        const auto at = static_cast<std::size_t>(r % tiles);
+        a = static_cast<const std::uint16_t*>(c.a) + at * c.a_step;
+        b = static_cast<const std::uint16_t*>(c.b) + at * c.b_step;
+      };
+      const std::uint16_t* a = nullptr;
+      const std::uint16_t* b = nullptr;
+      operands(0, a, b);
+      binding.run(a, b, out.data(), nullptr, scratch.data(), packed.data());
       double best = 1e30;
       for (int r = 0; r < reps; ++r) {
+        operands(r + 1, a, b);
         const auto t0 = std::chrono::steady_clock::now();
-        binding.run(c.a, c.b, out.data(), nullptr, scratch.data(), packed.data());
+        binding.run(a, b, out.data(), nullptr, scratch.data(), packed.data());
         best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       const double flops = 2.0 * static_cast<double>(c.spec.a.rows) * static_cast<double>(c.spec.a.cols) *
