@@ -153,20 +153,17 @@ int run(int argc, char** argv) {
       // 16-byte aligned: rows would straddle cache lines).
       const grpo::bench::HostBuffer out(c.c_elems * sizeof(float));
       out.fill_zero();
-      const auto operands = [&](int r, auto*& a, auto*& b) {
+      const auto run_on_tile = [&](int r) {  // run r's operands (Case::a_step)
         const auto at = static_cast<std::size_t>(r % tiles);
-        a = static_cast<const std::uint16_t*>(c.a) + at * c.a_step;
-        b = static_cast<const std::uint16_t*>(c.b) + at * c.b_step;
+        binding.run(static_cast<const std::uint16_t*>(c.a) + at * c.a_step,
+                    static_cast<const std::uint16_t*>(c.b) + at * c.b_step, out.data(), nullptr, scratch.data(),
+                    packed.data());
       };
-      const std::uint16_t* a = nullptr;
-      const std::uint16_t* b = nullptr;
-      operands(0, a, b);
-      binding.run(a, b, out.data(), nullptr, scratch.data(), packed.data());
+      run_on_tile(0);
       double best = 1e30;
-      for (int r = 0; r < reps; ++r) {
-        operands(r + 1, a, b);
+      for (int r = 1; r <= reps; ++r) {
         const auto t0 = std::chrono::steady_clock::now();
-        binding.run(a, b, out.data(), nullptr, scratch.data(), packed.data());
+        run_on_tile(r);
         best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
       const double flops = 2.0 * static_cast<double>(c.spec.a.rows) * static_cast<double>(c.spec.a.cols) *

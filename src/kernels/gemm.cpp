@@ -72,12 +72,11 @@ std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
   }
   std::unique_ptr<GemmBackend> own = make_amx_gemm(spec);
   if (own == nullptr && avx2_gemm_is_default()) own = make_avx2_gemm(spec);
-  // bf16 A and B on an AVX512-BF16 CPU without AMX. Measured on a Zen 4
-  // (docs/benchmarks.md): the headline step takes 61.87 s against oneDNN
-  // 2.6's 64.63 s, the T=512 step 4.03 s against 4.60 s,
-  // and with bf16 gradients oneDNN's gemm:jit asked a scratchpad the size of
-  // the dW tile in f32, which left the workspace budget one tile slot: the
-  // step ran on one thread (9.17 s against 4.36 s).
+  // bf16 A and B on an AVX512-BF16 CPU without AMX: faster than oneDNN 2.6
+  // on a Zen 4 at the headline and at T=512 (gemm_avx512_bf16.cpp's header,
+  // docs/benchmarks.md), and with bf16 gradients oneDNN's gemm:jit asked a
+  // scratchpad the size of the dW tile in f32, which left the workspace
+  // budget one tile slot: the step ran on one thread (9.17 s against 4.36 s).
   if (own == nullptr) own = make_avx512_bf16_gemm(spec);
   return own;
 }

@@ -282,12 +282,12 @@ class BlockedGemm final : public GemmBackend {
             // What this block's and the next one's stores and loads will
             // touch, into L2 while this block runs: its C lines (stored as
             // each group ends, or staged ones after the next block; an
-            // accumulating C is read too) and the
-            // next block's partial sums. Both come from beyond L2 (dW's C,
-            // a 32 MiB tile; dhidden's partial sums, 4 MiB), and a C
-            // block's 32 rows lie 16 KiB apart, more streams than the
-            // hardware prefetchers follow. Zen 4, one thread, T = 512: dW
-            // 43.6 -> 41.2-41.9 ms, dhidden 2% faster.
+            // accumulating C is read too) and the next block's partial sums.
+            // Both come from beyond L2 (dW's C, a 32 MiB tile; dhidden's
+            // partial sums, 4 MiB), and a C block's 32 rows lie 16 KiB
+            // apart, more streams than the hardware prefetchers follow.
+            // Zen 4, one thread, T = 512: dW 43.6 -> 41.2-41.9 ms, dhidden
+            // 2% faster.
             if (last) prefetch_c(c, m0, ncol);
             if (!first && nn + kPanel < nb32) prefetch_acc(acc_at + kPanel);
             if constexpr (Micro::kDirectC) {
