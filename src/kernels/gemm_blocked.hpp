@@ -393,7 +393,7 @@ class BlockedGemm final : public GemmBackend {
         // forward 94.0-94.4% -> 94.4-94.6%; headline step, four pairs:
         // 62.0-63.6 s -> 61.3-63.0 s, each pair faster.
         if (x_.rs > kb) {
-          for (std::int64_t r = g + kG; r < std::min(rows, g + 2 * kG); ++r) prefetch_row_l2(x, m0 + r, k0, kb);
+          for (std::int64_t r = g + kG; r < std::min(rows, g + 2 * kG); ++r) prefetch_row<true>(x, m0 + r, k0, kb);
         }
         for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
           __m512i v[kG];
@@ -447,15 +447,17 @@ class BlockedGemm final : public GemmBackend {
     }
   }
 
-  // X row `row`'s k [k0, k0 + kb) (K-contiguous) into L1.
+  // X row `row`'s k [k0, k0 + kb) (K-contiguous) into L1, or L2 when kIntoL2.
+  template <bool kIntoL2 = false>
   void prefetch_row(const std::uint16_t* x, std::int64_t row, std::int64_t k0, std::int64_t kb) const {
     const auto* at = reinterpret_cast<const char*>(x + row * x_.rs + k0);
-    for (std::int64_t b = 0; b < kb * 2; b += 64) prefetch_l1(at + b);
-  }
-  // The same into L2.
-  void prefetch_row_l2(const std::uint16_t* x, std::int64_t row, std::int64_t k0, std::int64_t kb) const {
-    const auto* at = reinterpret_cast<const char*>(x + row * x_.rs + k0);
-    for (std::int64_t b = 0; b < kb * 2; b += 64) prefetch_l2(at + b);
+    for (std::int64_t b = 0; b < kb * 2; b += 64) {
+      if constexpr (kIntoL2) {
+        prefetch_l2(at + b);
+      } else {
+        prefetch_l1(at + b);
+      }
+    }
   }
 
   // C's lines of the 32 x 32 block at X row xr0, Y column yc0 (C's column,
