@@ -37,6 +37,7 @@ struct AmxMicro {
   static constexpr std::int64_t kXGroupRows = 0;  // X packed as 16 x 32 tiles
   static constexpr bool kWholeSharedY = false;    // measured on a Xeon with the L2-sized Y blocks
   static constexpr bool kDirectC = false;         // finished tiles leave through tile stores (staged)
+  static constexpr bool kXInPlace = false;        // X always packed into tiles
 
   static void begin(void* state) {
     auto* cfg = new (state) TileConfig{};

@@ -34,14 +34,37 @@ struct Avx512Bf16Micro {
   static constexpr std::size_t kStateBytes = 0;
   static constexpr std::int64_t kXGroupRows = kGroupRows;  // X packed as [k pair][8 rows] per group
   static constexpr bool kWholeSharedY = true;
-  static constexpr bool kDirectC = true;  // finished groups go from registers to C (block's to_c)
+  static constexpr bool kDirectC = true;   // finished groups go from registers to C (block's to_c)
+  static constexpr bool kXInPlace = true;  // reads K-contiguous X rows where they are (block's x_rs)
 
   static void begin(void* /*state*/) {}
   static void end() {}
 
+  // Row r's (k, k + 1) pair p of a group: x_at(r, p) -> its u32.
+  template <class XAt>
+  static void group(__m512 (&acc)[kGroupRows][2], const XAt& x_at, const std::uint16_t* y0, const std::uint16_t* y1,
+                    std::int64_t kb32) {
+    for (std::int64_t kp = 0; kp < kb32 / 2; kp += kKStep / 2) {
+      for (std::int64_t p = kp; p < kp + kKStep / 2; ++p) {
+        const auto ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + p * 32));
+        const auto yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + p * 32));
+        for (int r = 0; r < kGroupRows; ++r) {
+          std::uint32_t pair = 0;
+          std::memcpy(&pair, x_at(r, p), sizeof(pair));
+          const auto xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, ya);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, yb);
+        }
+      }
+    }
+  }
+
+  // x_rs 0: xp is a packed panel, [kb32 / 2][8 rows] u32 per group
+  // (gemm_blocked.hpp); else xp is X's first row in place, rows x_rs
+  // elements apart.
   template <class ToC>
-  static void block(const std::uint16_t* xp, const std::uint16_t* y0, const std::uint16_t* y1, std::int64_t kb32,
-                    float* acc_at, std::int64_t acc_ld, bool first, bool last, const ToC& to_c) {
+  static void block(const std::uint16_t* xp, std::int64_t x_rs, const std::uint16_t* y0, const std::uint16_t* y1,
+                    std::int64_t kb32, float* acc_at, std::int64_t acc_ld, bool first, bool last, const ToC& to_c) {
     for (std::int64_t g = 0; g < kPanel; g += kGroupRows) {
       __m512 acc[kGroupRows][2];
       for (int r = 0; r < kGroupRows; ++r) {
@@ -49,21 +72,14 @@ struct Avx512Bf16Micro {
           acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_at + (g + r) * acc_ld + h * kTile);
         }
       }
-      // The group's pairs: [kb32 / 2][8 rows] u32 from panel row g on (gemm_blocked.hpp).
-      const std::uint16_t* xg = xp + g * kb32;
-      for (std::int64_t kk = 0; kk < kb32; kk += kKStep) {
-        const std::uint16_t* xk = xg + (kk / 2) * kGroupRows * 2;
-        for (std::int64_t p = 0; p < kKStep / 2; ++p) {
-          const auto ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + (kk / 2 + p) * 32));
-          const auto yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + (kk / 2 + p) * 32));
-          for (int r = 0; r < kGroupRows; ++r) {
-            std::uint32_t pair = 0;
-            std::memcpy(&pair, xk + (p * kGroupRows + r) * 2, sizeof(pair));
-            const auto xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, ya);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, yb);
-          }
-        }
+      if (x_rs == 0) {
+        const std::uint16_t* xg = xp + g * kb32;
+        group(
+            acc, [xg](int r, std::int64_t p) { return xg + (p * kGroupRows + r) * 2; }, y0, y1, kb32);
+      } else {
+        const std::uint16_t* xr = xp + g * x_rs;
+        group(
+            acc, [xr, x_rs](int r, std::int64_t p) { return xr + r * x_rs + 2 * p; }, y0, y1, kb32);
       }
       if (last) {
         to_c(g, acc);

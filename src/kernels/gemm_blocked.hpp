@@ -17,8 +17,11 @@
 //   tiles, every 16 x 32 tile 1 KiB of contiguous memory (the AMX tile
 //   loads); 8, row groups, each group's (k, k + 1) pairs [k pair][8 rows],
 //   the 8 broadcasts of a k pair one half line and the group one sequential
-//   stream. Read in place, rows of a power-of-two stride (the W rows, 8 KiB
-//   apart) all fall in one L1 set and evict each other. Each element's
+//   stream. A Micro that can (kXInPlace) reads X's rows where they are
+//   instead, when they are K-contiguous and the panel is used once per k
+//   block (the forward's W tile rows, dhidden's dlogits rows): no copy, and
+//   measured faster though the W rows, 8 KiB apart, share one L1 set.
+//   Each element's
 //   reduction runs over k in ascending order (Micro's own order within its k
 //   step, then f32 partial sums stored and reloaded exactly between k
 //   blocks): the same whatever M, N or the element's position, so a row's
@@ -36,7 +39,9 @@
 //   from acc_at (ld acc_ld floats); leaves it in acc_at, or when last, as
 //   four 16 x 16 tiles in staged (rows 0-15 x cols 0-15, 0-15 x 16-31,
 //   16-31 x 0-15, 16-31 x 16-31). A kDirectC Micro has instead
-//   block(xp, y0, y1, kb32, acc_at, acc_ld, first, last, to_c), which when
+//   block(xp, x_rs, y0, y1, kb32, acc_at, acc_ld, first, last, to_c), xp
+//   X's first row in place, rows x_rs elements apart, when x_rs > 0 (a
+//   kXInPlace Micro), and which when
 //   last hands each finished group of kXGroupRows rows to to_c(g, sums)
 //   (sums[r][h]: row g + r, columns 16 h .. 16 h + 15), stored to C from
 //   registers (store_group).
@@ -270,7 +275,17 @@ class BlockedGemm final : public GemmBackend {
         const bool pack_now = !x_whole_ || n0 == 0;
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
           std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 : xpack;  // the panel, in Micro's layout
-          if (pack_now) pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xp);
+          // A panel used once per k block whose rows are all there,
+          // K-contiguous and whole k steps is read where it is by a Micro
+          // that can (kXInPlace): the forward's W tile rows, dhidden's
+          // dlogits rows. Zen 4, one thread, forward 640 x 4096 x 2048,
+          // six interleaved pairs: 94.9-95.8% -> 96.2-97.2% of the peak
+          // (dhidden the same either way); headline step, two pairs: the
+          // forward 46.3-47.0 -> 45.4-45.5 thread-s.
+          const bool in_place =
+              Micro::kXInPlace && !x_whole_ && x_kcontig_ && x_.rs >= kb && kb == kb32 && m0 + kPanel <= mx_;
+          if (!in_place && pack_now) pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xp);
+          const std::uint16_t* xin = in_place ? xs + m0 * x_.rs + k0 : xp;
           for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
             const std::int64_t ncol = n0 + nn;  // Y column of the block
             float* acc_at = acc + m0 * acc_ld_ + ncol;
@@ -297,7 +312,7 @@ class BlockedGemm final : public GemmBackend {
               const auto to_c = [&](std::int64_t g, const __m512(&sums)[Micro::kXGroupRows][2]) {
                 store_group(m0 + g, ncol, sums, c, bias);
               };
-              Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, to_c);
+              Micro::block(xin, in_place ? x_.rs : 0, y0, y1, kb32, acc_at, acc_ld_, first, last, to_c);
             } else {
               Micro::block(xp, y0, y1, kb32, acc_at, acc_ld_, first, last, tmp + set * 4 * kTile * kTile);
               if (!last) continue;
@@ -391,7 +406,9 @@ class BlockedGemm final : public GemmBackend {
         // L1: 8 rows of 8 KiB, twice its size) only cost time. Zen 4, one
         // thread, T = 512: dhidden 88.1-89.4% -> 90.4-91.0% of the peak,
         // forward 94.0-94.4% -> 94.4-94.6%; headline step, four pairs:
-        // 62.0-63.6 s -> 61.3-63.0 s, each pair faster.
+        // 62.0-63.6 s -> 61.3-63.0 s, each pair faster. (Measured before
+        // such panels were read in place, see run(); packed now are only
+        // the last, partial panel, ragged k blocks and X packed whole.)
         if (x_.rs > kb) {
           for (std::int64_t r = g + kG; r < std::min(rows, g + 2 * kG); ++r) prefetch_row<true>(x, m0 + r, k0, kb);
         }
