@@ -2,14 +2,15 @@
 // vdpbf16ps register block. Each 32 x 32 block is four 8-row groups; a group
 // keeps 8 rows x 2 x 16 columns of f32 accumulators (16 zmm) and, per pair of
 // k, loads the two packed Y rows (16 columns x one (k, k + 1) pair each) and
-// broadcasts each row's X pair: 16 vdpbf16ps per 2 loads and 8 broadcasts.
+// broadcasts each row's X pair: 16 vdpbf16ps per 2 loads and 8 broadcasts,
+// from the packed group or, for K-contiguous X rows, from the rows in place.
 // Every element is summed over k pairs in ascending order, whatever M or N.
 // A finished group goes from its registers to C (gemm_blocked.hpp's
 // store_group, transposed when swapped) while the next group computes.
 //
 // The default for bf16 GEMMs on CPUs with AVX512-BF16 and no AMX (gemm.cpp):
 // on a Zen 4 (docs/benchmarks.md) the headline step is 4-6% faster than with
-// oneDNN 2.6 (88-90.5% of the vdpbf16ps peak) and the T=512 step 12-20%.
+// oneDNN 2.6 (88-91% of the vdpbf16ps peak) and the T=512 step 11-20%.
 // GRPO_GEMM=avx512bf16 (or the microbench's gemm_backend) forces it where AMX
 // would be picked, and the GEMM tester holds it to the double reference
 // wherever the CPU can run it.
