@@ -45,17 +45,15 @@ struct Avx512Bf16Micro {
   template <class XAt>
   static void group(__m512 (&acc)[kGroupRows][2], const XAt& x_at, const std::uint16_t* y0, const std::uint16_t* y1,
                     std::int64_t kb32) {
-    for (std::int64_t kp = 0; kp < kb32 / 2; kp += kKStep / 2) {
-      for (std::int64_t p = kp; p < kp + kKStep / 2; ++p) {
-        const auto ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + p * 32));
-        const auto yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + p * 32));
-        for (int r = 0; r < kGroupRows; ++r) {
-          std::uint32_t pair = 0;
-          std::memcpy(&pair, x_at(r, p), sizeof(pair));
-          const auto xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, ya);
-          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, yb);
-        }
+    for (std::int64_t p = 0; p < kb32 / 2; ++p) {
+      const auto ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + p * 32));
+      const auto yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + p * 32));
+      for (int r = 0; r < kGroupRows; ++r) {
+        std::uint32_t pair = 0;
+        std::memcpy(&pair, x_at(r, p), sizeof(pair));
+        const auto xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, ya);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, yb);
       }
     }
   }
@@ -75,12 +73,12 @@ struct Avx512Bf16Micro {
       }
       if (x_rs == 0) {
         const std::uint16_t* xg = xp + g * kb32;
-        group(
-            acc, [xg](int r, std::int64_t p) { return xg + (p * kGroupRows + r) * 2; }, y0, y1, kb32);
+        const auto packed = [xg](int r, std::int64_t p) { return xg + (p * kGroupRows + r) * 2; };
+        group(acc, packed, y0, y1, kb32);
       } else {
         const std::uint16_t* xr = xp + g * x_rs;
-        group(
-            acc, [xr, x_rs](int r, std::int64_t p) { return xr + r * x_rs + 2 * p; }, y0, y1, kb32);
+        const auto in_place = [xr, x_rs](int r, std::int64_t p) { return xr + r * x_rs + 2 * p; };
+        group(acc, in_place, y0, y1, kb32);
       }
       if (last) {
         to_c(g, acc);

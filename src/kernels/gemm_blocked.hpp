@@ -20,12 +20,12 @@
 //   stream. A Micro that can (kXInPlace) reads X's rows where they are
 //   instead, when they are K-contiguous and the panel is used once per k
 //   block (the forward's W tile rows, dhidden's dlogits rows): no copy, and
-//   measured faster though the W rows, 8 KiB apart, share one L1 set.
-//   Each element's
-//   reduction runs over k in ascending order (Micro's own order within its k
-//   step, then f32 partial sums stored and reloaded exactly between k
-//   blocks): the same whatever M, N or the element's position, so a row's
-//   result does not depend on its batch (GemmTraits::m_independent).
+//   measured faster though the W rows, 8 KiB apart, share one L1 set. Each
+//   element's reduction runs over k in ascending order (Micro's own order
+//   within its k step, then f32 partial sums stored and reloaded exactly
+//   between k blocks): the same whatever M, N or the element's position,
+//   so a row's result does not depend on its batch
+//   (GemmTraits::m_independent).
 //
 // Only for translation units compiled with AVX-512F/BW/VL and AVX512-BF16;
 // everything is in an unnamed namespace (one copy per such unit).
@@ -39,10 +39,10 @@
 //   from acc_at (ld acc_ld floats); leaves it in acc_at, or when last, as
 //   four 16 x 16 tiles in staged (rows 0-15 x cols 0-15, 0-15 x 16-31,
 //   16-31 x 0-15, 16-31 x 16-31). A kDirectC Micro has instead
-//   block(xp, x_rs, y0, y1, kb32, acc_at, acc_ld, first, last, to_c), xp
-//   X's first row in place, rows x_rs elements apart, when x_rs > 0 (a
-//   kXInPlace Micro), and which when
-//   last hands each finished group of kXGroupRows rows to to_c(g, sums)
+//   block(xp, x_rs, y0, y1, kb32, acc_at, acc_ld, first, last, to_c) (xp
+//   X's first row in place, rows x_rs elements apart, when x_rs > 0: a
+//   kXInPlace Micro), which when last hands each finished group of
+//   kXGroupRows rows to to_c(g, sums)
 //   (sums[r][h]: row g + r, columns 16 h .. 16 h + 15), stored to C from
 //   registers (store_group).
 #pragma once
@@ -273,6 +273,8 @@ class BlockedGemm final : public GemmBackend {
         // 56.2 ms; a look-ahead prefetch of the next panel into L2, dead code
         // until prefetch.hpp, then measured 0.6% slower at T = 512: gone).
         const bool pack_now = !x_whole_ || n0 == 0;
+        // Whether this k block's whole panels are read in place (below).
+        const bool rows_in_place = Micro::kXInPlace && !x_whole_ && x_kcontig_ && x_.rs >= kb && kb == kb32;
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
           std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 : xpack;  // the panel, in Micro's layout
           // A panel used once per k block whose rows are all there,
@@ -282,8 +284,7 @@ class BlockedGemm final : public GemmBackend {
           // six interleaved pairs: 94.9-95.8% -> 96.2-97.2% of the peak
           // (dhidden the same either way); headline step, two pairs: the
           // forward 46.3-47.0 -> 45.4-45.5 thread-s.
-          const bool in_place =
-              Micro::kXInPlace && !x_whole_ && x_kcontig_ && x_.rs >= kb && kb == kb32 && m0 + kPanel <= mx_;
+          const bool in_place = rows_in_place && m0 + kPanel <= mx_;
           if (!in_place && pack_now) pack_x(xs, m0, std::min(kPanel, mx_ - m0), k0, kb, kb32, xp);
           const std::uint16_t* xin = in_place ? xs + m0 * x_.rs + k0 : xp;
           for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
