@@ -242,8 +242,10 @@ std::vector<Case> cases() {
       // panels and a tail (X packed as first needed and kept for the later
       // column blocks), and the forward's 160 rows; a wide Y packed whole
       // across its columns (dhidden's W chunk) in k blocks with partial sums
-      // (N = 3000: k blocks of 1376 and 124; in one block at 40 x 600 x 2100).
+      // (N = 2000: k blocks of 1024 and 476; in one block at 40 x 600 x 2100;
+      // N = 3000, too wide for a 1024-deep block, in L2 column blocks).
       out.push_back({33, 256, 3000, a_t, b_t, true, 0, DType::f32});
+      out.push_back({17, 2000, 1500, a_t, b_t, false, 1, DType::f32});
       out.push_back({17, 3000, 1500, a_t, b_t, false, 1, DType::f32});
       out.push_back({40, 600, 2100, a_t, b_t, true, 2, DType::f32});
       out.push_back({40, 1100, 640, a_t, b_t, true, 0, DType::bf16});

@@ -69,8 +69,14 @@ constexpr std::size_t kYBlockBytes = std::size_t{1024} << 10;
 // taken whole (below).
 constexpr std::int64_t kSharedKBlock = 4096;
 constexpr std::size_t kSharedYWholeBytes = std::size_t{8} << 20;
-// The shortest k block a Y packed whole across its columns may take (more
-// partial-sum round trips than that cost more than the packing saves).
+// The most of a wide Y (below) packed whole across its columns at a time,
+// and the shortest k block it may take (more partial-sum round trips than
+// that cost more than the packing saves). dhidden's 2048-column W chunk:
+// k blocks of 1024, 4 MiB less scratch per slot than 8 MiB blocks of 2048
+// at the same speed. Zen 4, alternated runs: T = 512 step, dhidden 2.48
+// thread-s either way (12 MiB: 2.52); headline 60.82 / 61.39 s against
+// 61.25 / 61.75 s, peak 250.8 MB against 259.3.
+constexpr std::size_t kWideYBytes = std::size_t{4} << 20;
 constexpr std::int64_t kWideYMinK = 1024;
 constexpr std::int64_t kTile = 16;   // rows of a tile; f32 columns of an accumulator tile
 constexpr std::int64_t kKStep = 32;  // bf16 k per tile row (64 bytes)
@@ -177,8 +183,7 @@ class BlockedGemm final : public GemmBackend {
         // prefetchers follow) instead of 512-byte pieces of 2048 rows per
         // block. Zen 4, one thread, dhidden 512 x 151936 x 2048: packing
         // 170 -> 77 ms of 1.6 s, 83 -> 88-89% of the peak.
-        const std::int64_t kc =
-            std::min(k32, static_cast<std::int64_t>(kSharedYWholeBytes) / (ny32 * 2) / kKStep * kKStep);
+        const std::int64_t kc = std::min(k32, static_cast<std::int64_t>(kWideYBytes) / (ny32 * 2) / kKStep * kKStep);
         if (kc >= kWideYMinK) kc_whole = kc;
       }
       if (kc_whole > 0) {
