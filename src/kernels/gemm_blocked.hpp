@@ -261,6 +261,8 @@ class BlockedGemm final : public GemmBackend {
       const std::int64_t kb32 = round_up(kb, kKStep);
       const bool first = k0 == 0;
       const bool last = k0 + kb >= k_;
+      // Whether this k block's whole panels are read in place (below).
+      const bool rows_in_place = Micro::kXInPlace && !x_whole_ && x_kcontig_ && x_.rs >= kb && kb == kb32;
       for (std::int64_t n0 = 0; n0 < ny_; n0 += nc_) {
         const std::int64_t nb = std::min(nc_, ny_ - n0);
         const std::int64_t nb32 = round_up(nb, kPanel);
@@ -278,8 +280,6 @@ class BlockedGemm final : public GemmBackend {
         // 56.2 ms; a look-ahead prefetch of the next panel into L2, dead code
         // until prefetch.hpp, then measured 0.6% slower at T = 512: gone).
         const bool pack_now = !x_whole_ || n0 == 0;
-        // Whether this k block's whole panels are read in place (below).
-        const bool rows_in_place = Micro::kXInPlace && !x_whole_ && x_kcontig_ && x_.rs >= kb && kb == kb32;
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
           std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 : xpack;  // the panel, in Micro's layout
           // A panel used once per k block whose rows are all there,
