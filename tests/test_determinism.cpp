@@ -118,5 +118,38 @@ TEST(BatchInvariance, LogpAndEntropyOfARowDoNotDependOnItsBatch) {
   }
 }
 
+// A block whose packed hidden rows are more than the forward GEMM takes whole
+// (GemmTraits::max_shared_rows; 1024 rows at H = 4096 for the avx512bf16
+// backend) runs its forward in equal calls of at most that many rows, and a
+// shorter last block past it in calls of its own: the loss and every row's
+// outputs bitwise a small-block plan's (dW sums the blocks, so its bits
+// follow the block size).
+TEST(BatchInvariance, ForwardCallsSplitPastTheSharedRowCap) {
+  HeadCase c;
+  c.spec = {1, 3420, 257, config_for(LossType::grpo)};  // a 1920-row block, then 1500 rows
+  c.spec.seed = 227;
+  c.hidden = 4096;
+  c.dtype = DType::bf16;
+  c.vocab_tile = 0;
+  const HeadProblem p = make_head_problem(c, /*with_oracle=*/false);
+  c.token_block = 1920;  // a requested block is a multiple of 160 (kForwardRows)
+  const HeadOutputs big = run_head(c, p);
+  c.token_block = 160;
+  const HeadOutputs small = run_head(c, p);
+  SCOPED_TRACE(big.schedule + " vs " + small.schedule);
+  EXPECT_TRUE(same_bits(big.metrics.loss, small.metrics.loss));
+  EXPECT_TRUE(same_bits(big.logp, small.logp));
+  EXPECT_TRUE(same_bits(big.entropy, small.entropy));
+  EXPECT_TRUE(same_bits(big.dhidden, small.dhidden));
+  if (big.schedule.find("forward:grpo:avx512_bf16") == std::string::npos) {
+    GTEST_SKIP() << "the forward runs no avx512bf16 GEMM on this CPU (the one backend with a shared-row cap): "
+                 << big.schedule;
+  }
+  EXPECT_NE(big.schedule.find("token_block=1920 "), std::string::npos);
+  EXPECT_NE(big.schedule.find("forward_rows=960 "), std::string::npos);
+  // 2 x 960 rows, then the last block's 1500 (1504 rounded to 32) in 2 x 768.
+  EXPECT_EQ(big.stats.logits_gemm_rows, 1920 + 2 * 768);
+}
+
 }  // namespace
 }  // namespace grpo::test

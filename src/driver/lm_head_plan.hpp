@@ -229,13 +229,15 @@ struct LmHeadPlanData {
   std::unique_ptr<kernels::GemmEngine> engine;
   // Forward logits tile: [forward_rows] x [tile or last tile].
   FullAndLast<std::unique_ptr<kernels::Gemm>> forward;
-  // The last token block's, when it is shorter than the others and one
-  // forward call takes a whole block of rows that do not depend on M (ours,
-  // GemmTraits::m_independent: the same bits): [forward_tail_rows] x [tile or
-  // last tile], its rows rounded up to kRowQuantum. Null otherwise (the last
-  // block is zero-padded to forward_rows).
+  // The last token block's, when it is shorter than the others and the
+  // forward calls' rows do not depend on M (ours, GemmTraits::m_independent:
+  // the same bits): [forward_tail_rows] x [tile or last tile], in as many
+  // calls as a block's at most, for the last block's forward_tail_block rows
+  // (rounded up to kRowQuantum). Null otherwise (the last block is
+  // zero-padded to forward_rows).
   FullAndLast<std::unique_ptr<kernels::Gemm>> forward_tail;
   std::int64_t forward_tail_rows = 0;
+  std::int64_t forward_tail_block = 0;
   // The backward GEMMs' padded rows; the vectors below are indexed by its rungs.
   RowLadder row_ladder;
   // Backward, indexed by row_ladder.index_of(padded active rows).

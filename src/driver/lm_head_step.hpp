@@ -221,7 +221,7 @@ struct LmHeadStep {
   // forward_tail_rows for the shorter last block that has its own GEMMs: a
   // partial last chunk is copied to the stage buffer and zero-padded.
   void forward(std::int64_t b0, std::int64_t nb, bool keep) {
-    const bool tail = p.forward_tail.full != nullptr && nb <= p.forward_tail_rows;
+    const bool tail = p.forward_tail.full != nullptr && nb <= p.forward_tail_block;
     const std::int64_t fr = tail ? p.forward_tail_rows : p.forward_rows;
     const std::int64_t chunks = (nb + fr - 1) / fr;
     const std::int64_t partial = nb - (chunks - 1) * fr;  // rows of the last chunk

@@ -37,6 +37,11 @@ struct GemmTraits {
   // does not depend on the batch it came in (batch invariance by
   // construction). oneDNN's brgemm picks its K blocking from M: false.
   bool m_independent = false;
+  // For a spec with a shared operand (GemmSpec::shared): the most of its
+  // rows (A's M, or B's N) one call takes at full speed; a call with more
+  // packs them in smaller blocks and runs slower, so a driver free to split
+  // the rows (m_independent) makes calls of at most this many. 0: no limit.
+  std::int64_t max_shared_rows = 0;
 };
 
 class GemmBackend {

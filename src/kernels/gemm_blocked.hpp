@@ -228,7 +228,16 @@ class BlockedGemm final : public GemmBackend {
     }
   }
   const char* implementation() const override { return swapped_ ? Micro::kSwappedName : Micro::kName; }
-  GemmTraits traits() const override { return {.m_independent = true}; }
+  GemmTraits traits() const override {
+    // A shared Y is taken whole only up to kSharedYWholeBytes (constructor).
+    std::int64_t max_shared_rows = 0;
+    if (Micro::kWholeSharedY && spec_.shared != SharedOperand::none) {
+      max_shared_rows =
+          std::max<std::int64_t>(kPanel, static_cast<std::int64_t>(kSharedYWholeBytes) /
+                                             (std::min(round_up(k_, kKStep), kSharedKBlock) * 2) / kPanel * kPanel);
+    }
+    return {.m_independent = true, .max_shared_rows = max_shared_rows};
+  }
   std::size_t scratchpad_bytes() const override { return scratch_bytes_; }
 
   void run(const void* a, const void* b, void* c, const void* bias, void* scratch, const void* packed) const override {
