@@ -234,20 +234,12 @@ std::size_t bytes_since(const MemorySample& before) {
   return std::max(growth(before.heap, now.heap), growth(before.anon_resident, now.anon_resident));
 }
 
-// Rows per forward call for a backend whose rows do not depend on M: the whole
-// block in one call per vocab tile (W read once per block), or in equal calls
-// of at most GemmTraits::max_shared_rows when the block's packed hidden rows
-// are more than the backend takes whole. Zen 4, one thread, forward x 4096 x
-// 2048: 96.7% of the peak at 832 rows, 92.1% at 1664 in one call (its 13 MiB
-// of packed rows in L2-sized blocks).
-std::int64_t whole_block_calls(const LmHeadShape& s, std::int64_t vocab_tile, std::int64_t block) {
-  const std::int64_t rows = round_up(block, kRowQuantum);
-  const std::int64_t cap = kernels::gemm_traits(forward_spec(s, rows, vocab_tile, vocab_tile)).max_shared_rows;
-  return cap > 0 ? (rows + cap - 1) / cap : 1;
-}
-std::int64_t whole_block_forward_rows(const LmHeadShape& s, std::int64_t vocab_tile, std::int64_t block) {
-  const std::int64_t rows = round_up(block, kRowQuantum);
-  const std::int64_t calls = whole_block_calls(s, vocab_tile, block);
+// `rows` (a multiple of kRowQuantum) in equal calls of at most `cap` rows
+// (0: one call): how many calls, and the rows of each (a multiple of
+// kRowQuantum; the last call's are padded when the calls do not divide them).
+std::int64_t calls_of(std::int64_t rows, std::int64_t cap) { return cap > 0 ? (rows + cap - 1) / cap : 1; }
+std::int64_t rows_per_call(std::int64_t rows, std::int64_t cap) {
+  const std::int64_t calls = calls_of(rows, cap);
   return round_up((rows + calls - 1) / calls, kRowQuantum);
 }
 
@@ -300,9 +292,9 @@ std::size_t create_gemms(LmHeadPlanData& p) {
   const std::int64_t block = p.schedule.token_block;
   const std::int64_t tail_rows = round_up(p.rows - (p.rows - 1) / block * block, kRowQuantum);
   if (tail_rows < p.block_rows_alloc && p.forward.full->traits().m_independent) {
-    const std::int64_t calls = (tail_rows + p.forward_rows - 1) / p.forward_rows;
+    const std::int64_t calls = calls_of(tail_rows, p.forward_rows);
     p.forward_tail_block = tail_rows;
-    p.forward_tail_rows = round_up((tail_rows + calls - 1) / calls, kRowQuantum);
+    p.forward_tail_rows = rows_per_call(tail_rows, p.forward_rows);
     p.forward_tail.full = make(forward_spec(s, p.forward_tail_rows, vt, vt));
     p.forward_tail.last = make(forward_spec(s, p.forward_tail_rows, last_tile, last_tile));
     packed = std::max(packed, static_cast<std::size_t>(calls) * p.forward_tail.full->shared_packed_bytes());
@@ -510,11 +502,15 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
 
   // A backend whose rows do not depend on the batch (GemmTraits) takes the
   // whole block in one forward call per vocab tile: W is read once per block,
-  // not once per kForwardRows rows.
-  const bool whole_block =
-      forced == nullptr &&
-      kernels::gemm_traits(forward_spec(shape, p->forward_rows, p->schedule.vocab_tile, p->schedule.vocab_tile))
-          .m_independent;
+  // not once per kForwardRows rows. Or, when the block's packed hidden rows
+  // are more than the backend takes whole (GemmTraits::max_shared_rows), in
+  // equal calls of at most that many. Zen 4, one thread, forward x 4096 x
+  // 2048: 96.7% of the peak at 832 rows, 92.1% at 1664 in one call (its 13
+  // MiB of packed rows in L2-sized blocks).
+  const kernels::GemmTraits forward_traits =
+      kernels::gemm_traits(forward_spec(shape, p->forward_rows, p->schedule.vocab_tile, p->schedule.vocab_tile));
+  const bool whole_block = forced == nullptr && forward_traits.m_independent;
+  const std::int64_t forward_cap = forward_traits.max_shared_rows;
   const int threads = resolve_threads(options.max_threads);
   // dhidden's columns per task. Each task's GEMM reads the block's whole
   // dlogits [block, V] once, so fewer, wider chunks read less; a backend
@@ -531,7 +527,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
       // Of several blocks, each one a whole number of equal calls of whole
       // 32-row panels, so that no call computes padding rows (Zen 4, 640 MiB
       // budget: 1632 rows took 2 x 832).
-      const std::int64_t unit = whole_block_calls(shape, p->schedule.vocab_tile, block) * kRowQuantum;
+      const std::int64_t unit = calls_of(round_up(block, kRowQuantum), forward_cap) * kRowQuantum;
       block = std::max(unit, block / unit * unit);
     }
     p->schedule.recompute_logits = false;
@@ -551,7 +547,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
       p->schedule.recompute_logits = !options.forward_only;
     }
     p->schedule.token_block = block;
-    if (whole_block) p->forward_rows = whole_block_forward_rows(shape, p->schedule.vocab_tile, block);
+    if (whole_block) p->forward_rows = rows_per_call(round_up(block, kRowQuantum), forward_cap);
     p->block_rows_alloc = round_up(block, p->forward_rows);
     p->schedule.plan_bytes = create_gemms(*p);
     const WorkspaceRegistry regions = book_workspace(*p, /*packed_estimate=*/false);

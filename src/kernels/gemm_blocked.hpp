@@ -175,7 +175,8 @@ class BlockedGemm final : public GemmBackend {
         // thread: 53.4 -> 48.7 ms; in the step with 2624-row blocks (21 MiB
         // of Y) the forward took 37% longer.
         const std::int64_t kc = std::min(k32, kSharedKBlock);
-        if (static_cast<std::size_t>(kc * ny32) * 2 <= kSharedYWholeBytes) kc_whole = kc;
+        max_shared_rows_ = static_cast<std::int64_t>(kSharedYWholeBytes) / (kc * 2) / kPanel * kPanel;
+        if (ny32 <= max_shared_rows_) kc_whole = kc;
       } else if (y_.cs == 1 && nc_ < ny32) {
         // Y packed by this call from N-contiguous rows too wide for one L2
         // block (dhidden's W chunk: 2048 columns of rows 8 KiB apart), read
@@ -228,16 +229,7 @@ class BlockedGemm final : public GemmBackend {
     }
   }
   const char* implementation() const override { return swapped_ ? Micro::kSwappedName : Micro::kName; }
-  GemmTraits traits() const override {
-    // A shared Y is taken whole only up to kSharedYWholeBytes (constructor).
-    std::int64_t max_shared_rows = 0;
-    if (Micro::kWholeSharedY && spec_.shared != SharedOperand::none) {
-      max_shared_rows =
-          std::max<std::int64_t>(kPanel, static_cast<std::int64_t>(kSharedYWholeBytes) /
-                                             (std::min(round_up(k_, kKStep), kSharedKBlock) * 2) / kPanel * kPanel);
-    }
-    return {.m_independent = true, .max_shared_rows = max_shared_rows};
-  }
+  GemmTraits traits() const override { return {.m_independent = true, .max_shared_rows = max_shared_rows_}; }
   std::size_t scratchpad_bytes() const override { return scratch_bytes_; }
 
   void run(const void* a, const void* b, void* c, const void* bias, void* scratch, const void* packed) const override {
@@ -688,6 +680,10 @@ class BlockedGemm final : public GemmBackend {
   View x_, y_;
   bool x_kcontig_ = false;  // X's rows are K-contiguous: packing is a copy
   bool x_whole_ = false;    // X packed a whole k block at a time (Y spans several column blocks)
+  // The most of a shared Y's columns taken whole (kSharedYWholeBytes in k
+  // blocks of up to kSharedKBlock; see the constructor), 0 when it never is:
+  // GemmTraits::max_shared_rows.
+  std::int64_t max_shared_rows_ = 0;
   std::int64_t kc_ = 0, nc_ = 0;
   std::int64_t acc_ld_ = 0;
   std::size_t y_bytes_ = 0, x_bytes_ = 0, acc_bytes_ = 0, scratch_bytes_ = 0;
