@@ -14,7 +14,7 @@ LmHeadShape headline(std::int64_t seq_len, DType dtype) {
 
 TEST(Workspace, WithinBudgetAtHeadlineShape) {
   for (DType dtype : {DType::bf16, DType::f32}) {
-    for (std::size_t budget : {std::size_t{256} << 20, std::size_t{64} << 20}) {
+    for (std::size_t budget : {LmHeadOptions{}.workspace_budget, std::size_t{256} << 20, std::size_t{64} << 20}) {
       LmHeadOptions opt;
       opt.workspace_budget = budget;
       const LmHeadLossPlan plan(headline(8192, dtype), LossConfig{}, opt);
@@ -39,11 +39,11 @@ TEST(Workspace, SequenceLevelRecomputeAndForwardOnlyWithinBudget) {
   const LmHeadLossPlan recompute(headline(8192, DType::bf16), gspo);
   SCOPED_TRACE(recompute.describe());
   EXPECT_TRUE(recompute.schedule().recompute_logits);  // one 8192-token sequence spans blocks
-  EXPECT_LE(recompute.workspace_size(), std::size_t{256} << 20);
+  EXPECT_LE(recompute.workspace_size(), LmHeadOptions{}.workspace_budget);
   LmHeadOptions fwd;
   fwd.forward_only = true;
   const LmHeadLossPlan forward(headline(8192, DType::bf16), LossConfig{}, fwd);
-  EXPECT_LE(forward.workspace_size(), std::size_t{256} << 20);
+  EXPECT_LE(forward.workspace_size(), LmHeadOptions{}.workspace_budget);
 }
 
 TEST(Workspace, BudgetTooSmallIsRefused) {
