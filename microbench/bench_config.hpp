@@ -41,9 +41,9 @@ struct BenchConfig {
   DType logits_dtype = DType::f32;  // baseline logits; logits-level inputs
   WeightLayout layout = WeightLayout::vocab_major;
   bool bias = false;
-  std::int64_t vocab_tile = 0;   // 0 = the plan's choice
-  std::int64_t token_block = 0;  // 0 = the plan's choice
-  std::uint64_t workspace_budget = std::uint64_t{256} << 20;
+  std::int64_t vocab_tile = 0;                                        // 0 = the plan's choice
+  std::int64_t token_block = 0;                                       // 0 = the plan's choice
+  std::uint64_t workspace_budget = LmHeadOptions{}.workspace_budget;  // the library's default
   DType dhidden_dtype = DType::f32;
   DType dweight_dtype = DType::f32;
   bool forward_only = false;

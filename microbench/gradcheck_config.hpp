@@ -35,7 +35,7 @@ struct GradcheckConfig {
   DType baseline_logits_dtype = DType::f32;
   std::int64_t vocab_tile = 0;
   std::int64_t token_block = 0;
-  std::uint64_t workspace_budget = std::uint64_t{256} << 20;
+  std::uint64_t workspace_budget = LmHeadOptions{}.workspace_budget;  // the library's default
   int threads = 0;
   LossSpec loss;
   InputSpec inputs;
