@@ -61,7 +61,7 @@ inline constexpr std::int64_t kForwardRows = 160;
 // than sizing the block after the slots) keeps the token block, and so the
 // order of every reduction, independent of the thread count. A sixth: two
 // slots of our AMX backend at the headline (a 640-row logits tile and the
-// GEMMs' packing scratch, 22 MiB each) fit in it at the default budget.
+// GEMMs' packing scratch, 22 MiB each) fit in it at a 256 MiB budget.
 inline constexpr std::size_t kSlotBudgetDivisor = 6;
 // The filtered backward (LmHeadOptions::grad_filter) runs its GEMMs over a
 // block's kept vocabulary columns in groups of this many (the last one

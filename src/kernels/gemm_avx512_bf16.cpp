@@ -9,8 +9,9 @@
 // store_group, transposed when swapped) while the next group computes.
 //
 // The default for bf16 GEMMs on CPUs with AVX512-BF16 and no AMX (gemm.cpp):
-// on a Zen 4 (docs/benchmarks.md) the headline step is 4-6% faster than with
-// oneDNN 2.6 (88-91% of the vdpbf16ps peak) and the T=512 step 11-20%.
+// on a Zen 4 (docs/benchmarks.md) the headline step takes 8-10% less time than with
+// oneDNN 2.6 (92.5-92.6% of the vdpbf16ps peak at the default 640 MiB
+// workspace budget) and the T=512 step 11-20%.
 // GRPO_GEMM=avx512bf16 (or the microbench's gemm_backend) forces it where AMX
 // would be picked, and the GEMM tester holds it to the double reference
 // wherever the CPU can run it.
