@@ -74,8 +74,8 @@ LmHeadShape tiny_head(std::int64_t seq_len, DType dtype) {
 
 // The case: H = 8, V = 16 at T = 70000 and 140000, where a 256 MiB
 // budget (the default then, kept here for the tighter bound) takes every row
-// in one block. f32 runs oneDNN (a primitive is
-// tens of KiB), bf16 our backend where the CPU has AMX (oneDNN otherwise).
+// in one block. f32 runs oneDNN (a primitive is tens of KiB), bf16 our
+// backend where the CPU has AMX (oneDNN otherwise).
 // Before the ladder: 13142 GEMMs and ~620 MiB at T = 70000 (f32), twice that
 // at 140000.
 TEST(PlanMemory, GemmCountAndBytesDoNotGrowWithTheBlock) {

@@ -73,8 +73,8 @@ struct LmHeadOptions {
   // Upper bound on the workspace, whatever N is. The default buys token
   // blocks long enough for the backward GEMMs to reach their speed at a
   // 151936-token vocabulary (1600 rows at H = 4096: 595 MB at the headline,
-  // 2% faster than 256 MiB's 640 rows, docs/benchmarks.md); a smaller budget
-  // trades that for memory.
+  // on a Zen 4 2-3% faster than 256 MiB's 640 rows, docs/benchmarks.md); a
+  // smaller budget trades that for memory.
   std::size_t workspace_budget = std::size_t{640} << 20;
   int max_threads = 0;  // 0 = the current task_arena's concurrency
   bool forward_only = false;

@@ -486,20 +486,6 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   const bool requested = options.token_block > 0;
   p->forward_rows = std::min(kForwardRows, requested ? round_up(limit, kRowQuantum)
                                                      : std::max(kRowQuantum, limit / kRowQuantum * kRowQuantum));
-  // A backend that takes the whole block in one forward call (whole_block
-  // below) needs no multiple of forward_rows: the block is any multiple of kRowQuantum.
-  const bool any_rows =
-      !requested && forced == nullptr &&
-      kernels::gemm_traits(forward_spec(shape, p->forward_rows, p->schedule.vocab_tile, p->schedule.vocab_tile))
-          .m_independent;
-  const std::int64_t quantum = any_rows ? kRowQuantum : p->forward_rows;
-  std::int64_t nb = limit <= p->forward_rows ? limit : limit / quantum * quantum;
-  nb = std::min(nb, round_up(p->rows, p->forward_rows));  // no block longer than the batch needs
-  if (forced != nullptr) {
-    p->forward_rows = forced->forward_rows;
-    nb = forced->token_block;
-  }
-
   // A backend whose rows do not depend on the batch (GemmTraits) takes the
   // whole block in one forward call per vocab tile: W is read once per block,
   // not once per kForwardRows rows. Or, when the block's packed hidden rows
@@ -511,6 +497,17 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
       kernels::gemm_traits(forward_spec(shape, p->forward_rows, p->schedule.vocab_tile, p->schedule.vocab_tile));
   const bool whole_block = forced == nullptr && forward_traits.m_independent;
   const std::int64_t forward_cap = forward_traits.max_shared_rows;
+  // Such a backend needs no multiple of forward_rows: the block is any
+  // multiple of kRowQuantum (unless requested).
+  const bool any_rows = !requested && whole_block;
+  const std::int64_t quantum = any_rows ? kRowQuantum : p->forward_rows;
+  std::int64_t nb = limit <= p->forward_rows ? limit : limit / quantum * quantum;
+  nb = std::min(nb, round_up(p->rows, p->forward_rows));  // no block longer than the batch needs
+  if (forced != nullptr) {
+    p->forward_rows = forced->forward_rows;
+    nb = forced->token_block;
+  }
+
   const int threads = resolve_threads(options.max_threads);
   // dhidden's columns per task. Each task's GEMM reads the block's whole
   // dlogits [block, V] once, so fewer, wider chunks read less; a backend
