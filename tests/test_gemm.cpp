@@ -101,7 +101,10 @@ std::string name(const Case& c) {
 std::vector<GemmBackendKind> runnable_backends() {
   std::vector<GemmBackendKind> kinds{GemmBackendKind::onednn, GemmBackendKind::reference};
   if (avx2_gemm_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx2);
-  if (avx512_bf16_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx512_bf16);
+  if (avx512_bf16_usable()) {
+    kinds.insert(kinds.begin(), GemmBackendKind::avx512_fma);
+    kinds.insert(kinds.begin(), GemmBackendKind::avx512_bf16);
+  }
   if (amx_usable()) kinds.insert(kinds.begin(), GemmBackendKind::amx);
   return kinds;
 }
@@ -109,9 +112,15 @@ std::vector<GemmBackendKind> runnable_backends() {
 std::unique_ptr<GemmBackend> make_backend(GemmBackendKind kind, const GemmSpec& spec) {
   if (kind == GemmBackendKind::amx) return make_amx_gemm(spec);
   if (kind == GemmBackendKind::avx512_bf16) return make_avx512_bf16_gemm(spec);
+  if (kind == GemmBackendKind::avx512_fma) return make_avx512_fma_gemm(spec);
   if (kind == GemmBackendKind::avx2) return make_avx2_gemm(spec);
   if (kind == GemmBackendKind::reference) return make_reference_gemm(spec);
   return nullptr;  // oneDNN runs through kernels::Gemm (GRPO_GEMM unset or forcing another: see run_case)
+}
+
+// Our blocked microkernel backends (gemm_blocked.hpp): bf16 A and B alone.
+bool blocked_microkernel(GemmBackendKind kind) {
+  return kind == GemmBackendKind::amx || kind == GemmBackendKind::avx512_bf16 || kind == GemmBackendKind::avx512_fma;
 }
 
 // oneDNN 2.6 has no bf16 matmul without AVX-512.
@@ -172,9 +181,7 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
   for (const GemmBackendKind kind : runnable_backends()) {
     Buffer c = c0;
     if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
-      // amx and avx512bf16 take bf16 A and B alone.
-      const bool bf16_only = kind == GemmBackendKind::amx || kind == GemmBackendKind::avx512_bf16;
-      if (kind != GemmBackendKind::onednn && !(bf16_only && cs.in_dtype == DType::f32)) {
+      if (kind != GemmBackendKind::onednn && !(blocked_microkernel(kind) && cs.in_dtype == DType::f32)) {
         ADD_FAILURE() << to_string(kind) << " refused a spec it should serve";
       }
       continue;
@@ -265,7 +272,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmTester, ::testing::ValuesIn(cases()),
 // A row's result does not depend on the rows computed with it: rows 0-6 of a
 // 7-row call equal rows 0-6 of a 160-row call bitwise, and rows 100-106 of the
 // 160-row call equal a 7-row call over those rows, for every backend whose
-// traits say so (our AMX, AVX512-BF16 and AVX2 backends). oneDNN's says not.
+// traits say so (our AMX, AVX512-BF16, AVX-512 FMA and AVX2 backends). oneDNN's says not.
 TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
   std::mt19937 rng(77);
   const std::int64_t k = 4096;
@@ -275,8 +282,7 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
     Buffer b = make(DType::bf16, k, n, b_t, 0, rng);
     for (const GemmBackendKind kind : runnable_backends()) {
       // Ours (the reference is invariant by its loops; oneDNN is not).
-      if (kind != GemmBackendKind::amx && kind != GemmBackendKind::avx512_bf16 && kind != GemmBackendKind::avx2)
-        continue;
+      if (!blocked_microkernel(kind) && kind != GemmBackendKind::avx2) continue;
       auto run_rows = [&](std::int64_t r0, std::int64_t rows, int threads) {
         GemmSpec spec;
         spec.threads = threads;
@@ -318,7 +324,7 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   std::vector<GemmBackendKind> ours;
   for (const GemmBackendKind k : runnable_backends()) {
-    if (k == GemmBackendKind::amx || k == GemmBackendKind::avx512_bf16) ours.push_back(k);
+    if (blocked_microkernel(k)) ours.push_back(k);
   }
   if (ours.empty()) GTEST_SKIP() << "no microkernel backend runs on this CPU: " << amx_unusable_reason();
   const GemmEngine engine;
@@ -374,7 +380,7 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
   std::string skipped;
   if (!amx_usable()) skipped += std::string("amx (") + amx_unusable_reason() + ") ";
-  if (!avx512_bf16_usable()) skipped += "avx512bf16 (the CPU has no AVX512-BF16) ";
+  if (!avx512_bf16_usable()) skipped += "avx512bf16 and avx512fma (the CPU has no AVX512-BF16) ";
   if (!avx2_gemm_usable()) skipped += "avx2 (the CPU has no AVX2 and FMA) ";
   if (!onednn_has_bf16()) skipped += "onednn on bf16 (oneDNN 2.6 has no bf16 matmul without AVX-512)";
   if (!skipped.empty()) GTEST_SKIP() << "backends not tested on this CPU: " << skipped;

@@ -64,6 +64,7 @@ std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
   const std::string_view f = forced != nullptr ? forced : "";
   if (f == "reference") return make_reference_gemm(spec);
   if (f == "avx512bf16") return make_avx512_bf16_gemm(spec);
+  if (f == "avx512fma") return make_avx512_fma_gemm(spec);
   if (f == "avx2") return make_avx2_gemm(spec);
   if (f == "onednn") return nullptr;
   if (!f.empty() && f != "amx") {
@@ -97,6 +98,7 @@ std::unique_ptr<GemmBackend> make_backend(GemmBackendKind backend, const GemmSpe
   switch (backend) {
     case GemmBackendKind::amx: return make_amx_gemm(spec);
     case GemmBackendKind::avx512_bf16: return make_avx512_bf16_gemm(spec);
+    case GemmBackendKind::avx512_fma: return make_avx512_fma_gemm(spec);
     case GemmBackendKind::avx2: return make_avx2_gemm(spec);
     case GemmBackendKind::reference: return make_reference_gemm(spec);
     case GemmBackendKind::onednn: return nullptr;
@@ -109,15 +111,17 @@ std::unique_ptr<GemmBackend> make_backend(GemmBackendKind backend, const GemmSpe
 Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, GemmBackendKind backend)
     : Gemm(engine, spec, make_backend(backend, spec), /*reference_if_onednn_cannot=*/false) {
   if (backend != GemmBackendKind::onednn && own_ == nullptr) {
-    const bool cpu = backend == GemmBackendKind::amx           ? amx_usable()
-                     : backend == GemmBackendKind::avx512_bf16 ? avx512_bf16_usable()
-                                                               : avx2_gemm_usable();
+    const bool cpu = backend == GemmBackendKind::amx ? amx_usable()
+                     : backend == GemmBackendKind::avx512_bf16 || backend == GemmBackendKind::avx512_fma
+                         ? avx512_bf16_usable()
+                         : avx2_gemm_usable();
     throw Error("gemm",
                 std::string("the ") + to_string(backend) + " backend cannot serve this GEMM: " +
                     (cpu                               ? "it takes bf16 A and B with one contiguous dimension each"
                      : backend == GemmBackendKind::amx ? amx_unusable_reason()
-                     : backend == GemmBackendKind::avx512_bf16 ? "the CPU has no AVX512-BF16"
-                                                               : "the CPU has no AVX2 and FMA"),
+                     : backend == GemmBackendKind::avx512_bf16 || backend == GemmBackendKind::avx512_fma
+                         ? "the CPU has no AVX512-BF16"
+                         : "the CPU has no AVX2 and FMA"),
                 ErrorKind::unsupported);
   }
 }

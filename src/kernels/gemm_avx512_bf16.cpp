@@ -29,38 +29,67 @@ namespace {
 
 constexpr std::int64_t kGroupRows = 8;  // rows of C per register group (16 accumulators + 2 Y + 1 broadcast of 32 zmm)
 
-struct Avx512Bf16Micro {
-  static constexpr GemmBackendKind kKind = GemmBackendKind::avx512_bf16;
-  static constexpr const char* kName = "grpo:avx512_bf16";
-  static constexpr const char* kSwappedName = "grpo:avx512_bf16 (swapped)";
+// kWiden false: vdpbf16ps on bf16 pairs. kWiden true: the same register
+// block in f32 FMAs, for CPUs whose vdpbf16ps runs at half their FMA rate
+// (see make_avx512_fma_gemm_on_cpu): X packed widened to f32 (each value a
+// broadcast from memory), Y's VNNI pairs widened in registers (a shift and
+// a mask per zmm, shared by the group's 8 rows). A product of two bf16
+// values is exact in f32, so both compute the bf16 GEMM with f32
+// accumulation; their roundings differ (vdpbf16ps adds a pair's products
+// before the accumulator).
+template <bool kWiden>
+struct Avx512Micro {
+  static constexpr GemmBackendKind kKind = kWiden ? GemmBackendKind::avx512_fma : GemmBackendKind::avx512_bf16;
+  static constexpr const char* kName = kWiden ? "grpo:avx512_fma" : "grpo:avx512_bf16";
+  static constexpr const char* kSwappedName = kWiden ? "grpo:avx512_fma (swapped)" : "grpo:avx512_bf16 (swapped)";
   static constexpr std::size_t kStateBytes = 0;
   static constexpr std::int64_t kXGroupRows = kGroupRows;  // X packed as [k pair][8 rows] per group
   static constexpr bool kWholeSharedY = true;
-  static constexpr bool kDirectC = true;   // finished groups go from registers to C (block's to_c)
-  static constexpr bool kXInPlace = true;  // reads K-contiguous X rows where they are (block's x_rs)
+  static constexpr bool kDirectC = true;      // finished groups go from registers to C (block's to_c)
+  static constexpr bool kXInPlace = !kWiden;  // reads K-contiguous X rows where they are (block's x_rs)
+  static constexpr bool kXF32 = kWiden;       // X packed as f32 pairs
 
   static void begin(void* /*state*/) {}
   static void end() {}
 
-  // Row r's (k, k + 1) pair p of a group: x_at(r, p) -> its u32.
+  // Row r's (k, k + 1) pair p of a group: x_at(r, p) -> its u32 (bf16), or
+  // its two f32 (kWiden).
   template <class XAt>
   static void group(__m512 (&acc)[kGroupRows][2], const XAt& x_at, const std::uint16_t* y0, const std::uint16_t* y1,
                     std::int64_t kb32) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000U));
     for (std::int64_t p = 0; p < kb32 / 2; ++p) {
-      const auto ya = std::bit_cast<__m512bh>(_mm512_loadu_si512(y0 + p * 32));
-      const auto yb = std::bit_cast<__m512bh>(_mm512_loadu_si512(y1 + p * 32));
-      for (int r = 0; r < kGroupRows; ++r) {
-        std::uint32_t pair = 0;
-        std::memcpy(&pair, x_at(r, p), sizeof(pair));
-        const auto xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, ya);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, yb);
+      const __m512i ya = _mm512_loadu_si512(y0 + p * 32);
+      const __m512i yb = _mm512_loadu_si512(y1 + p * 32);
+      if constexpr (kWiden) {
+        const __m512 ya0 = _mm512_castsi512_ps(_mm512_slli_epi32(ya, 16));
+        const __m512 yb0 = _mm512_castsi512_ps(_mm512_slli_epi32(yb, 16));
+        const __m512 ya1 = _mm512_castsi512_ps(_mm512_and_si512(ya, high));
+        const __m512 yb1 = _mm512_castsi512_ps(_mm512_and_si512(yb, high));
+        for (int r = 0; r < kGroupRows; ++r) {
+          const __m512 x = _mm512_set1_ps(x_at(r, p)[0]);
+          acc[r][0] = _mm512_fmadd_ps(x, ya0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(x, yb0, acc[r][1]);
+        }
+        for (int r = 0; r < kGroupRows; ++r) {
+          const __m512 x = _mm512_set1_ps(x_at(r, p)[1]);
+          acc[r][0] = _mm512_fmadd_ps(x, ya1, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(x, yb1, acc[r][1]);
+        }
+      } else {
+        for (int r = 0; r < kGroupRows; ++r) {
+          std::uint32_t pair = 0;
+          std::memcpy(&pair, x_at(r, p), sizeof(pair));
+          const auto xb = std::bit_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, std::bit_cast<__m512bh>(ya));
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, std::bit_cast<__m512bh>(yb));
+        }
       }
     }
   }
 
-  // x_rs 0: xp is a packed panel, [kb32 / 2][8 rows] u32 per group
-  // (gemm_blocked.hpp); else xp is X's first row in place, rows x_rs
+  // x_rs 0: xp is a packed panel, [kb32 / 2][8 rows] u32 (or 2 f32) per
+  // group (gemm_blocked.hpp); else xp is X's first row in place, rows x_rs
   // elements apart.
   template <class ToC>
   static void block(const std::uint16_t* xp, std::int64_t x_rs, const std::uint16_t* y0, const std::uint16_t* y1,
@@ -72,7 +101,11 @@ struct Avx512Bf16Micro {
           acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_at + (g + r) * acc_ld + h * kTile);
         }
       }
-      if (x_rs == 0) {
+      if constexpr (kWiden) {
+        const float* xg = reinterpret_cast<const float*>(xp) + g * kb32;
+        const auto packed = [xg](int r, std::int64_t p) { return xg + (p * kGroupRows + r) * 2; };
+        group(acc, packed, y0, y1, kb32);
+      } else if (x_rs == 0) {
         const std::uint16_t* xg = xp + g * kb32;
         const auto packed = [xg](int r, std::int64_t p) { return xg + (p * kGroupRows + r) * 2; };
         group(acc, packed, y0, y1, kb32);
@@ -96,7 +129,12 @@ struct Avx512Bf16Micro {
 
 std::unique_ptr<GemmBackend> detail::make_avx512_bf16_gemm_on_cpu(const GemmSpec& spec) {
   if (!serves(spec)) return nullptr;
-  return std::make_unique<BlockedGemm<Avx512Bf16Micro>>(spec);
+  return std::make_unique<BlockedGemm<Avx512Micro<false>>>(spec);
+}
+
+std::unique_ptr<GemmBackend> detail::make_avx512_fma_gemm_on_cpu(const GemmSpec& spec) {
+  if (!serves(spec)) return nullptr;
+  return std::make_unique<BlockedGemm<Avx512Micro<true>>>(spec);
 }
 
 }  // namespace grpo::kernels

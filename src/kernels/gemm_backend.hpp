@@ -26,7 +26,7 @@ namespace grpo::kernels {
 
 struct GemmSpec;
 
-enum class GemmBackendKind : std::uint8_t { amx, avx512_bf16, avx2, onednn, reference };
+enum class GemmBackendKind : std::uint8_t { amx, avx512_bf16, avx512_fma, avx2, onednn, reference };
 
 const char* to_string(GemmBackendKind kind);
 
@@ -66,6 +66,7 @@ class GemmBackend {
 // outside what it serves.
 std::unique_ptr<GemmBackend> make_amx_gemm(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec);
+std::unique_ptr<GemmBackend> make_avx512_fma_gemm(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx2_gemm(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec);
 
@@ -75,6 +76,7 @@ namespace detail {
 // the CPU was found to have it: null when the spec is outside what they serve.
 std::unique_ptr<GemmBackend> make_amx_gemm_on_cpu(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx512_bf16_gemm_on_cpu(const GemmSpec& spec);
+std::unique_ptr<GemmBackend> make_avx512_fma_gemm_on_cpu(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx2_gemm_on_cpu(const GemmSpec& spec);
 }  // namespace detail
 

@@ -195,12 +195,13 @@ class BlockedGemm final : public GemmBackend {
     const std::int64_t mx32 = round_up(mx_, kPanel);
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
     y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * 2);
+    constexpr std::size_t x_elem = Micro::kXF32 ? sizeof(float) : sizeof(std::uint16_t);
     // X: one panel at a time when Y is a single column block (each panel is
     // used once per k block), else the whole k block, packed once.
     // (at most kXWholeBytes: past that, e.g. a whole-vocabulary GEMM, the
     // panels are packed again for every column block).
-    x_whole_ = nc_ < ny32 && static_cast<std::size_t>(mx32 * kc_) * 2 <= kXWholeBytes;
-    x_bytes_ = align_up(static_cast<std::size_t>((x_whole_ ? mx32 : kPanel) * kc_) * 2);
+    x_whole_ = nc_ < ny32 && static_cast<std::size_t>(mx32 * kc_) * x_elem <= kXWholeBytes;
+    x_bytes_ = align_up(static_cast<std::size_t>((x_whole_ ? mx32 : kPanel) * kc_) * x_elem);
     acc_bytes_ = kc_ < k_ ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
     acc_ld_ = ny32;
     scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + kStagedFloats * sizeof(float) + Micro::kStateBytes;
@@ -282,7 +283,8 @@ class BlockedGemm final : public GemmBackend {
         // until prefetch.hpp, then measured 0.6% slower at T = 512: gone).
         const bool pack_now = !x_whole_ || n0 == 0;
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
-          std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 : xpack;  // the panel, in Micro's layout
+          // The panel, in Micro's layout (f32 elements for a kXF32 Micro).
+          std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 * (Micro::kXF32 ? 2 : 1) : xpack;
           // A panel used once per k block whose rows are all there,
           // K-contiguous and whole k steps is read where it is by a Micro
           // that can (kXInPlace): the forward's W tile rows, dhidden's
@@ -349,6 +351,7 @@ class BlockedGemm final : public GemmBackend {
               std::int64_t kb32, std::uint16_t* out) const {
     if constexpr (Micro::kXGroupRows > 0) {
       pack_x_groups(x, m0, rows, k0, kb, kb32, out);
+      if constexpr (Micro::kXF32) widen_pairs(out, kPanel * kb32 / 2);
       return;
     }
     const std::int64_t rows32 = round_up(rows, kPanel);
@@ -468,6 +471,24 @@ class BlockedGemm final : public GemmBackend {
       _mm256_store_si256(reinterpret_cast<__m256i*>(o + kp32 * kG), _mm512_extracti64x4_epi64(lo, 1));
       _mm256_store_si256(reinterpret_cast<__m256i*>(o + 2 * kp32 * kG), _mm512_extracti64x4_epi64(hi, 0));
       _mm256_store_si256(reinterpret_cast<__m256i*>(o + 3 * kp32 * kG), _mm512_extracti64x4_epi64(hi, 1));
+    }
+  }
+
+  // n (k, k + 1) bf16 pairs at out (u32 each, n a multiple of 16) -> 2 n
+  // f32 in place, each pair's k value first: exact (a bf16 is the top half
+  // of an f32). From the end, so no pair is overwritten before it is read.
+  static void widen_pairs(std::uint16_t* out, std::int64_t n) {
+    const auto* pairs = reinterpret_cast<const std::uint32_t*>(out);
+    auto* f = reinterpret_cast<float*>(out);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000U));
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    for (std::int64_t i = n - 16; i >= 0; i -= 16) {
+      const __m512i v = _mm512_load_si512(pairs + i);
+      const __m512i k0 = _mm512_slli_epi32(v, 16);
+      const __m512i k1 = _mm512_and_si512(v, high);
+      _mm512_store_si512(f + 2 * i, _mm512_permutex2var_epi32(k0, lo_idx, k1));
+      _mm512_store_si512(f + 2 * i + 16, _mm512_permutex2var_epi32(k0, hi_idx, k1));
     }
   }
 

@@ -108,6 +108,10 @@ std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec) {
   return avx512_bf16_usable() ? detail::make_avx512_bf16_gemm_on_cpu(spec) : nullptr;
 }
 
+std::unique_ptr<GemmBackend> make_avx512_fma_gemm(const GemmSpec& spec) {
+  return avx512_bf16_usable() ? detail::make_avx512_fma_gemm_on_cpu(spec) : nullptr;
+}
+
 std::unique_ptr<GemmBackend> make_avx2_gemm(const GemmSpec& spec) {
   return avx2_gemm_usable() ? detail::make_avx2_gemm_on_cpu(spec) : nullptr;
 }

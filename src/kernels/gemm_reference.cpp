@@ -71,6 +71,7 @@ const char* to_string(GemmBackendKind kind) {
   switch (kind) {
     case GemmBackendKind::amx: return "amx";
     case GemmBackendKind::avx512_bf16: return "avx512bf16";
+    case GemmBackendKind::avx512_fma: return "avx512fma";
     case GemmBackendKind::avx2: return "avx2";
     case GemmBackendKind::onednn: return "onednn";
     case GemmBackendKind::reference: return "reference";
