@@ -67,11 +67,12 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
       r.get_enum<AllocatorKind>("allocator", {{"caching", AllocatorKind::caching}, {"system", AllocatorKind::system}})
           .value_or(c.allocator);
   c.threads = positive_int(r, "threads", 0, 0);
-  c.gemm_backend =
-      r.get_enum<std::string>(
-           "gemm_backend",
-           {{"amx", "amx"}, {"avx512bf16", "avx512bf16"}, {"onednn", "onednn"}, {"reference", "reference"}})
-          .value_or("");
+  c.gemm_backend = r.get_enum<std::string>("gemm_backend", {{"amx", "amx"},
+                                                            {"avx512bf16", "avx512bf16"},
+                                                            {"avx512fma", "avx512fma"},
+                                                            {"onednn", "onednn"},
+                                                            {"reference", "reference"}})
+                       .value_or("");
   c.warmup = positive_int(r, "warmup", 1, 0);
   c.steps = positive_int(r, "steps", 3, 1);
   c.loss = parse_loss(r);

@@ -64,7 +64,7 @@ int run(int argc, char** argv) {
   CLI::App app{"The fused bf16 step's three GEMMs alone, one thread, per GEMM backend"};
   std::int64_t tokens = 512, hidden = 4096, vocab = 151936, tile = 2048, chunk = 2048;
   int reps = 5;
-  std::vector<std::string> backends{"onednn", "avx512bf16", "amx"};
+  std::vector<std::string> backends{"onednn", "avx512bf16", "avx512fma", "amx"};
   app.add_option("--tokens", tokens, "T: rows of the token block")->check(CLI::PositiveNumber);
   app.add_option("--hidden", hidden, "H")->check(CLI::PositiveNumber);
   app.add_option("--vocab", vocab, "V (dhidden's K)")->check(CLI::PositiveNumber);

@@ -119,8 +119,8 @@ TEST(BatchInvariance, LogpAndEntropyOfARowDoNotDependOnItsBatch) {
 }
 
 // A block whose packed hidden rows are more than the forward GEMM takes whole
-// (GemmTraits::max_shared_rows; 1024 rows at H = 4096 for the avx512bf16
-// backend) runs its forward in equal calls of at most that many rows, and a
+// (GemmTraits::max_shared_rows; 8 MiB of packed rows: 1024 at H = 4096 for
+// the avx512bf16 backend, 512 for avx512fma's f32) runs its forward in equal calls of at most that many rows, and a
 // shorter last block past it in calls of its own: the loss and every row's
 // outputs bitwise a small-block plan's (dW sums the blocks, so its bits
 // follow the block size).
@@ -141,11 +141,19 @@ TEST(BatchInvariance, ForwardCallsSplitPastTheSharedRowCap) {
   EXPECT_TRUE(same_bits(big.logp, small.logp));
   EXPECT_TRUE(same_bits(big.entropy, small.entropy));
   EXPECT_TRUE(same_bits(big.dhidden, small.dhidden));
-  if (big.schedule.find("forward:grpo:avx512_bf16") == std::string::npos) {
-    GTEST_SKIP() << "the forward runs no avx512bf16 GEMM on this CPU (the one backend with a shared-row cap): "
+  const bool fma = big.schedule.find("forward:grpo:avx512_fma") != std::string::npos;
+  if (!fma && big.schedule.find("forward:grpo:avx512_bf16") == std::string::npos) {
+    GTEST_SKIP() << "the forward runs neither avx512bf16 nor avx512fma GEMMs on this CPU (the backends with a "
+                    "shared-row cap): "
                  << big.schedule;
   }
   EXPECT_NE(big.schedule.find("token_block=1920 "), std::string::npos);
+  if (fma) {
+    EXPECT_NE(big.schedule.find("forward_rows=480 "), std::string::npos);
+    // 4 x 480 rows, then the last block's 1500 (1504 rounded to 32) in 4 x 384.
+    EXPECT_EQ(big.stats.logits_gemm_rows, 1920 + 4 * 384);
+    return;
+  }
   EXPECT_NE(big.schedule.find("forward_rows=960 "), std::string::npos);
   // 2 x 960 rows, then the last block's 1500 (1504 rounded to 32) in 2 x 768.
   EXPECT_EQ(big.stats.logits_gemm_rows, 1920 + 2 * 768);

@@ -39,6 +39,7 @@ struct AmxMicro {
   static constexpr bool kDirectC = false;         // finished tiles leave through tile stores (staged)
   static constexpr bool kXInPlace = false;        // X always packed into tiles
   static constexpr bool kXF32 = false;            // X packed as bf16
+  static constexpr bool kYF32 = false;            // Y packed as bf16
 
   static void begin(void* state) {
     auto* cfg = new (state) TileConfig{};

@@ -48,6 +48,7 @@ struct Avx512Micro {
   static constexpr bool kDirectC = true;      // finished groups go from registers to C (block's to_c)
   static constexpr bool kXInPlace = !kWiden;  // reads K-contiguous X rows where they are (block's x_rs)
   static constexpr bool kXF32 = kWiden;       // X packed as f32 pairs
+  static constexpr bool kYF32 = kWiden;       // Y packed as f32 rows
 
   static void begin(void* /*state*/) {}
   static void end() {}
@@ -57,15 +58,14 @@ struct Avx512Micro {
   template <class XAt>
   static void group(__m512 (&acc)[kGroupRows][2], const XAt& x_at, const std::uint16_t* y0, const std::uint16_t* y1,
                     std::int64_t kb32) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000U));
     for (std::int64_t p = 0; p < kb32 / 2; ++p) {
-      const __m512i ya = _mm512_loadu_si512(y0 + p * 32);
-      const __m512i yb = _mm512_loadu_si512(y1 + p * 32);
       if constexpr (kWiden) {
-        const __m512 ya0 = _mm512_castsi512_ps(_mm512_slli_epi32(ya, 16));
-        const __m512 yb0 = _mm512_castsi512_ps(_mm512_slli_epi32(yb, 16));
-        const __m512 ya1 = _mm512_castsi512_ps(_mm512_and_si512(ya, high));
-        const __m512 yb1 = _mm512_castsi512_ps(_mm512_and_si512(yb, high));
+        const float* fa = reinterpret_cast<const float*>(y0) + p * 32;
+        const float* fb = reinterpret_cast<const float*>(y1) + p * 32;
+        const __m512 ya0 = _mm512_loadu_ps(fa);
+        const __m512 yb0 = _mm512_loadu_ps(fb);
+        const __m512 ya1 = _mm512_loadu_ps(fa + 16);
+        const __m512 yb1 = _mm512_loadu_ps(fb + 16);
         for (int r = 0; r < kGroupRows; ++r) {
           const __m512 x = _mm512_set1_ps(x_at(r, p)[0]);
           acc[r][0] = _mm512_fmadd_ps(x, ya0, acc[r][0]);
@@ -77,6 +77,8 @@ struct Avx512Micro {
           acc[r][1] = _mm512_fmadd_ps(x, yb1, acc[r][1]);
         }
       } else {
+        const __m512i ya = _mm512_loadu_si512(y0 + p * 32);
+        const __m512i yb = _mm512_loadu_si512(y1 + p * 32);
         for (int r = 0; r < kGroupRows; ++r) {
           std::uint32_t pair = 0;
           std::memcpy(&pair, x_at(r, p), sizeof(pair));

@@ -6,6 +6,9 @@
 //              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
 //   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): bf16 A
 //              and B on CPUs with AVX512-BF16 where amx does not serve
+//   avx512fma  the same blocked GEMM in f32 FMAs on bf16 widened as it is
+//              packed (gemm_avx512_bf16.cpp): in avx512bf16's place on Intel
+//              CPUs (avx512_fma_is_default), elsewhere only when forced
 //   avx2       our f32 FMA microkernels, bf16 widened as it is packed
 //              (gemm_avx2.cpp): bf16 or f32 on CPUs with AVX2 and no AVX-512,
 //              where oneDNN 2.6 has no bf16 matmul and its f32 one is not
@@ -14,7 +17,7 @@
 //   reference  plain loops in f32, k ascending (gemm_reference.cpp): any spec,
 //              slow; the last resort (a spec oneDNN cannot create on this CPU
 //              lands here) and a comparison point for the tests
-// GRPO_GEMM=amx|avx512bf16|avx2|onednn|reference forces one (as GRPO_SIMD does for the stage
+// GRPO_GEMM=amx|avx512bf16|avx512fma|avx2|onednn|reference forces one (as GRPO_SIMD does for the stage
 // kernels); a forced backend that cannot serve a spec falls back down the list.
 #pragma once
 
@@ -86,6 +89,9 @@ bool amx_usable();
 const char* amx_unusable_reason();
 // The CPU has AVX-512F/BW/DQ/VL and AVX512-BF16.
 bool avx512_bf16_usable();
+// ... and is an Intel CPU: its vdpbf16ps runs at half its FMA's FLOP rate,
+// so the avx512fma backend takes avx512bf16's place in the default list.
+bool avx512_fma_is_default();
 // The CPU (and the OS) has AVX2 and FMA.
 bool avx2_gemm_usable();
 // ... and no AVX-512: oneDNN 2.6 has no bf16 matmul there, so the avx2

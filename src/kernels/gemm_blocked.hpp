@@ -158,10 +158,10 @@ class BlockedGemm final : public GemmBackend {
     const std::int64_t k32 = round_up(k_, kKStep);
     const std::int64_t ny32 = round_up(ny_, kPanel);
     nc_ = std::min<std::int64_t>(ny32, 256);
-    kc_ = std::min<std::int64_t>(
-        k32, std::max<std::int64_t>(kKStep, static_cast<std::int64_t>(kYBlockBytes) / (nc_ * 2) / kKStep * kKStep));
+    kc_ = std::min<std::int64_t>(k32, std::max<std::int64_t>(kKStep, static_cast<std::int64_t>(kYBlockBytes) /
+                                                                         (nc_ * kYElem) / kKStep * kKStep));
     nc_ = std::min<std::int64_t>(
-        ny32, std::max<std::int64_t>(nc_, static_cast<std::int64_t>(kYBlockBytes) / (kc_ * 2) / kPanel * kPanel));
+        ny32, std::max<std::int64_t>(nc_, static_cast<std::int64_t>(kYBlockBytes) / (kc_ * kYElem) / kPanel * kPanel));
     if (Micro::kWholeSharedY) {
       // Y taken whole across its columns, in k blocks of kc_whole (0: the
       // L2 blocks above stay). Its panels then come from L3 a 32-column
@@ -175,7 +175,7 @@ class BlockedGemm final : public GemmBackend {
         // thread: 53.4 -> 48.7 ms; in the step with 2624-row blocks (21 MiB
         // of Y) the forward took 37% longer.
         const std::int64_t kc = std::min(k32, kSharedKBlock);
-        max_shared_rows_ = static_cast<std::int64_t>(kSharedYWholeBytes) / (kc * 2) / kPanel * kPanel;
+        max_shared_rows_ = static_cast<std::int64_t>(kSharedYWholeBytes) / (kc * kYElem) / kPanel * kPanel;
         if (ny32 <= max_shared_rows_) kc_whole = kc;
       } else if (y_.cs == 1 && nc_ < ny32) {
         // Y packed by this call from N-contiguous rows too wide for one L2
@@ -184,7 +184,8 @@ class BlockedGemm final : public GemmBackend {
         // prefetchers follow) instead of 512-byte pieces of 2048 rows per
         // block. Zen 4, one thread, dhidden 512 x 151936 x 2048: packing
         // 170 -> 77 ms of 1.6 s, 83 -> 88-89% of the peak.
-        const std::int64_t kc = std::min(k32, static_cast<std::int64_t>(kWideYBytes) / (ny32 * 2) / kKStep * kKStep);
+        const std::int64_t kc =
+            std::min(k32, static_cast<std::int64_t>(kWideYBytes) / (ny32 * kYElem) / kKStep * kKStep);
         if (kc >= kWideYMinK) kc_whole = kc;
       }
       if (kc_whole > 0) {
@@ -194,7 +195,7 @@ class BlockedGemm final : public GemmBackend {
     }
     const std::int64_t mx32 = round_up(mx_, kPanel);
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
-    y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * 2);
+    y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * kYElem);
     constexpr std::size_t x_elem = Micro::kXF32 ? sizeof(float) : sizeof(std::uint16_t);
     // X: one panel at a time when Y is a single column block (each panel is
     // used once per k block), else the whole k block, packed once.
@@ -206,6 +207,12 @@ class BlockedGemm final : public GemmBackend {
     acc_ld_ = ny32;
     scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + kStagedFloats * sizeof(float) + Micro::kStateBytes;
   }
+
+  // Bytes of a packed Y element: f32 for a kYF32 Micro, so its Y blocks
+  // hold half the elements in the same bytes. Xeon model 207, one thread:
+  // dhidden 512 x 151936 x 2048 115.5 GFLOP/s with f32 blocks of the bf16
+  // blocks' elements (8 MiB of W chunk), 164.9 within the same bytes.
+  static constexpr std::int64_t kYElem = Micro::kYF32 ? 4 : 2;
 
   // The staged tile sets (none for a Micro that stores from registers).
   static constexpr std::int64_t kStagedFloats = Micro::kDirectC ? 0 : kStaged;
@@ -298,8 +305,8 @@ class BlockedGemm final : public GemmBackend {
           for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
             const std::int64_t ncol = n0 + nn;  // Y column of the block
             float* acc_at = acc + m0 * acc_ld_ + ncol;
-            const std::uint16_t* y0 = ypack + (nn / kTile) * (kb32 / 2) * 32;
-            const std::uint16_t* y1 = y0 + (kb32 / 2) * 32;
+            const std::uint16_t* y0 = ypack + (nn / kTile) * (kb32 / 2) * 32 * (kYElem / 2);
+            const std::uint16_t* y1 = y0 + (kb32 / 2) * 32 * (kYElem / 2);
             // The previous block's staged tiles go to C first (with AMX,
             // while this block's tile loads are under way).
             flush();
@@ -537,6 +544,24 @@ class BlockedGemm final : public GemmBackend {
   // columns t, kb32 / 2 rows of 16 (k, k + 1) pairs; zero-padded.
   void pack_y(const std::uint16_t* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0,
               std::int64_t nb, std::int64_t nb32, std::uint16_t* out) const {
+    pack_y_vnni(y, k0, kb, kb32, n0, nb, nb32, out);
+    if constexpr (Micro::kYF32) widen_rows(out, nb32 * kb32 / 2);
+  }
+  // n VNNI u32 at out (rows of 16 (k, k + 1) pairs, n a multiple of 16) ->
+  // 2 n f32 in place: each row of 16 pairs becomes the 16 k values, then the
+  // 16 k + 1 values. From the end, as widen_pairs.
+  static void widen_rows(std::uint16_t* out, std::int64_t n) {
+    const auto* pairs = reinterpret_cast<const std::uint32_t*>(out);
+    auto* f = reinterpret_cast<float*>(out);
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000U));
+    for (std::int64_t i = n - 16; i >= 0; i -= 16) {
+      const __m512i v = _mm512_loadu_si512(pairs + i);
+      _mm512_storeu_si512(f + 2 * i, _mm512_slli_epi32(v, 16));
+      _mm512_storeu_si512(f + 2 * i + 16, _mm512_and_si512(v, high));
+    }
+  }
+  void pack_y_vnni(const std::uint16_t* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0,
+                   std::int64_t nb, std::int64_t nb32, std::uint16_t* out) const {
     const std::int64_t rows_per_tile = kb32 / 2;
     if (y_.cs == 1) {  // rows (k) N-contiguous: interleave row pairs, each pair's columns in one run
       for (std::int64_t kp = 0; kp < rows_per_tile; ++kp) {
