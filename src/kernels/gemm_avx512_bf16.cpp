@@ -1,20 +1,30 @@
-// The AVX512-BF16 GEMM backend: the blocked GEMM of gemm_blocked.hpp with a
-// vdpbf16ps register block. Each 32 x 32 block is four 8-row groups; a group
-// keeps 8 rows x 2 x 16 columns of f32 accumulators (16 zmm) and, per pair of
-// k, loads the two packed Y rows (16 columns x one (k, k + 1) pair each) and
-// broadcasts each row's X pair: 16 vdpbf16ps per 2 loads and 8 broadcasts,
-// from the packed group or, for K-contiguous X rows, from the rows in place.
-// Every element is summed over k pairs in ascending order, whatever M or N.
-// A finished group goes from its registers to C (gemm_blocked.hpp's
-// store_group, transposed when swapped) while the next group computes.
+// The AVX512-BF16 GEMM backends: the blocked GEMM of gemm_blocked.hpp with
+// an AVX-512 register block. Each 32 x 32 block is four 8-row groups; a
+// group keeps 8 rows x 2 x 16 columns of f32 accumulators (16 zmm), and per
+// pair of k takes the two packed Y rows (16 columns x one (k, k + 1) pair
+// each) and each row's X pair. Every element is summed over k in ascending
+// order, whatever M or N. A finished group goes from its registers to C
+// (gemm_blocked.hpp's store_group, transposed when swapped) while the next
+// group computes. Two register blocks:
 //
-// The default for bf16 GEMMs on CPUs with AVX512-BF16 and no AMX (gemm.cpp):
-// on a Zen 4 (docs/benchmarks.md) the headline step takes 8-10% less time than with
-// oneDNN 2.6 (92.5-92.6% of the vdpbf16ps peak at the default 640 MiB
+// avx512bf16: vdpbf16ps, 16 per 2 loads and 8 broadcasts of X pairs, from
+// the packed group or, for K-contiguous X rows, from the rows in place.
+// The default for bf16 GEMMs on AMD CPUs with AVX512-BF16 (no AMX): on a
+// Zen 4 (docs/benchmarks.md) the headline step takes 8-10% less time than
+// with oneDNN 2.6 (92.5-92.6% of the vdpbf16ps peak at the default 640 MiB
 // workspace budget) and the T=512 step 11-20%.
-// GRPO_GEMM=avx512bf16 (or the microbench's gemm_backend) forces it where AMX
-// would be picked, and the GEMM tester holds it to the double reference
-// wherever the CPU can run it.
+//
+// avx512fma: f32 FMAs, 32 per 4 loads of Y and 16 broadcasts of X, on X and
+// Y widened to f32 as they are packed (exact: a bf16 is the top half of an
+// f32, and a product of two is exact in f32). The default on Intel CPUs
+// with AVX512-BF16 where AMX does not serve: their vdpbf16ps runs at half
+// the FLOP rate of their FMAs (gemm_dispatch.cpp). Its bits differ from
+// avx512bf16's (vdpbf16ps adds a pair's two products before the
+// accumulator; here each product goes to the accumulator in turn).
+//
+// GRPO_GEMM=avx512bf16 or avx512fma (or the microbench's gemm_backend)
+// forces one, and the GEMM tester holds both to the double reference
+// wherever the CPU can run them.
 //
 // This file alone is compiled with AVX-512F/BW/DQ/VL and AVX512-BF16; the
 // CPU probe and the gate are in gemm_dispatch.cpp.
@@ -29,14 +39,12 @@ namespace {
 
 constexpr std::int64_t kGroupRows = 8;  // rows of C per register group (16 accumulators + 2 Y + 1 broadcast of 32 zmm)
 
-// kWiden false: vdpbf16ps on bf16 pairs. kWiden true: the same register
-// block in f32 FMAs, for CPUs whose vdpbf16ps runs at half their FMA rate
-// (see make_avx512_fma_gemm_on_cpu): X packed widened to f32 (each value a
-// broadcast from memory), Y's VNNI pairs widened in registers (a shift and
-// a mask per zmm, shared by the group's 8 rows). A product of two bf16
-// values is exact in f32, so both compute the bf16 GEMM with f32
-// accumulation; their roundings differ (vdpbf16ps adds a pair's products
-// before the accumulator).
+// kWiden false: avx512bf16, vdpbf16ps on bf16 pairs. kWiden true:
+// avx512fma, the same register block in f32 FMAs on X and Y packed as f32
+// (each X value a broadcast from memory). Widening Y in registers instead
+// (a shift and a mask per zmm, shared by the group's 8 rows) measured
+// 151-153 GFLOP/s at the step's three shapes against 151-165 (Xeon model
+// 207, one thread).
 template <bool kWiden>
 struct Avx512Micro {
   static constexpr GemmBackendKind kKind = kWiden ? GemmBackendKind::avx512_fma : GemmBackendKind::avx512_bf16;

@@ -31,7 +31,11 @@
 // everything is in an unnamed namespace (one copy per such unit).
 //
 // Micro: kKind, kName, kSwappedName, kStateBytes, kXGroupRows, kWholeSharedY
-//   (a shared Y taken whole, see the constructor); begin(state),
+//   (a shared Y taken whole, see the constructor), kXF32 and kYF32 (the
+//   packed X group pairs, or Y's VNNI rows, widened to f32 after packing:
+//   each pair's k value, then its k + 1 value; each row of 16 pairs, its 16
+//   k values, then its 16 k + 1 values; Y's byte budgets then hold half the
+//   elements); begin(state),
 //   end(); block(xp, y0, y1, kb32, acc_at, acc_ld, first, last, staged): the
 //   32 x 32 block of C from the X panel xp ([kb32 / 32][2][16][32] tiles, or
 //   [32 / g][kb32 / 2][g] u32 pairs for kXGroupRows g) and the two Y
