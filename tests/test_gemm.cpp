@@ -101,10 +101,8 @@ std::string name(const Case& c) {
 std::vector<GemmBackendKind> runnable_backends() {
   std::vector<GemmBackendKind> kinds{GemmBackendKind::onednn, GemmBackendKind::reference};
   if (avx2_gemm_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx2);
-  if (avx512_bf16_usable()) {
-    kinds.insert(kinds.begin(), GemmBackendKind::avx512_fma);
-    kinds.insert(kinds.begin(), GemmBackendKind::avx512_bf16);
-  }
+  if (avx512_fma_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx512_fma);
+  if (avx512_bf16_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx512_bf16);
   if (amx_usable()) kinds.insert(kinds.begin(), GemmBackendKind::amx);
   return kinds;
 }
@@ -380,7 +378,8 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
   std::string skipped;
   if (!amx_usable()) skipped += std::string("amx (") + amx_unusable_reason() + ") ";
-  if (!avx512_bf16_usable()) skipped += "avx512bf16 and avx512fma (the CPU has no AVX512-BF16) ";
+  if (!avx512_bf16_usable()) skipped += "avx512bf16 (the CPU has no AVX512-BF16) ";
+  if (!avx512_fma_usable()) skipped += "avx512fma (the CPU has no AVX-512F/BW/DQ/VL) ";
   if (!avx2_gemm_usable()) skipped += "avx2 (the CPU has no AVX2 and FMA) ";
   if (!onednn_has_bf16()) skipped += "onednn on bf16 (oneDNN 2.6 has no bf16 matmul without AVX-512)";
   if (!skipped.empty()) GTEST_SKIP() << "backends not tested on this CPU: " << skipped;

@@ -73,15 +73,16 @@ std::unique_ptr<GemmBackend> pick_own_backend(const GemmSpec& spec) {
   }
   std::unique_ptr<GemmBackend> own = make_amx_gemm(spec);
   if (own == nullptr && avx2_gemm_is_default()) own = make_avx2_gemm(spec);
+  // On Intel CPUs with AVX-512, f32 FMAs on widened bf16 (gemm_dispatch.cpp's
+  // avx512_fma_is_default): Xeon model 207 without AMX, one thread, the
+  // step's three GEMMs at 151-165 GFLOP/s against vdpbf16ps's 92-100.
+  if (own == nullptr && avx512_fma_is_default()) own = make_avx512_fma_gemm(spec);
   // bf16 A and B on an AVX512-BF16 CPU without AMX: faster than oneDNN 2.6
   // on a Zen 4 at the headline and at T=512 (gemm_avx512_bf16.cpp's header,
   // docs/benchmarks.md), and with bf16 gradients oneDNN's gemm:jit asked a
   // scratchpad the size of the dW tile in f32, which left the workspace
   // budget one tile slot: the step ran on one thread (9.17 s against 4.36 s).
-  // On Intel CPUs the same in f32 FMAs (avx512_fma_is_default): Xeon model
-  // 207 without AMX, one thread, the step's three GEMMs at 151-165 GFLOP/s
-  // against vdpbf16ps's 92-100.
-  if (own == nullptr) own = avx512_fma_is_default() ? make_avx512_fma_gemm(spec) : make_avx512_bf16_gemm(spec);
+  if (own == nullptr) own = make_avx512_bf16_gemm(spec);
   return own;
 }
 
@@ -114,17 +115,17 @@ std::unique_ptr<GemmBackend> make_backend(GemmBackendKind backend, const GemmSpe
 Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, GemmBackendKind backend)
     : Gemm(engine, spec, make_backend(backend, spec), /*reference_if_onednn_cannot=*/false) {
   if (backend != GemmBackendKind::onednn && own_ == nullptr) {
-    const bool cpu = backend == GemmBackendKind::amx ? amx_usable()
-                     : backend == GemmBackendKind::avx512_bf16 || backend == GemmBackendKind::avx512_fma
-                         ? avx512_bf16_usable()
-                         : avx2_gemm_usable();
+    const bool cpu = backend == GemmBackendKind::amx           ? amx_usable()
+                     : backend == GemmBackendKind::avx512_bf16 ? avx512_bf16_usable()
+                     : backend == GemmBackendKind::avx512_fma  ? avx512_fma_usable()
+                                                               : avx2_gemm_usable();
     throw Error("gemm",
                 std::string("the ") + to_string(backend) + " backend cannot serve this GEMM: " +
                     (cpu                               ? "it takes bf16 A and B with one contiguous dimension each"
                      : backend == GemmBackendKind::amx ? amx_unusable_reason()
-                     : backend == GemmBackendKind::avx512_bf16 || backend == GemmBackendKind::avx512_fma
-                         ? "the CPU has no AVX512-BF16"
-                         : "the CPU has no AVX2 and FMA"),
+                     : backend == GemmBackendKind::avx512_bf16 ? "the CPU has no AVX512-BF16"
+                     : backend == GemmBackendKind::avx512_fma  ? "the CPU has no AVX-512F/BW/DQ/VL"
+                                                               : "the CPU has no AVX2 and FMA"),
                 ErrorKind::unsupported);
   }
 }

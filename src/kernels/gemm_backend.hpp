@@ -7,8 +7,9 @@
 //   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): bf16 A
 //              and B on CPUs with AVX512-BF16 where amx does not serve
 //   avx512fma  the same blocked GEMM in f32 FMAs on bf16 widened as it is
-//              packed (gemm_avx512_bf16.cpp): in avx512bf16's place on Intel
-//              CPUs (avx512_fma_is_default), elsewhere only when forced
+//              packed (gemm_avx512_fma.cpp): bf16 A and B on Intel CPUs with
+//              AVX-512 where amx does not serve (avx512_fma_is_default),
+//              elsewhere only when forced
 //   avx2       our f32 FMA microkernels, bf16 widened as it is packed
 //              (gemm_avx2.cpp): bf16 or f32 on CPUs with AVX2 and no AVX-512,
 //              where oneDNN 2.6 has no bf16 matmul and its f32 one is not
@@ -89,8 +90,11 @@ bool amx_usable();
 const char* amx_unusable_reason();
 // The CPU has AVX-512F/BW/DQ/VL and AVX512-BF16.
 bool avx512_bf16_usable();
+// The CPU has AVX-512F/BW/DQ/VL (the avx512fma backend's needs).
+bool avx512_fma_usable();
 // ... and is an Intel CPU: its vdpbf16ps runs at half its FMA's FLOP rate,
-// so the avx512fma backend takes avx512bf16's place in the default list.
+// or it has none, so the avx512fma backend comes before avx512bf16 (and
+// oneDNN) in the default list.
 bool avx512_fma_is_default();
 // The CPU (and the OS) has AVX2 and FMA.
 bool avx2_gemm_usable();

@@ -1,5 +1,5 @@
 // The blocked bf16 GEMM shared by our microkernel backends (gemm_amx.cpp,
-// gemm_avx512_bf16.cpp): C (+)= A B (+ bias), A and B bf16, C f32 or bf16, on
+// gemm_avx512_bf16.cpp, gemm_avx512_fma.cpp): C (+)= A B (+ bias), A and B bf16, C f32 or bf16, on
 // the calling thread. The packing, the blocking and the epilogue are here;
 // a Micro supplies the 32 x 32 block's inner loop.
 //
@@ -27,8 +27,9 @@
 //   so a row's result does not depend on its batch
 //   (GemmTraits::m_independent).
 //
-// Only for translation units compiled with AVX-512F/BW/VL and AVX512-BF16;
-// everything is in an unnamed namespace (one copy per such unit).
+// Only for translation units compiled with AVX-512F/BW/DQ/VL, and for a
+// Micro of AVX512-BF16 or AMX instructions with those too; everything is in
+// an unnamed namespace (one copy per such unit).
 //
 // Micro: kKind, kName, kSwappedName, kStateBytes, kXGroupRows, kWholeSharedY
 //   (a shared Y taken whole, see the constructor), kXF32 and kYF32 (the
@@ -702,6 +703,22 @@ class BlockedGemm final : public GemmBackend {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
 
+  // 16 f32 -> bf16, rounded to nearest even: vcvtneps2bf16 where the unit
+  // is compiled for AVX512-BF16; else in integer instructions, a NaN to the
+  // quiet NaN 0x7fc0 (the two differ only on NaN payloads and subnormals,
+  // which vcvtneps2bf16 takes as zero).
+  static __m256i to_bf16(__m512 v) {
+#ifdef __AVX512BF16__
+    return std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+#endif
+  }
+
   // C[r][c0 + j] (+)= v[j] + bv[j] for the columns under cmask (bv only with
   // a bias); rounded to bf16 (nearest even) for a bf16 C.
   void put(__m512 v, std::int64_t r, std::int64_t c0, __mmask16 cmask, __m512 bv, void* c) const {
@@ -718,8 +735,7 @@ class BlockedGemm final : public GemmBackend {
         const __m256i old = _mm256_maskz_loadu_epi16(cmask, dst);
         v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), v);
       }
-      const auto packed = std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v));  // round to nearest even
-      _mm256_mask_storeu_epi16(dst, cmask, packed);
+      _mm256_mask_storeu_epi16(dst, cmask, to_bf16(v));
     }
   }
 

@@ -68,15 +68,20 @@ const Cpu& amx_cpu() {
   return c;
 }
 
-bool probe_avx512_bf16() {
+// AVX-512F/DQ/BW/VL, and the OS saves the zmm state.
+bool probe_avx512() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
   const bool f = ((b >> 16) & 1U) != 0, dq = ((b >> 17) & 1U) != 0, bw = ((b >> 30) & 1U) != 0,
              vl = ((b >> 31) & 1U) != 0;
+  // libgcc's check that the OS saves the zmm state (XCR0) comes with avx512f.
+  return f && dq && bw && vl && __builtin_cpu_supports("avx512f");
+}
+
+bool probe_avx512_bf16() {
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   const bool bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) != 0 && ((a1 >> 5) & 1U) != 0;
-  // libgcc's check that the OS saves the zmm state (XCR0) comes with avx512f.
-  return f && dq && bw && vl && bf16 && __builtin_cpu_supports("avx512f");
+  return bf16 && probe_avx512();
 }
 
 }  // namespace
@@ -89,12 +94,19 @@ bool avx512_bf16_usable() {
   return usable;
 }
 
+bool avx512_fma_usable() {
+  static const bool usable = probe_avx512();
+  return usable;
+}
+
 bool avx512_fma_is_default() {
-  // Intel's cores run vdpbf16ps zmm at half the rate of f32 FMAs that do
-  // half its work: on a Xeon of model 207 (Emerald Rapids) without AMX, one
-  // thread measured 92.6-103 GFLOP/s of vdpbf16ps against 191-207 of FMA.
-  // AMD's Zen 4 and Zen 5 run it at the FMA's rate (twice the FLOPs).
-  static const bool preferred = avx512_bf16_usable() && __builtin_cpu_is("intel");
+  // Intel's cores run vdpbf16ps zmm at a quarter of their f32 FMA
+  // instruction rate, half its FLOP rate: on a Xeon of model 207 (Emerald
+  // Rapids) without AMX, one thread measured 92.6-103 GFLOP/s of vdpbf16ps
+  // against 191-207 of FMA. AMD's Zen 4 and Zen 5 run it at twice the FMA's
+  // FLOPs. Intel's AVX-512 CPUs without AVX512-BF16 (Skylake to Ice Lake)
+  // had oneDNN 2.6 here.
+  static const bool preferred = avx512_fma_usable() && __builtin_cpu_is("intel");
   return preferred;
 }
 
@@ -118,7 +130,7 @@ std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec) {
 }
 
 std::unique_ptr<GemmBackend> make_avx512_fma_gemm(const GemmSpec& spec) {
-  return avx512_bf16_usable() ? detail::make_avx512_fma_gemm_on_cpu(spec) : nullptr;
+  return avx512_fma_usable() ? detail::make_avx512_fma_gemm_on_cpu(spec) : nullptr;
 }
 
 std::unique_ptr<GemmBackend> make_avx2_gemm(const GemmSpec& spec) {
