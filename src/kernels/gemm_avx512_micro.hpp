@@ -18,8 +18,8 @@
 // avx512fma: f32 FMAs, 32 per 4 loads of Y and 16 broadcasts of X, on X and
 // Y widened to f32 as they are packed (exact: a bf16 is the top half of an
 // f32, and a product of two is exact in f32). The default on Intel CPUs
-// with AVX512-BF16 where AMX does not serve: their vdpbf16ps runs at half
-// the FLOP rate of their FMAs (gemm_dispatch.cpp). Its bits differ from
+// with AVX-512 where AMX does not serve: their vdpbf16ps runs at half the
+// FLOP rate of their FMAs, or they have none (gemm_dispatch.cpp). Its bits differ from
 // avx512bf16's (vdpbf16ps adds a pair's two products before the
 // accumulator; here each product goes to the accumulator in turn).
 //
@@ -35,6 +35,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/gemm_blocked.hpp"
 
@@ -115,12 +116,10 @@ struct Avx512Micro {
           acc[r][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_at + (g + r) * acc_ld + h * kTile);
         }
       }
-      if constexpr (kWiden) {
-        const float* xg = reinterpret_cast<const float*>(xp) + g * kb32;
-        const auto packed = [xg](int r, std::int64_t p) { return xg + (p * kGroupRows + r) * 2; };
-        group(acc, packed, y0, y1, kb32);
-      } else if (x_rs == 0) {
-        const std::uint16_t* xg = xp + g * kb32;
+      if (kWiden || x_rs == 0) {
+        // A group's pairs: 2 bf16 (u32) or 2 f32 each, kb32 elements per row.
+        using XElem = std::conditional_t<kWiden, float, std::uint16_t>;
+        const XElem* xg = reinterpret_cast<const XElem*>(xp) + g * kb32;
         const auto packed = [xg](int r, std::int64_t p) { return xg + (p * kGroupRows + r) * 2; };
         group(acc, packed, y0, y1, kb32);
       } else {

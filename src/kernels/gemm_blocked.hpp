@@ -201,13 +201,12 @@ class BlockedGemm final : public GemmBackend {
     const std::int64_t mx32 = round_up(mx_, kPanel);
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
     y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * kYElem);
-    constexpr std::size_t x_elem = Micro::kXF32 ? sizeof(float) : sizeof(std::uint16_t);
     // X: one panel at a time when Y is a single column block (each panel is
     // used once per k block), else the whole k block, packed once.
     // (at most kXWholeBytes: past that, e.g. a whole-vocabulary GEMM, the
     // panels are packed again for every column block).
-    x_whole_ = nc_ < ny32 && static_cast<std::size_t>(mx32 * kc_) * x_elem <= kXWholeBytes;
-    x_bytes_ = align_up(static_cast<std::size_t>((x_whole_ ? mx32 : kPanel) * kc_) * x_elem);
+    x_whole_ = nc_ < ny32 && static_cast<std::size_t>(mx32 * kc_ * kXElem) <= kXWholeBytes;
+    x_bytes_ = align_up(static_cast<std::size_t>((x_whole_ ? mx32 : kPanel) * kc_ * kXElem));
     acc_bytes_ = kc_ < k_ ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
     acc_ld_ = ny32;
     scratch_bytes_ = y_bytes_ + x_bytes_ + acc_bytes_ + kStagedFloats * sizeof(float) + Micro::kStateBytes;
@@ -218,6 +217,8 @@ class BlockedGemm final : public GemmBackend {
   // dhidden 512 x 151936 x 2048 115.5 GFLOP/s with f32 blocks of the bf16
   // blocks' elements (8 MiB of W chunk), 164.9 within the same bytes.
   static constexpr std::int64_t kYElem = Micro::kYF32 ? 4 : 2;
+  // Bytes of a packed X element: f32 for a kXF32 Micro.
+  static constexpr std::int64_t kXElem = Micro::kXF32 ? 4 : 2;
 
   // The staged tile sets (none for a Micro that stores from registers).
   static constexpr std::int64_t kStagedFloats = Micro::kDirectC ? 0 : kStaged;
@@ -296,7 +297,7 @@ class BlockedGemm final : public GemmBackend {
         const bool pack_now = !x_whole_ || n0 == 0;
         for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
           // The panel, in Micro's layout (f32 elements for a kXF32 Micro).
-          std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 * (Micro::kXF32 ? 2 : 1) : xpack;
+          std::uint16_t* xp = x_whole_ ? xpack + m0 * kb32 * (kXElem / 2) : xpack;
           // A panel used once per k block whose rows are all there,
           // K-contiguous and whole k steps is read where it is by a Micro
           // that can (kXInPlace): the forward's W tile rows, dhidden's
