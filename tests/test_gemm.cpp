@@ -4,7 +4,9 @@
 // transposed x B row-major or transposed), with padded leading dimensions
 // whose padding holds NaN (a read outside a view shows up as NaN), overwrite
 // and accumulate, with and without bias, f32 and bf16 outputs. Then the
-// backends that claim batch invariance are held to it bitwise.
+// backends that claim batch invariance are held to it bitwise. The amx
+// backend's code runs on emulated tiles too wherever the CPU has AVX-512
+// (gemm_amx_emulated.hpp), so a CPU without AMX still tests it.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,10 +14,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "gemm_amx_emulated.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 
@@ -98,16 +102,28 @@ std::string name(const Case& c) {
          (c.c_dtype == DType::f32 ? "_f32" : "_bf16") + (c.in_dtype == DType::f32 ? "_inf32" : "");
 }
 
-std::vector<GemmBackendKind> runnable_backends() {
-  std::vector<GemmBackendKind> kinds{GemmBackendKind::onednn, GemmBackendKind::reference};
-  if (avx2_gemm_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx2);
-  if (avx512_fma_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx512_fma);
-  if (avx512_bf16_usable()) kinds.insert(kinds.begin(), GemmBackendKind::avx512_bf16);
-  if (amx_usable()) kinds.insert(kinds.begin(), GemmBackendKind::amx);
+// A backend under test: one of the library's, or (emulated) the amx
+// backend's code on emulated AMX tiles (gemm_amx_emulated.hpp), which runs
+// on every CPU with AVX-512, AMX or not.
+struct Tested {
+  GemmBackendKind kind = GemmBackendKind::reference;
+  bool emulated = false;
+};
+std::string to_string(const Tested& t) { return t.emulated ? "amx (emulated tiles)" : to_string(t.kind); }
+
+std::vector<Tested> runnable_backends() {
+  std::vector<Tested> kinds{{GemmBackendKind::onednn}, {GemmBackendKind::reference}};
+  if (avx2_gemm_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx2});
+  if (avx512_fma_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx512_fma});
+  if (avx512_bf16_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx512_bf16});
+  if (testing::amx_emulation_runs()) kinds.insert(kinds.begin(), {GemmBackendKind::amx, true});
+  if (amx_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::amx});
   return kinds;
 }
 
-std::unique_ptr<GemmBackend> make_backend(GemmBackendKind kind, const GemmSpec& spec) {
+std::unique_ptr<GemmBackend> make_backend(const Tested& t, const GemmSpec& spec) {
+  if (t.emulated) return testing::make_emulated_amx_gemm(spec);
+  const GemmBackendKind kind = t.kind;
   if (kind == GemmBackendKind::amx) return make_amx_gemm(spec);
   if (kind == GemmBackendKind::avx512_bf16) return make_avx512_bf16_gemm(spec);
   if (kind == GemmBackendKind::avx512_fma) return make_avx512_fma_gemm(spec);
@@ -117,7 +133,8 @@ std::unique_ptr<GemmBackend> make_backend(GemmBackendKind kind, const GemmSpec& 
 }
 
 // Our blocked microkernel backends (gemm_blocked.hpp): bf16 A and B alone.
-bool blocked_microkernel(GemmBackendKind kind) {
+bool blocked_microkernel(const Tested& t) {
+  const GemmBackendKind kind = t.kind;
   return kind == GemmBackendKind::amx || kind == GemmBackendKind::avx512_bf16 || kind == GemmBackendKind::avx512_fma;
 }
 
@@ -125,7 +142,7 @@ bool blocked_microkernel(GemmBackendKind kind) {
 bool onednn_has_bf16() { return __builtin_cpu_supports("avx512f"); }
 
 // Runs spec on one backend; returns false when it does not serve the spec.
-bool run_on(GemmBackendKind kind, const GemmEngine& engine, const GemmSpec& spec, const void* a, const void* b, void* c,
+bool run_on(const Tested& kind, const GemmEngine& engine, const GemmSpec& spec, const void* a, const void* b, void* c,
             const void* bias) {
   std::vector<std::byte> scratch;
   auto aligned = [&](std::size_t bytes) {
@@ -135,7 +152,7 @@ bool run_on(GemmBackendKind kind, const GemmEngine& engine, const GemmSpec& spec
     auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
     return reinterpret_cast<void*>((p + 63) / 64 * 64);
   };
-  if (kind == GemmBackendKind::onednn) {
+  if (kind.kind == GemmBackendKind::onednn) {
     // Through oneDNN directly: kernels::Gemm would pick ours first.
     // It may refuse bf16 anywhere without AVX-512, and f32 inputs with a
     // bf16 bias or output anywhere; nothing else.
@@ -176,10 +193,10 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
   spec.has_bias = cs.bias != 0;
   spec.bias_dtype = bias.dtype;
   const GemmEngine engine;
-  for (const GemmBackendKind kind : runnable_backends()) {
+  for (const Tested& kind : runnable_backends()) {
     Buffer c = c0;
     if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
-      if (kind != GemmBackendKind::onednn && !(blocked_microkernel(kind) && cs.in_dtype == DType::f32)) {
+      if (kind.kind != GemmBackendKind::onednn && !(blocked_microkernel(kind) && cs.in_dtype == DType::f32)) {
         ADD_FAILURE() << to_string(kind) << " refused a spec it should serve";
       }
       continue;
@@ -278,9 +295,9 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
   Buffer a = make(DType::bf16, 160, k, false, 0, rng);
   for (const bool b_t : {false, true}) {
     Buffer b = make(DType::bf16, k, n, b_t, 0, rng);
-    for (const GemmBackendKind kind : runnable_backends()) {
+    for (const Tested& kind : runnable_backends()) {
       // Ours (the reference is invariant by its loops; oneDNN is not).
-      if (!blocked_microkernel(kind) && kind != GemmBackendKind::avx2) continue;
+      if (!blocked_microkernel(kind) && kind.kind != GemmBackendKind::avx2) continue;
       auto run_rows = [&](std::int64_t r0, std::int64_t rows, int threads) {
         GemmSpec spec;
         spec.threads = threads;
@@ -304,7 +321,7 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
           << to_string(kind) << " b_t " << b_t;
       // The avx2 backend splits C's columns over spec.threads (the
       // baseline's whole-batch calls): the same bits on any count.
-      if (kind == GemmBackendKind::avx2) {
+      if (kind.kind == GemmBackendKind::avx2) {
         const std::vector<float> two = run_rows(0, 160, 2);
         EXPECT_EQ(0, std::memcmp(all.data(), two.data(), all.size() * sizeof(float))) << "avx2 2 threads b_t " << b_t;
       }
@@ -319,9 +336,40 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
 // into blocks (K = 4200 is past the shared Y's k block; 4096 x 1100 bf16 is
 // past the 8 MiB of a shared Y taken whole).
 // (The avx2 backend packs nothing once: it widens its panels as it goes.)
+// One GEMM of a tested backend: through kernels::Gemm (and a GemmBinding for
+// a packed operand) for the library's, directly for the emulated one.
+class TestedGemm {
+ public:
+  TestedGemm(const Tested& t, const GemmEngine& engine, const GemmSpec& spec) {
+    if (t.emulated) {
+      own_ = make_backend(t, spec);
+    } else {
+      gemm_ = std::make_unique<Gemm>(engine, spec, t.kind);
+    }
+  }
+  std::size_t scratchpad_bytes() const { return own_ ? own_->scratchpad_bytes() : gemm_->scratchpad_bytes(); }
+  std::size_t shared_packed_bytes() const { return own_ ? own_->shared_packed_bytes() : gemm_->shared_packed_bytes(); }
+  void pack_shared(const void* operand, void* packed) const {
+    own_ ? own_->pack_shared(operand, packed) : gemm_->pack_shared(operand, packed);
+  }
+  void run(const void* a, const void* b, void* c, void* scratch, const void* packed = nullptr) const {
+    if (own_) {
+      own_->run(a, b, c, nullptr, scratch, packed);
+    } else if (packed == nullptr) {
+      gemm_->run(a, b, c, nullptr, scratch);
+    } else {
+      GemmBinding(*gemm_).run(a, b, c, nullptr, scratch, packed);
+    }
+  }
+
+ private:
+  std::unique_ptr<Gemm> gemm_;
+  std::unique_ptr<GemmBackend> own_;
+};
+
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
-  std::vector<GemmBackendKind> ours;
-  for (const GemmBackendKind k : runnable_backends()) {
+  std::vector<Tested> ours;
+  for (const Tested& k : runnable_backends()) {
     if (blocked_microkernel(k)) ours.push_back(k);
   }
   if (ours.empty()) GTEST_SKIP() << "no microkernel backend runs on this CPU: " << amx_unusable_reason();
@@ -341,8 +389,8 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
         spec.b = b.op;
         spec.c = {DType::f32, sh.m, sh.n, sh.n, 1};
         spec.shared = shared;
-        for (const GemmBackendKind kind : ours) {
-          const Gemm g(engine, spec, kind);
+        for (const Tested& kind : ours) {
+          const TestedGemm g(kind, engine, spec);
           ASSERT_GT(g.shared_packed_bytes(), 0U);
           std::vector<std::byte> scratch(g.scratchpad_bytes() + 64);
           std::vector<std::byte> packed(g.shared_packed_bytes() + 64);
@@ -351,21 +399,20 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
           };
           std::vector<float> plain(static_cast<std::size_t>(sh.m * sh.n));
           std::vector<float> reused(plain.size());
-          g.run(a.data(), b.data(), plain.data(), nullptr, align(scratch));
+          g.run(a.data(), b.data(), plain.data(), align(scratch));
           g.pack_shared(shared == SharedOperand::a ? a.data() : b.data(), align(packed));
-          const GemmBinding binding(g);
           // The shared operand's own pointer is not needed once packed.
-          binding.run(shared == SharedOperand::a ? nullptr : a.data(), shared == SharedOperand::b ? nullptr : b.data(),
-                      reused.data(), nullptr, align(scratch), align(packed));
+          g.run(shared == SharedOperand::a ? nullptr : a.data(), shared == SharedOperand::b ? nullptr : b.data(),
+                reused.data(), align(scratch), align(packed));
           EXPECT_EQ(0, std::memcmp(plain.data(), reused.data(), plain.size() * sizeof(float)))
               << "M" << sh.m << " N" << sh.n << " K" << sh.k << " shared " << (shared == SharedOperand::a ? "a" : "b")
               << " transposed " << t << " " << to_string(kind);
           GemmSpec unshared_spec = spec;
           unshared_spec.shared = SharedOperand::none;
-          const Gemm u(engine, unshared_spec, kind);
+          const TestedGemm u(kind, engine, unshared_spec);
           std::vector<std::byte> u_scratch(u.scratchpad_bytes() + 64);
           std::vector<float> unshared(plain.size());
-          u.run(a.data(), b.data(), unshared.data(), nullptr, align(u_scratch));
+          u.run(a.data(), b.data(), unshared.data(), align(u_scratch));
           EXPECT_EQ(0, std::memcmp(plain.data(), unshared.data(), plain.size() * sizeof(float)))
               << "unshared: M" << sh.m << " N" << sh.n << " K" << sh.k << " shared "
               << (shared == SharedOperand::a ? "a" : "b") << " transposed " << t << " " << to_string(kind);
@@ -377,7 +424,10 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
 
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
   std::string skipped;
-  if (!amx_usable()) skipped += std::string("amx (") + amx_unusable_reason() + ") ";
+  if (!amx_usable()) {
+    skipped += std::string("amx (") + amx_unusable_reason() +
+               (testing::amx_emulation_runs() ? "; its code ran on emulated tiles) " : ") ");
+  }
   if (!avx512_bf16_usable()) skipped += "avx512bf16 (the CPU has no AVX512-BF16) ";
   if (!avx512_fma_usable()) skipped += "avx512fma (the CPU has no AVX-512F/BW/DQ/VL) ";
   if (!avx2_gemm_usable()) skipped += "avx2 (the CPU has no AVX2 and FMA) ";
