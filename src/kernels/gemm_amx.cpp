@@ -37,10 +37,21 @@ namespace {
     OP(7);                         \
   }
 
+// GCC 12's tileloadd and ldtilecfg intrinsics tell the compiler nothing of
+// the memory they read (tileloadd passes only the address, in a register;
+// ldtilecfg declares 8 of its 64 bytes), so the stores that packed a panel
+// or filled the configuration could in principle be moved past them. A
+// compiler barrier before each keeps them in order (tilestored declares its
+// memory clobber itself). It costs no instruction.
+inline void memory_barrier() { __asm__ volatile("" ::: "memory"); }
+
 struct AmxTiles {
   static constexpr const char* kName = "grpo:amx_bf16";
   static constexpr const char* kSwappedName = "grpo:amx_bf16 (swapped)";
-  static void load_config(const TileConfig* cfg) { _tile_loadconfig(cfg); }
+  static void load_config(const TileConfig* cfg) {
+    memory_barrier();
+    _tile_loadconfig(cfg);
+  }
   static void release() { _tile_release(); }
   template <int t>
   static void zero() {
@@ -50,6 +61,7 @@ struct AmxTiles {
   }
   template <int t>
   static void load(const void* base, long stride) {
+    memory_barrier();
 #define GRPO_OP(n) _tile_loadd(n, base, stride)
     GRPO_FOR_TILE(t, GRPO_OP)
 #undef GRPO_OP
