@@ -6,33 +6,20 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/amx_tile_config.hpp"
 #include "peak_kernels.hpp"
 
 namespace grpo::bench {
 namespace {
 
-// The 64-byte LDTILECFG operand (Intel SDM vol. 1, 3.4 "AMX"): palette 1,
-// then bytes per row of tiles 0-15 (u16 each) and rows of tiles 0-15 (u8 each).
-struct alignas(64) TileConfig {
-  std::uint8_t palette = 1;
-  std::uint8_t start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64);
-
-constexpr int kTileRows = 16;
-constexpr int kTileBytesPerRow = 64;  // the maximum: 16 f32 or 32 bf16 per row
+using kernels::TileConfig;
+constexpr int kTileRows = TileConfig::kMaxRows;
+constexpr int kTileBytesPerRow = TileConfig::kMaxRowBytes;  // 16 f32 or 32 bf16 per row
 
 }  // namespace
 
 float amx_bf16_chains(std::int64_t iterations) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = kTileBytesPerRow;
-    cfg.rows[t] = kTileRows;
-  }
+  const TileConfig cfg = TileConfig::full();
   // Sources: bf16 0x3a80 = 2^-10 everywhere (C gains 32 * 2^-20 per
   // instruction, nowhere near overflow in a call).
   alignas(64) std::uint16_t src[kTileRows * kTileBytesPerRow / 2];

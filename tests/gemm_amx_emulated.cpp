@@ -45,9 +45,9 @@ namespace {
 struct EmulatedTiles {
   static constexpr const char* kName = "grpo:amx_bf16 (emulated)";
   static constexpr const char* kSwappedName = "grpo:amx_bf16 (emulated, swapped)";
-  static constexpr int kTiles = 8;
-  static constexpr int kRows = 16;
-  static constexpr int kRowBytes = 64;
+  static constexpr int kTiles = TileConfig::kPalette1Tiles;
+  static constexpr int kRows = TileConfig::kMaxRows;
+  static constexpr int kRowBytes = TileConfig::kMaxRowBytes;
 
   struct State {
     bool configured = false;
@@ -69,9 +69,8 @@ struct EmulatedTiles {
     for (int i = 2; i < 16; ++i) {
       if (bytes[i] != 0) fault("LDTILECFG: reserved bytes 2-15 not zero");
     }
-    State& s = state();
     if (cfg->palette == 0) {  // back to the INIT state
-      s = State{};
+      release();
       return;
     }
     if (cfg->palette != 1) fault("LDTILECFG: palette other than 0 or 1");
@@ -83,6 +82,7 @@ struct EmulatedTiles {
       if (rows_zero != cols_zero) fault("LDTILECFG: rows or bytes of a tile zero, but not both");
       if (t < kTiles && (cfg->rows[t] > kRows || cfg->colsb[t] > kRowBytes)) fault("LDTILECFG: tile too large");
     }
+    State& s = state();
     for (int t = 0; t < kTiles; ++t) {
       s.rows[t] = cfg->rows[t];
       s.colsb[t] = cfg->colsb[t];
@@ -90,10 +90,7 @@ struct EmulatedTiles {
     std::memset(s.tile, 0, sizeof(s.tile));  // LDTILECFG zeroes the tiles
     s.configured = true;
   }
-  static void release() {
-    State& s = state();
-    s = State{};
-  }
+  static void release() { state() = State{}; }
   // The state, configured, with tile t configured.
   static State& with_tile(int t) {
     State& s = state();

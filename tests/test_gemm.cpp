@@ -329,13 +329,6 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
   }
 }
 
-// A shared operand packed once (Gemm::pack_shared) and handed to run() gives
-// bitwise the result of the call that packs it itself, and of the same GEMM
-// without a shared operand (blocked differently: the shared Y may be taken
-// whole), for either operand, both layouts, and shapes that split K and N
-// into blocks (K = 4200 is past the shared Y's k block; 4096 x 1100 bf16 is
-// past the 8 MiB of a shared Y taken whole).
-// (The avx2 backend packs nothing once: it widens its panels as it goes.)
 // One GEMM of a tested backend: through kernels::Gemm (and a GemmBinding for
 // a packed operand) for the library's, directly for the emulated one.
 class TestedGemm {
@@ -367,6 +360,13 @@ class TestedGemm {
   std::unique_ptr<GemmBackend> own_;
 };
 
+// A shared operand packed once (Gemm::pack_shared) and handed to run() gives
+// bitwise the result of the call that packs it itself, and of the same GEMM
+// without a shared operand (blocked differently: the shared Y may be taken
+// whole), for either operand, both layouts, and shapes that split K and N
+// into blocks (K = 4200 is past the shared Y's k block; 4096 x 1100 bf16 is
+// past the 8 MiB of a shared Y taken whole).
+// (The avx2 backend packs nothing once: it widens its panels as it goes.)
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   std::vector<Tested> ours;
   for (const Tested& k : runnable_backends()) {

@@ -20,21 +20,11 @@
 #include <cstdint>
 #include <new>
 
+#include "kernels/amx_tile_config.hpp"
 #include "kernels/gemm_blocked.hpp"
 
 namespace grpo::kernels {
 namespace {
-
-// The 64-byte LDTILECFG operand (Intel SDM vol. 1, 3.4): palette 1, bytes per
-// row and rows of tiles 0-15. Every tile used here is full: 16 rows x 64 bytes.
-struct alignas(64) TileConfig {
-  std::uint8_t palette = 1;
-  std::uint8_t start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64);
 
 template <class Tiles>
 struct AmxMicro {
@@ -49,14 +39,7 @@ struct AmxMicro {
   static constexpr bool kXF32 = false;            // X packed as bf16
   static constexpr bool kYF32 = false;            // Y packed as bf16
 
-  static void begin(void* state) {
-    auto* cfg = new (state) TileConfig{};
-    for (int t = 0; t < 8; ++t) {
-      cfg->colsb[t] = 64;
-      cfg->rows[t] = kTile;
-    }
-    Tiles::load_config(cfg);
-  }
+  static void begin(void* state) { Tiles::load_config(new (state) TileConfig(TileConfig::full())); }
   static void end() { Tiles::release(); }
 
   static void block(const std::uint16_t* xp, const std::uint16_t* y0, const std::uint16_t* y1, std::int64_t kb32,
