@@ -2,6 +2,9 @@
 // at the headline shape without running its GEMMs), and a run allocates
 // exactly the plan's workspace and nothing else through the allocator.
 #include <gtest/gtest.h>
+#include <tbb/task_arena.h>
+
+#include <optional>
 
 #include "lm_head_support.hpp"
 
@@ -55,6 +58,37 @@ TEST(Workspace, BudgetTooSmallIsRefused) {
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "options.workspace_budget");
   }
+}
+
+// A budget that holds fewer slots than the plan's threads runs fewer, and
+// describe() says so, with the budget that would run them all.
+TEST(Workspace, FewerSlotsThanThreadsAreDescribed) {
+  const LmHeadShape shape{1, 512, 256, 4096, DType::bf16, WeightLayout::vocab_major, false, DType::f32};
+  const auto plan_with = [&](int threads, std::size_t budget) {
+    LmHeadOptions opt;
+    opt.token_block = 256;
+    opt.max_threads = threads;
+    opt.workspace_budget = budget;
+    std::optional<LmHeadLossPlan> plan;
+    tbb::task_arena arena(threads);
+    arena.execute([&] { plan.emplace(shape, LossConfig{}, opt); });
+    return std::move(*plan);
+  };
+  const std::size_t roomy = std::size_t{1} << 30;
+  const std::size_t one = plan_with(1, roomy).workspace_size();
+  const LmHeadLossPlan two = plan_with(2, roomy);
+  ASSERT_EQ(two.schedule().slots, 2) << two.describe();
+  ASSERT_GT(two.workspace_size(), one);
+  EXPECT_NE(two.describe().find(" threads=2 "), std::string::npos) << two.describe();
+
+  const LmHeadLossPlan tight = plan_with(2, one);
+  EXPECT_EQ(tight.schedule().slots, 1);
+  EXPECT_EQ(tight.workspace_size(), one);
+  EXPECT_NE(tight.describe().find(" threads=1 (of 2: options.workspace_budget " + std::to_string(one) +
+                                  "B holds 1 slot beside the token block; 2 take " +
+                                  std::to_string(two.workspace_size()) + "B) "),
+            std::string::npos)
+      << tight.describe();
 }
 
 TEST(Workspace, TrackedPeakEqualsPlanWorkspace) {

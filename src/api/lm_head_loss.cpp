@@ -126,7 +126,7 @@ std::string LmHeadLossPlan::describe() const {
   const int passes = d.options.forward_only ? 1 : (s.recompute_logits ? 4 : 3) - (d.options.frozen_weight ? 1 : 0);
   std::ostringstream os;
   os << "fused lm-head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
-     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << " threads=" << s.slots
+     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << detail::describe_threads(d)
      << " gemm_passes=" << passes
      << (s.recompute_logits ? (detail::needs_all_rows(d.config)
                                    ? " (logits recomputed: the top-entropy mask needs every row's entropy first)"

@@ -214,6 +214,18 @@ std::array<NamedRange, 3> operand_ranges(const LmHeadInputs& in) {
            {byte_range(in.bias.data, bias_bytes), "bias"}}};
 }
 
+std::string describe_threads(const LmHeadPlanData& plan) {
+  const int slots = plan.schedule.slots;
+  std::string s = " threads=" + std::to_string(slots);
+  if (slots < plan.threads) {
+    s += " (of " + std::to_string(plan.threads) + ": options.workspace_budget " +
+         std::to_string(plan.options.workspace_budget) + "B holds " + std::to_string(slots) + " slot" +
+         (slots == 1 ? "" : "s") + " beside the token block; " + std::to_string(plan.threads) + " take " +
+         std::to_string(plan.workspace_for_threads) + "B)";
+  }
+  return s;
+}
+
 std::string describe_gemms(const LmHeadPlanData& plan) {
   std::string s = std::string(" gemm=forward:") + plan.forward.full->implementation();
   if (!plan.dhidden.empty()) {

@@ -86,6 +86,10 @@ void check_outputs_apart(std::span<const NamedRange> outputs, std::span<const Na
 // dhidden:grpo:amx_bf16 plan=123456B (92 gemms; backward rows padded to 15
 // sizes up to 480)".
 std::string describe_gemms(const LmHeadPlanData& plan);
+// describe()'s slot count, " threads=2", and when the budget holds fewer
+// slots than the plan's threads, how many were asked and the budget that
+// would run them all.
+std::string describe_threads(const LmHeadPlanData& plan);
 
 std::byte* call_workspace(std::span<std::byte> given, std::size_t need, Allocator* allocator, Buffer& owned);
 

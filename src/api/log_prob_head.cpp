@@ -124,7 +124,7 @@ std::string LmHeadLogProbPlan::describe() const {
   const LmHeadSchedule& s = d.schedule;
   std::ostringstream os;
   os << "log-prob head: token_block=" << s.token_block << " vocab_tile=" << s.vocab_tile << " (" << d.tiles
-     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << " threads=" << s.slots
+     << " tiles) forward_rows=" << d.forward_rows << " hidden_chunk=" << d.hidden_chunk << detail::describe_threads(d)
      << " gemm_passes=1 forward"
      << (d.options.forward_only ? ""
          : d.options.frozen_weight

@@ -556,11 +556,14 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     p->schedule.slots = std::max(1, std::min(threads, fit_slots));
     p->layout = regions.lay_out(p->block_rows_alloc, p->schedule.slots);
     p->schedule.workspace_bytes = p->layout.total;
+    p->workspace_for_threads =
+        p->schedule.slots < threads ? regions.lay_out(p->block_rows_alloc, threads).total : p->layout.total;
     if (p->layout.total <= budget || options.token_block > 0 || forced != nullptr) break;
     const std::int64_t step = whole_block ? kRowQuantum : p->forward_rows;
     if (nb <= step) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));
     nb -= step;
   }
+  p->threads = threads;
   p->bindings.reset(p->gemms, p->schedule.slots);
   if (p->layout.total > budget) {
     throw Error("options.token_block", "token block " + std::to_string(nb) + " needs " +
