@@ -422,6 +422,37 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   }
 }
 
+// The forward's spec (the block's hidden rows shared, a 2048-column W tile,
+// H = 4096): every microkernel backend caps the rows of a call
+// (GemmTraits::max_shared_rows) so that a call at the cap keeps its scratch
+// (packed panels, partial sums) within 16 MiB: 1024 rows for avx512bf16 (its
+// shared Y taken whole, 8 MiB), 512 for avx512fma (f32), 640 for amx (Y in
+// L2 blocks, 5 MiB of partial sums).
+TEST(GemmTester, SharedRowCapBoundsACallsScratch) {
+  std::vector<Tested> ours;
+  for (const Tested& k : runnable_backends()) {
+    if (blocked_microkernel(k)) ours.push_back(k);
+  }
+  if (ours.empty()) GTEST_SKIP() << "no microkernel backend runs on this CPU: " << amx_unusable_reason();
+  const auto spec_of = [](std::int64_t rows) {
+    GemmSpec spec;
+    spec.a = {DType::bf16, rows, 4096, 4096, 1};
+    spec.b = {DType::bf16, 4096, 2048, 1, 4096};
+    spec.c = {DType::f32, rows, 2048, 2048, 1};
+    spec.shared = SharedOperand::a;
+    return spec;
+  };
+  for (const Tested& kind : ours) {
+    SCOPED_TRACE(to_string(kind));
+    const std::int64_t cap = make_backend(kind, spec_of(160))->traits().max_shared_rows;
+    const std::int64_t expected = kind.kind == GemmBackendKind::amx          ? 640
+                                  : kind.kind == GemmBackendKind::avx512_fma ? 512
+                                                                             : 1024;
+    EXPECT_EQ(cap, expected);
+    EXPECT_LE(make_backend(kind, spec_of(cap))->scratchpad_bytes(), std::size_t{16} << 20);
+  }
+}
+
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
   std::string skipped;
   if (!amx_usable()) {

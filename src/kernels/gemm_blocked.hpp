@@ -74,6 +74,10 @@ constexpr std::size_t kYBlockBytes = std::size_t{1024} << 10;
 // taken whole (below).
 constexpr std::int64_t kSharedKBlock = 4096;
 constexpr std::size_t kSharedYWholeBytes = std::size_t{8} << 20;
+// The most partial sums a call with a shared Y in L2 blocks takes (amx,
+// below): 640 rows against the forward's 2048-row W tile, the largest
+// forward call measured on AMX (2026-11-25, docs/benchmarks.md).
+constexpr std::size_t kSharedAccBytes = std::size_t{5} << 20;
 // The most of a wide Y (below) packed whole across its columns at a time,
 // and the shortest k block it may take (more partial-sum round trips than
 // that cost more than the packing saves). dhidden's 2048-column W chunk:
@@ -199,6 +203,16 @@ class BlockedGemm final : public GemmBackend {
       }
     }
     const std::int64_t mx32 = round_up(mx_, kPanel);
+    if (spec.shared != SharedOperand::none && max_shared_rows_ == 0 && kc_ < k_) {
+      // A shared Y in L2 blocks: a call's partial sums are [X rows x Y
+      // columns] f32, read and written once per k block. Calls of at most
+      // kSharedAccBytes of them: without a cap the default 640 MiB budget
+      // gave the headline's forward 1632-row calls, 13 MiB of sums (never
+      // measured on AMX; with avx512fma in this layout the scratch of such
+      // calls left the budget one slot, Xeon model 207, docs/benchmarks.md).
+      max_shared_rows_ =
+          std::max(kPanel, static_cast<std::int64_t>(kSharedAccBytes) / (mx32 * std::int64_t{4}) / kPanel * kPanel);
+    }
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
     y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * kYElem);
     // X: one panel at a time when Y is a single column block (each panel is
