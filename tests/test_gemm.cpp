@@ -9,6 +9,7 @@
 // (gemm_amx_emulated.hpp), so a CPU without AMX still tests it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -342,6 +343,9 @@ class TestedGemm {
   }
   std::size_t scratchpad_bytes() const { return own_ ? own_->scratchpad_bytes() : gemm_->scratchpad_bytes(); }
   std::size_t shared_packed_bytes() const { return own_ ? own_->shared_packed_bytes() : gemm_->shared_packed_bytes(); }
+  std::size_t scratchpad_bytes_with_packed() const {
+    return own_ ? own_->scratchpad_bytes_with_packed() : gemm_->scratchpad_bytes_with_packed();
+  }
   void pack_shared(const void* operand, void* packed) const {
     own_ ? own_->pack_shared(operand, packed) : gemm_->pack_shared(operand, packed);
   }
@@ -394,6 +398,13 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
           ASSERT_GT(g.shared_packed_bytes(), 0U);
           std::vector<std::byte> scratch(g.scratchpad_bytes() + 64);
           std::vector<std::byte> packed(g.shared_packed_bytes() + 64);
+          // Given the packed operand, a run takes less scratch (no Y block of
+          // its own to pack into): that much, NaN-filled (a read of scratch
+          // it did not write shows in C), then a guard it must not touch.
+          const std::size_t with_packed = g.scratchpad_bytes_with_packed();
+          ASSERT_LT(with_packed, g.scratchpad_bytes());
+          constexpr std::size_t kGuard = 1 << 16;
+          std::vector<std::byte> packed_scratch(with_packed + 64 + kGuard, std::byte{0xff});
           const auto align = [](std::vector<std::byte>& v) {
             return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) / 64 * 64);
           };
@@ -403,7 +414,10 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
           g.pack_shared(shared == SharedOperand::a ? a.data() : b.data(), align(packed));
           // The shared operand's own pointer is not needed once packed.
           g.run(shared == SharedOperand::a ? nullptr : a.data(), shared == SharedOperand::b ? nullptr : b.data(),
-                reused.data(), align(scratch), align(packed));
+                reused.data(), align(packed_scratch), align(packed));
+          const auto* guard = static_cast<const std::byte*>(align(packed_scratch)) + with_packed;
+          EXPECT_EQ(std::count(guard, guard + kGuard, std::byte{0xff}), static_cast<std::ptrdiff_t>(kGuard))
+              << "a run given the packed operand wrote past scratchpad_bytes_with_packed()";
           EXPECT_EQ(0, std::memcmp(plain.data(), reused.data(), plain.size() * sizeof(float)))
               << "M" << sh.m << " N" << sh.n << " K" << sh.k << " shared " << (shared == SharedOperand::a ? "a" : "b")
               << " transposed " << t << " " << to_string(kind);

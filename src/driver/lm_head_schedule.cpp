@@ -275,7 +275,9 @@ std::size_t create_gemms(LmHeadPlanData& p) {
   std::size_t scratch = 0;
   auto make = [&](const GemmSpec& spec) {
     auto g = std::make_unique<Gemm>(e, spec);
-    scratch = std::max(scratch, g->scratchpad_bytes());
+    // A GEMM with a shared operand always runs on it packed (LmHeadStep).
+    scratch =
+        std::max(scratch, g->shared_packed_bytes() > 0 ? g->scratchpad_bytes_with_packed() : g->scratchpad_bytes());
     g->set_index(p.gemms.size());
     p.gemms.push_back(g.get());
     return g;

@@ -184,6 +184,9 @@ const char* Gemm::implementation() const {
   return own_ != nullptr ? own_->implementation() : impl_->pd.impl_info_str();
 }
 std::size_t Gemm::shared_packed_bytes() const { return own_ != nullptr ? own_->shared_packed_bytes() : 0; }
+std::size_t Gemm::scratchpad_bytes_with_packed() const {
+  return own_ != nullptr ? own_->scratchpad_bytes_with_packed() : scratchpad_bytes();
+}
 void Gemm::pack_shared(const void* operand, void* packed) const {
   if (own_ != nullptr) own_->pack_shared(operand, packed);
 }

@@ -92,6 +92,9 @@ class Gemm {
   // Bytes of spec.shared packed by pack_shared(); 0 when the backend takes
   // the operand as it is (oneDNN, reference, or no shared operand).
   std::size_t shared_packed_bytes() const;
+  // The scratchpad a run given the packed shared operand needs (<=
+  // scratchpad_bytes(); the same for a backend that packs nothing).
+  std::size_t scratchpad_bytes_with_packed() const;
   // Packs the shared operand (its data as run() would get it) into packed
   // (shared_packed_bytes(), 64-byte aligned); every run() given that packed
   // copy then reads it instead of the operand.

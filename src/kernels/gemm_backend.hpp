@@ -63,6 +63,9 @@ class GemmBackend {
   // The shared operand (GemmSpec::shared) packed once for many calls; 0
   // bytes: the backend reads it as it is.
   virtual std::size_t shared_packed_bytes() const { return 0; }
+  // The scratch run() needs when it is given `packed` (<= scratchpad_bytes():
+  // the room a backend packs the shared operand into itself goes unused).
+  virtual std::size_t scratchpad_bytes_with_packed() const { return scratchpad_bytes(); }
   virtual void pack_shared(const void* /*operand*/, void* /*packed*/) const {}
 };
 

@@ -259,16 +259,22 @@ class BlockedGemm final : public GemmBackend {
   const char* implementation() const override { return swapped_ ? Micro::kSwappedName : Micro::kName; }
   GemmTraits traits() const override { return {.m_independent = true, .max_shared_rows = max_shared_rows_}; }
   std::size_t scratchpad_bytes() const override { return scratch_bytes_; }
+  // Given the packed shared Y, run() packs no Y block: its room goes.
+  std::size_t scratchpad_bytes_with_packed() const override {
+    return spec_.shared == SharedOperand::none ? scratch_bytes_ : scratch_bytes_ - y_bytes_;
+  }
 
   void run(const void* a, const void* b, void* c, const void* bias, void* scratch, const void* packed) const override {
     const auto* xs = static_cast<const std::uint16_t*>(swapped_ ? b : a);
     const auto* ys = static_cast<const std::uint16_t*>(swapped_ ? a : b);
     auto* s = static_cast<std::byte*>(scratch);
+    // Scratch: [Y block, unless Y comes packed][X][partial sums][staged tiles][Micro's state].
+    const std::size_t y_room = packed != nullptr ? 0 : y_bytes_;
     auto* yscratch = reinterpret_cast<std::uint16_t*>(s);
     const std::uint16_t* ypack = yscratch;
-    auto* xpack = reinterpret_cast<std::uint16_t*>(s + y_bytes_);
-    auto* acc = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_);
-    auto* tmp = reinterpret_cast<float*>(s + y_bytes_ + x_bytes_ + acc_bytes_);
+    auto* xpack = reinterpret_cast<std::uint16_t*>(s + y_room);
+    auto* acc = reinterpret_cast<float*>(s + y_room + x_bytes_);
+    auto* tmp = reinterpret_cast<float*>(s + y_room + x_bytes_ + acc_bytes_);
     Micro::begin(tmp + kStagedFloats);
 
     const std::int64_t mx32 = round_up(mx_, kPanel);
