@@ -139,6 +139,15 @@ bool blocked_microkernel(const Tested& t) {
   return kind == GemmBackendKind::amx || kind == GemmBackendKind::avx512_bf16 || kind == GemmBackendKind::avx512_fma;
 }
 
+// The runnable ones of them (the emulated amx among them where it runs).
+std::vector<Tested> microkernel_backends() {
+  std::vector<Tested> ours;
+  for (const Tested& k : runnable_backends()) {
+    if (blocked_microkernel(k)) ours.push_back(k);
+  }
+  return ours;
+}
+
 // oneDNN 2.6 has no bf16 matmul without AVX-512.
 bool onednn_has_bf16() { return __builtin_cpu_supports("avx512f"); }
 
@@ -372,10 +381,7 @@ class TestedGemm {
 // past the 8 MiB of a shared Y taken whole).
 // (The avx2 backend packs nothing once: it widens its panels as it goes.)
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
-  std::vector<Tested> ours;
-  for (const Tested& k : runnable_backends()) {
-    if (blocked_microkernel(k)) ours.push_back(k);
-  }
+  const std::vector<Tested> ours = microkernel_backends();
   if (ours.empty()) GTEST_SKIP() << "no microkernel backend runs on this CPU: " << amx_unusable_reason();
   const GemmEngine engine;
   std::mt19937 rng(91);
@@ -443,10 +449,7 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
 // shared Y taken whole, 8 MiB), 512 for avx512fma (f32), 640 for amx (Y in
 // L2 blocks, 5 MiB of partial sums).
 TEST(GemmTester, SharedRowCapBoundsACallsScratch) {
-  std::vector<Tested> ours;
-  for (const Tested& k : runnable_backends()) {
-    if (blocked_microkernel(k)) ours.push_back(k);
-  }
+  const std::vector<Tested> ours = microkernel_backends();
   if (ours.empty()) GTEST_SKIP() << "no microkernel backend runs on this CPU: " << amx_unusable_reason();
   const auto spec_of = [](std::int64_t rows) {
     GemmSpec spec;

@@ -221,7 +221,7 @@ std::string describe_threads(const LmHeadPlanData& plan) {
     s += " (of " + std::to_string(plan.threads) + ": options.workspace_budget " +
          std::to_string(plan.options.workspace_budget) + "B holds " + std::to_string(slots) + " slot" +
          (slots == 1 ? "" : "s") + " beside the token block; " + std::to_string(plan.threads) + " take " +
-         std::to_string(plan.workspace_for_threads) + "B)";
+         std::to_string(plan.layout.slots + plan.layout.slot_bytes * static_cast<std::size_t>(plan.threads)) + "B)";
   }
   return s;
 }

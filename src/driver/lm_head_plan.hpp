@@ -208,10 +208,9 @@ struct LmHeadPlanData {
   DType dlogits_dtype = DType::f32;               // block buffer during backward (= GEMM dtype)
   WorkspaceLayout layout;                         // booked by book_workspace (lm_head_schedule.cpp)
   // The threads the plan was made for (options.max_threads, capped by the
-  // arena) and the workspace one slot for each would take: schedule.slots is
-  // fewer when the budget holds fewer (describe() says so).
+  // arena): schedule.slots is fewer when the budget holds fewer (describe()
+  // says so).
   int threads = 1;
-  std::size_t workspace_for_threads = 0;
   // The filtered backward (LmHeadOptions::grad_filter; LmHeadStep::backward):
   // eps (0: off), the kept columns' GEMM group (kKeptTile, or less for a
   // small vocabulary) and the most kept columns a block may have and still

@@ -275,9 +275,8 @@ std::size_t create_gemms(LmHeadPlanData& p) {
   std::size_t scratch = 0;
   auto make = [&](const GemmSpec& spec) {
     auto g = std::make_unique<Gemm>(e, spec);
-    // A GEMM with a shared operand always runs on it packed (LmHeadStep).
-    scratch =
-        std::max(scratch, g->shared_packed_bytes() > 0 ? g->scratchpad_bytes_with_packed() : g->scratchpad_bytes());
+    // The step runs every GEMM with a shared operand on it packed.
+    scratch = std::max(scratch, g->scratchpad_bytes_with_packed());
     g->set_index(p.gemms.size());
     p.gemms.push_back(g.get());
     return g;
@@ -558,8 +557,6 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     p->schedule.slots = std::max(1, std::min(threads, fit_slots));
     p->layout = regions.lay_out(p->block_rows_alloc, p->schedule.slots);
     p->schedule.workspace_bytes = p->layout.total;
-    p->workspace_for_threads =
-        p->schedule.slots < threads ? regions.lay_out(p->block_rows_alloc, threads).total : p->layout.total;
     if (p->layout.total <= budget || options.token_block > 0 || forced != nullptr) break;
     const std::int64_t step = whole_block ? kRowQuantum : p->forward_rows;
     if (nb <= step) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));

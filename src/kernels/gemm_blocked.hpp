@@ -210,8 +210,9 @@ class BlockedGemm final : public GemmBackend {
       // gave the headline's forward 1632-row calls, 13 MiB of sums (never
       // measured on AMX; with avx512fma in this layout the scratch of such
       // calls left the budget one slot, Xeon model 207, docs/benchmarks.md).
-      max_shared_rows_ =
-          std::max(kPanel, static_cast<std::int64_t>(kSharedAccBytes) / (mx32 * std::int64_t{4}) / kPanel * kPanel);
+      max_shared_rows_ = std::max(
+          kPanel, static_cast<std::int64_t>(kSharedAccBytes / (static_cast<std::size_t>(mx32) * sizeof(float))) /
+                      kPanel * kPanel);
     }
     // Scratch: [Y block][X panels (or one tail panel)][partial sums][store tile].
     y_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * kYElem);
