@@ -155,6 +155,10 @@ struct LmHeadStepStats {
   // (the GEMM rows above times V is what they would run unfiltered). 0 without it.
   std::int64_t dhidden_skipped_row_columns = 0;
   std::int64_t dweight_skipped_row_columns = 0;
+  // grad_filter = auto: the token blocks whose left-out entries the guard
+  // found too large beside the exact step's own error (docs/filtered_backward.md),
+  // run through the exact GEMMs instead.
+  std::int64_t filter_guard_blocks = 0;
   double forward_gemm_s = 0.0;
   double forward_stage_s = 0.0;
   double dlogits_s = 0.0;

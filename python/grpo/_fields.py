@@ -143,9 +143,9 @@ def grad_filter(name, value) -> float:
     """LmHeadOptions.grad_filter from the keyword (docs/filtered_backward.md).
 
     None / False / "off" / 0: off (0.0, every gradient exact); "auto":
-    GRAD_FILTER_AUTO (eps(weight dtype) / 32); a number in (0, 1): that
-    threshold. The library's own spelling of "auto" (-1.0) is refused here:
-    the keyword takes "auto".
+    GRAD_FILTER_AUTO (eps(weight dtype) / 32), spelled "auto" or
+    grpo.GRAD_FILTER_AUTO (the library's own value, as C++'s kGradFilterAuto);
+    a number in (0, 1): that threshold.
     """
     if value is None or value is False or (isinstance(value, str) and value == "off"):
         return 0.0
@@ -161,6 +161,8 @@ def grad_filter(name, value) -> float:
         raise Refusal(name, f"must be None / 'off', 'auto' or a threshold in (0, 1), got {value!r}") from None
     if threshold == 0.0:
         return 0.0
+    if threshold == GRAD_FILTER_AUTO:
+        return GRAD_FILTER_AUTO
     if not 0.0 < threshold < 1.0:  # NaN fails this too
         raise Refusal(name, f"must be a threshold in (0, 1) (or None / 'off', 'auto'), got {value!r}")
     return threshold

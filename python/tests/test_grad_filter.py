@@ -231,7 +231,7 @@ def test_fused_log_probs_none_and_auto():
 # Refusals
 # --------------------------------------------------------------------------
 
-BAD = [-1.0, 1.5, 1.0, "fast", float("nan"), True, "AUTO", object()]
+BAD = [-0.5, -2.0, 1.5, 1.0, "fast", float("nan"), True, "AUTO", object()]
 
 
 @pytest.mark.parametrize("value", BAD, ids=repr)
@@ -246,6 +246,23 @@ def test_refusals_name_grad_filter(value):
     with pytest.raises(grpo.Error) as info:
         gt.fused_log_probs(case.hidden, case.weight, None, case.ids, grad_filter=value)
     assert info.value.argument == "grad_filter" and "grad_filter" in str(info.value)
+
+
+@pytest.mark.parametrize("spelling", ["auto", grpo.GRAD_FILTER_AUTO], ids=repr)
+def test_every_spelling_of_auto_at_every_entry_point(spelling):
+    """grpo.GRAD_FILTER_AUTO (the value docs/filtered_backward.md and grpo's docstring name) is "auto"
+    wherever a grad_filter keyword is taken: the same threshold, the same gradients bitwise."""
+    case = peaked()
+    want, dh_want, dw_want = run_loss(case, grad_filter="auto")
+    got, dh, dw = run_loss(case, grad_filter=spelling)
+    assert got.stats["dhidden_skipped_row_columns"] > 0
+    assert torch.equal(dh, dh_want) and torch.equal(dw, dw_want)
+    assert gt.LmHeadGRPOLoss(grad_filter=spelling).grad_filter == spelling
+    upstream = torch.ones(case.ids.numel())
+    lp, _, dh_l, dw_l, stats = run_log_probs(case, upstream, grad_filter=spelling)
+    lp_a, _, dh_a, dw_a, _ = run_log_probs(case, upstream, grad_filter="auto")
+    assert stats["dhidden_skipped_row_columns"] > 0
+    assert torch.equal(lp, lp_a) and torch.equal(dh_l, dh_a) and torch.equal(dw_l, dw_a)
 
 
 def test_the_library_refuses_a_bad_threshold_in_the_core_api():

@@ -89,6 +89,25 @@ inline constexpr std::int64_t kTailApplyLd = 32;
 // GEMMs of kTailRows rows (>= kTailRank; the AMX tile's 16).
 inline constexpr std::int64_t kTailSketchStride = 8;
 inline constexpr std::int64_t kTailRows = 16;
+// The guard of grad_filter = auto (LmHeadStep::guard_holds): beside the
+// basis, kTailProbes random directions orthogonal to it ride in the same
+// tail GEMMs; a left-out sum's coordinates along them estimate the norm of
+// what the correction leaves (E sum_j (q_j x)^2 = m |x|^2 / (H - k) for x off
+// the basis). A block runs filtered only while that estimate is within
+// kGuardRatio of the exact step's own error there (its bf16 roundings of the
+// kept entries), for dhidden per block and for dW summed over the call's
+// blocks so far; else it runs the exact GEMMs. Measured over the head
+// families of python/grpo/head_families.py (docs/filtered_backward.md): both
+// estimates within 0.84-1.33x of the errors they estimate, so 0.75 keeps the
+// filtered gradients under the exact step's error there. What the estimate
+// can miss: a left-out sum along one direction only, whose 8 probe
+// coordinates are a chi-square of 8 degrees, under 0.39 of their mean (the
+// 1.6x that 0.75 would need to reach 1.2x the exact error) with p ~ 0.06.
+inline constexpr std::int64_t kTailProbes = 8;
+inline constexpr std::int64_t kTailCoords = kTailRank + kTailProbes;  // a coordinate row: basis, then probes
+inline constexpr std::int64_t kTailPairProbes = kTailPair + kTailProbes;  // hidden rows' [hi, lo, probes]
+inline constexpr double kGuardRatio = 0.75;
+static_assert(kTailCoords <= kTailRows, "the W projection GEMM's rows hold the basis and the probes");
 // A dense row: nearly uniform (entropy above ln V - kDenseRowEntropyGap,
 // support beyond ~V / 20 columns) with entries under the filter's threshold
 // adding up to more than kDenseRowMass of its scale (|a| + |b|, see the
@@ -229,6 +248,9 @@ struct LmHeadPlanData {
   // the W rows its sketch samples (kTailSketchStride or 1).
   std::int64_t tail_rank = 0;
   std::int64_t tail_stride = 1;
+  // grad_filter = auto: a block runs filtered only where the guard's
+  // estimate of what the filter leaves out holds (kGuardRatio).
+  bool filter_guard = false;
 
   std::unique_ptr<kernels::GemmEngine> engine;
   // Forward logits tile: [forward_rows] x [tile or last tile].
@@ -319,7 +341,7 @@ struct BlockChoice {
 // The tail correction's workspace dimensions (rank 0 when it is off).
 inline TailRegions::Dims tail_dims(const LmHeadPlanData& p) {
   return {p.shape.vocab,          p.shape.hidden, p.tiles,    p.tail_rank, size_of(p.dlogits_dtype),
-          size_of(p.shape.dtype), kTailApplyLd,   kDenseRows, kRowQuantum};
+          size_of(p.shape.dtype), kTailApplyLd,   kDenseRows, kRowQuantum, kTailCoords, kTailPairProbes};
 }
 
 // The vocab tile a plan of this shape and options uses.

@@ -85,27 +85,28 @@ GemmSpec dhidden_kept_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t
 GemmSpec tail_dhidden_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
   GemmSpec g;
   g.a = {p.dlogits_dtype, k, cols, p.shape.vocab, 1};
-  g.b = {p.dlogits_dtype, cols, kTailRank, kTailRank, 1};
-  g.c = {DType::f32, k, kTailRank, kTailRank, 1};
+  g.b = {p.dlogits_dtype, cols, kTailCoords, kTailCoords, 1};
+  g.c = {DType::f32, k, kTailCoords, kTailCoords, 1};
   return g;
 }
 
-// dW's: the dlogits tile transposed [cols, k] x the hidden rows' coordinates [k, kTailPair].
+// dW's: the dlogits tile transposed [cols, k] x the hidden rows' coordinates
+// and probes [k, kTailPairProbes].
 GemmSpec tail_dweight_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
   GemmSpec g;
   g.a = {p.dlogits_dtype, cols, k, 1, p.shape.vocab};
-  g.b = {p.dlogits_dtype, k, kTailPair, kTailPair, 1};
-  g.c = {DType::f32, cols, kTailPair, kTailPair, 1};
+  g.b = {p.dlogits_dtype, k, kTailPairProbes, kTailPairProbes, 1};
+  g.c = {DType::f32, cols, kTailPairProbes, kTailPairProbes, 1};
   return g;
 }
 
-// The hidden rows' coordinates: active hidden rows [k, H] x the basis^T [H, kTailRank].
+// The hidden rows' coordinates: active hidden rows [k, H] x the basis and probes^T [H, kTailCoords].
 GemmSpec tail_hidden_spec(const LmHeadPlanData& p, std::int64_t k) {
   const LmHeadShape& s = p.shape;
   GemmSpec g;
   g.a = {s.dtype, k, s.hidden, s.hidden_ld, 1};
-  g.b = {s.dtype, s.hidden, kTailRank, 1, s.hidden};
-  g.c = {DType::f32, k, kTailRank, kTailRank, 1};
+  g.b = {s.dtype, s.hidden, kTailCoords, 1, s.hidden};
+  g.c = {DType::f32, k, kTailCoords, kTailCoords, 1};
   return g;
 }
 
@@ -150,9 +151,10 @@ std::size_t slot_tile_bytes(const LmHeadPlanData& p) {
     b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.shape.hidden) * sizeof(float));
     b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.hidden_chunk) * size_of(p.shape.dtype));
     // The tail correction's W projection tile [kTailRows, tile]; its dW
-    // coordinates [tile, kTailPair], the kept columns' A rows [tile,
-    // kTailRank] and places [tile]; the remainders' row, marks and columns.
-    b = std::max(b, static_cast<std::size_t>(std::max(kTailRows, kTailPair + kTailRank + 1) * p.schedule.vocab_tile) *
+    // coordinates [tile, kTailPairProbes], the kept columns' A rows [tile,
+    // kTailCoords] and places [tile]; the remainders' row, marks and columns.
+    b = std::max(b, static_cast<std::size_t>(std::max(kTailRows, kTailPairProbes + kTailCoords + 1) *
+                                             p.schedule.vocab_tile) *
                         sizeof(float));
   }
   return b;
@@ -451,6 +453,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     if (p->kept_tile > 0) p->kept_cap = shape.vocab / 2 / p->kept_tile * p->kept_tile;
     if (p->kept_cap > 0) {
       p->tail_rank = kTailRank;
+      p->filter_guard = options.grad_filter == kGradFilterAuto;
       p->tail_stride = shape.layout == WeightLayout::vocab_major ? kTailSketchStride : 1;
       // Room for the remainders of kKeptRemainders entries per row.
       if (shape.dtype == DType::bf16) p->kept_lo_cap = kKeptRemainders;

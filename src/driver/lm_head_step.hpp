@@ -58,14 +58,25 @@ inline float tail_sign(std::int64_t column, std::int64_t direction) {
   return (x >> 63) != 0 ? -1.0F : 1.0F;
 }
 
+// Rows [k, kc) of y [kc, n] (row stride ld): the guard's probes before
+// Gram-Schmidt, random signs from tail_sign's hash (directions past any the
+// sketches use).
+inline void fill_probes(float* y, std::int64_t ld, std::int64_t k, std::int64_t kc, std::int64_t n) {
+  for (std::int64_t r = k; r < kc; ++r) {
+    for (std::int64_t c = 0; c < n; ++c) y[r * ld + c] = tail_sign(c, 1000 + r);
+  }
+}
+
 // An orthonormal basis of the span of rows y [k, n] (row stride ld_y):
 // modified Gram-Schmidt in double, twice (a row keeping less than 1e-6 of its
 // norm becomes zero), rounded to `type` into basis [k, n] (row stride
-// ld_basis); and dual [k, n] = (Bb Bb^T)^-1 Bb of the rounded rows Bb, so
-// x -> (x Bb^T) dual is the orthogonal projection onto their span even though
-// rounding left them not quite orthonormal. work: k (n + k) doubles.
-inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t k, std::int64_t n, double* work,
-                       std::byte* basis, std::int64_t ld_basis, DType type, float* dual) {
+// ld_basis); and dual [d, n] = (Bb Bb^T)^-1 Bb of the first d <= kTailRank
+// rounded rows Bb, so x -> (x Bb^T) dual is the orthogonal projection onto
+// their span even though rounding left them not quite orthonormal. Rows past
+// d (the guard's probes) come out orthogonal to the first d. work: k (n + k)
+// doubles.
+inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t k, std::int64_t d, std::int64_t n,
+                       double* work, std::byte* basis, std::int64_t ld_basis, DType type, float* dual) {
   double* q = work;
   double* m = work + k * n;
   const auto dot = [&](const double* a, const double* b) {
@@ -98,7 +109,9 @@ inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t k, std::i
       }
     }
   }
-  // M = Bb Bb^T (1 on the diagonal of a zero row: its dual row stays zero), Cholesky M = L L^T in place.
+  // M = Bb Bb^T of the first d rows (1 on the diagonal of a zero row: its
+  // dual row stays zero), Cholesky M = L L^T in place.
+  k = d;
   for (std::int64_t r = 0; r < k; ++r) {
     for (std::int64_t t = 0; t <= r; ++t) m[r * k + t] = dot(q + r * n, q + t * n);
     if (m[r * k + r] == 0.0) m[r * k + r] = 1.0;
@@ -166,6 +179,9 @@ struct LmHeadStep {
   std::atomic<bool> lo_overflow{false};
   bool tail_used = false;
   bool hidden_basis_ready = false;
+  // The guard (filter_guard): the exact step's estimated dW error (squared)
+  // over the call's blocks so far, and the blocks it sent to the exact GEMMs.
+  double exact_dweight_error = 0.0;
 
   // stats with the phase times filled in.
   LmHeadStepStats step_stats() const {
@@ -382,6 +398,9 @@ struct LmHeadStep {
             if (!filter) continue;
             ws.tail.below[i * p.tiles + j] = k.mark_kept(g, dl_type, cols, threshold, mark);
             if (j == 0) ws.tail.row_scale[i] = threshold / p.grad_filter;
+            // f32 dlogits: the exact step's error at an entry taken as its
+            // rounding's mean square, g^2 2^-48 / 3.
+            if (p.filter_guard) guard_row_errors(i, j, reinterpret_cast<const float*>(g), cols, threshold);
             continue;
           }
           const float threshold = row_dlogits(i, f, kernels::Elem::f32);
@@ -401,6 +420,17 @@ struct LmHeadStep {
               mark[c] = 1;
               found[n++] = static_cast<std::int32_t>(c);
             }
+          }
+          if (p.filter_guard) {  // the exact step's error at these entries: its rounding of each to bf16
+            float eh = 0.0F, ew = 0.0F;
+            for (std::int64_t x = 0; x < n; ++x) {
+              const std::int64_t c = found[x];
+              const float d = f[c] - kernels::bf16_to_float(hi[c]);
+              eh += d * d * ws.tail.norm_w[c0 + c];
+              ew += d * d;
+            }
+            ws.tail.err_h[i * p.tiles + j] = eh;
+            ws.tail.err_w[i * p.tiles + j] = ew;
           }
           const KeptRemainders& lo = ws.kept_lo;
           const std::int32_t at = std::atomic_ref<std::int32_t>(lo.count[i]).fetch_add(static_cast<std::int32_t>(n));
@@ -459,7 +489,18 @@ struct LmHeadStep {
       kept_path = kept_total <= p.kept_cap && kept_total < vocab && !lo_overflow.load(std::memory_order_relaxed);
       if (kept_path) dense = dense_rows(na, compacted);
       kept_path = kept_path && dense <= kRowQuantum;
-      if (!kept_path) {  // too many to pay: the unfiltered block, bitwise
+      // The tail correction's coordinates (and the guard's probes) before the
+      // block commits to the filter: with grad_filter = auto a block whose
+      // left-out entries the correction does not hold runs exact.
+      if (kept_path && p.tail_rank > 0) {
+        tail_block(padded, na, dweight);
+        if (p.filter_guard && !guard_holds(na, dense, dweight)) {
+          kept_path = false;
+          ++stats.filter_guard_blocks;
+        }
+        if (kept_path && dweight) commit_tail_dweight();
+      }
+      if (!kept_path) {  // too many to pay (or the guard): the unfiltered block, bitwise
         kept_total = vocab;
         if (dweight) {
           packed_act = pack_active_rows(*p.dweight[p.row_ladder.index_of(padded)].full[0]);
@@ -492,7 +533,6 @@ struct LmHeadStep {
       }
     }
     if (kept_path) {
-      if (p.tail_rank > 0) tail_block(padded, na, dweight);
       if (dense > 0) dense_dhidden(dense);
       backward_kept(padded, na, kept_total, dweight, dweight_written);
       if (p.tail_rank > 0) tail_dhidden(na);
@@ -561,10 +601,13 @@ struct LmHeadStep {
       bindings.at(*p.tail_sketch.pick(chunk == p.hidden_chunks - 1), slot)
           .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
     });
-    // B_w as hidden rows [kTailRows, hidden_ld] in the stage buffer (rows past k zero).
+    // B_w and the guard's probes as hidden rows [kTailRows, hidden_ld] in
+    // the stage buffer (rows past kc zero).
+    constexpr std::int64_t kc = kTailCoords;
+    fill_probes(ws.dhidden_act.data(), hidden, k, kc, hidden);
     std::memset(ws.stage.data(), 0, static_cast<std::size_t>(kTailRows) * act_row_bytes);
-    tail_basis(ws.dhidden_act.data(), hidden, k, hidden, t.work, ws.stage.data(), p.shape.hidden_ld, p.shape.dtype,
-               t.dual_w);
+    tail_basis(ws.dhidden_act.data(), hidden, kc, k, hidden, t.work, ws.stage.data(), p.shape.hidden_ld,
+               p.shape.dtype, t.dual_w);
     for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
@@ -572,16 +615,19 @@ struct LmHeadStep {
       bindings.at(*p.tail_project.pick(j == p.tiles - 1), slot)
           .run(ws.stage.data(), weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
       for (std::int64_t c = 0; c < cols; ++c) {
-        for (std::int64_t r = 0; r < k; ++r)
+        for (std::int64_t r = 0; r < kc; ++r)
           if (dl == DType::bf16) {
-            reinterpret_cast<std::uint16_t*>(t.coord)[(c0 + c) * k + r] = kernels::float_to_bf16(tile[r * cols + c]);
+            reinterpret_cast<std::uint16_t*>(t.coord)[(c0 + c) * kc + r] = kernels::float_to_bf16(tile[r * cols + c]);
           } else {
-            reinterpret_cast<float*>(t.coord)[(c0 + c) * k + r] = tile[r * cols + c];
+            reinterpret_cast<float*>(t.coord)[(c0 + c) * kc + r] = tile[r * cols + c];
           }
       }
+      if (p.filter_guard) column_norms(c0, cols, t.norm_w + c0);
     });
+    exact_dweight_error = 0.0;
     if (!p.options.frozen_weight) {
       std::memset(t.cdw, 0, static_cast<std::size_t>(vocab * k) * sizeof(float));
+      std::memset(t.probe_w, 0, static_cast<std::size_t>(vocab * (kc - k)) * sizeof(float));
       std::memset(t.left, 0, static_cast<std::size_t>(vocab));
     }
   }
@@ -664,6 +710,8 @@ struct LmHeadStep {
   // The error left is the left-out entries' part orthogonal to the basis.
   void tail_block(std::int64_t padded, std::int64_t na, bool dweight) {
     const std::int64_t k = p.tail_rank;
+    constexpr std::int64_t kc = kTailCoords;
+    constexpr std::int64_t pw = kTailPairProbes;
     const std::int64_t vt = p.schedule.vocab_tile;
     const std::int64_t vocab = p.shape.vocab;
     const std::int64_t hidden = p.shape.hidden;
@@ -674,7 +722,8 @@ struct LmHeadStep {
     tail_used = true;
     if (dweight) {
       if (!hidden_basis_ready) {
-        // The sketch of the active hidden rows, in dhidden_act rows [0, k) (free until backward_kept).
+        // The sketch of the active hidden rows and the guard's probes, in
+        // dhidden_act rows [0, kc) (free until backward_kept).
         float* y = ws.dhidden_act.data();
         std::memset(y, 0, static_cast<std::size_t>(k * hidden) * sizeof(float));
         for (std::int64_t i = 0; i < na; ++i) {
@@ -684,7 +733,8 @@ struct LmHeadStep {
             for (std::int64_t c = 0; c < hidden; ++c) y[r * hidden + c] += sgn * tail_load(h, c, p.shape.dtype);
           }
         }
-        tail_basis(y, hidden, k, hidden, t.work, t.basis_h, hidden, p.shape.dtype, t.dual_h);
+        fill_probes(y, hidden, k, kc, hidden);
+        tail_basis(y, hidden, kc, k, hidden, t.work, t.basis_h, hidden, p.shape.dtype, t.dual_h);
         // The apply GEMM's D: [hi; lo; hi] of the dual (bf16, zero-padded to kTailApplyLd rows) or the dual (f32).
         std::memset(t.apply_b, 0, static_cast<std::size_t>(kTailApplyLd * hidden) * dl_size);
         for (std::int64_t r = 0; r < k; ++r) {
@@ -701,9 +751,16 @@ struct LmHeadStep {
       dweight_clock.time([&] {
         bindings.at(*p.tail_hidden[rung], 0)
             .run(ws.hidden_act.data(), t.basis_h, t.hidden_f, nullptr, slot_scratch(0), nullptr);
+        // [hi, lo] of the basis coordinates, then the probes' (an estimate: one rounding is enough).
         for (std::int64_t i = 0; i < padded; ++i) {
-          for (std::int64_t r = 0; r < k; ++r) {
-            tail_store_pair(t.hidden_pair, i * kTailPair + r, k, t.hidden_f[i * k + r], dl);
+          for (std::int64_t r = 0; r < k; ++r) tail_store_pair(t.hidden_pair, i * pw + r, k, t.hidden_f[i * kc + r], dl);
+          for (std::int64_t r = k; r < kc; ++r) {
+            const float v = t.hidden_f[i * kc + r];
+            if (dl == DType::bf16) {
+              reinterpret_cast<std::uint16_t*>(t.hidden_pair)[i * pw + k + r] = kernels::float_to_bf16(v);
+            } else {
+              reinterpret_cast<float*>(t.hidden_pair)[i * pw + k + r] = v;
+            }
           }
         }
       });
@@ -714,51 +771,171 @@ struct LmHeadStep {
       const std::int64_t cols = std::min(vt, vocab - c0);
       const bool last = j == p.tiles - 1;
       const std::byte* g = block_at(0, c0, dl_size);
-      float* part = t.partial + j * rows * k;  // the tile's partial sums [padded, k]
+      float* part = t.partial + j * rows * kc;  // the tile's partial sums [padded, kc]
       dhidden_clock.time([&] {
         bindings.at(*p.tail_dhidden[rung].pick(last), slot)
-            .run(g, t.coord + static_cast<std::size_t>(c0 * k) * dl_size, part, nullptr, slot_scratch(slot), nullptr);
+            .run(g, t.coord + static_cast<std::size_t>(c0 * kc) * dl_size, part, nullptr, slot_scratch(slot), nullptr);
         // Less the kept columns' own terms (the kept GEMMs have them): their
-        // A rows gathered after the slot's dW coordinates [cols, kTailPair], then row by row.
-        float* a_kept = slot_tile(slot) + vt * kTailPair;             // [n, k]
-        auto* at = reinterpret_cast<std::int32_t*>(a_kept + vt * k);  // [n] tile columns
+        // A rows gathered after the slot's dW coordinates [cols, pw], then row by row.
+        float* a_kept = slot_tile(slot) + vt * pw;                     // [n, kc]
+        auto* at = reinterpret_cast<std::int32_t*>(a_kept + vt * kc);  // [n] tile columns
         std::int64_t n = 0;
         for (std::int64_t c = 0; c < cols; ++c) {
           if (mark[c0 + c] == 0) continue;
-          for (std::int64_t r = 0; r < k; ++r) a_kept[n * k + r] = tail_load(t.coord, (c0 + c) * k + r, dl);
+          for (std::int64_t r = 0; r < kc; ++r) a_kept[n * kc + r] = tail_load(t.coord, (c0 + c) * kc + r, dl);
           at[n++] = static_cast<std::int32_t>(c);
         }
         for (std::int64_t i = 0; i < na; ++i) {
-          float* row = part + i * k;
+          float* row = part + i * kc;
           for (std::int64_t x = 0; x < n; ++x) {
             const float gv = tail_load(g, i * vocab + at[x], dl);
-            const float* a = a_kept + x * k;
-            for (std::int64_t r = 0; r < k; ++r) row[r] -= gv * a[r];
+            const float* a = a_kept + x * kc;
+            for (std::int64_t r = 0; r < kc; ++r) row[r] -= gv * a[r];
           }
         }
       });
       if (!dweight) return;
       dweight_clock.time([&] {
-        float* coords = slot_tile(slot);  // [cols, kTailPair]
+        float* coords = slot_tile(slot);  // [cols, pw]
         bindings.at(*p.tail_dweight[rung].pick(last), slot)
             .run(g, t.hidden_pair, coords, nullptr, slot_scratch(slot), nullptr);
+        // Every column's, into pending: commit_tail_dweight adds the left-out ones once the guard holds.
         for (std::int64_t c = 0; c < cols; ++c) {
-          if (mark[c0 + c] != 0) continue;
-          t.left[c0 + c] = 1;
-          for (std::int64_t r = 0; r < k; ++r) {
-            t.cdw[(c0 + c) * k + r] += coords[c * kTailPair + r] + coords[c * kTailPair + k + r];
-          }
+          float* to = t.pending + (c0 + c) * kc;
+          for (std::int64_t r = 0; r < k; ++r) to[r] = coords[c * pw + r] + coords[c * pw + k + r];
+          for (std::int64_t r = k; r < kc; ++r) to[r] = coords[c * pw + k + r];
         }
       });
     });
     // dhidden's coordinates, the tiles summed in order.
     for (std::int64_t i = 0; i < na; ++i) {
-      for (std::int64_t r = 0; r < k; ++r) {
+      for (std::int64_t r = 0; r < kc; ++r) {
         float sum = 0.0F;
-        for (std::int64_t j = 0; j < p.tiles; ++j) sum += t.partial[(j * rows + i) * k + r];
-        t.cdh[i * k + r] = sum;
+        for (std::int64_t j = 0; j < p.tiles; ++j) sum += t.partial[(j * rows + i) * kc + r];
+        t.cdh[i * kc + r] = sum;
       }
     }
+  }
+
+  // The block's tail dW coordinates (tail_block's pending) added to the
+  // call's for every column it leaves out, and their probe sums to the guard's.
+  void commit_tail_dweight() {
+    const std::int64_t k = p.tail_rank;
+    constexpr std::int64_t kc = kTailCoords;
+    const std::int64_t vt = p.schedule.vocab_tile;
+    const TailRegions& t = ws.tail;
+    const std::uint8_t* mark = ws.kept.mark.data();
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) {
+      for (std::int64_t v = j * vt; v < std::min(p.shape.vocab, (j + 1) * vt); ++v) {
+        if (mark[v] != 0) continue;
+        t.left[v] = 1;
+        const float* from = t.pending + v * kc;
+        for (std::int64_t r = 0; r < k; ++r) t.cdw[v * k + r] += from[r];
+        for (std::int64_t r = k; r < kc; ++r) t.probe_w[v * (kc - k) + r - k] += from[r];
+      }
+    });
+  }
+
+  // grad_filter = auto: whether the block may run filtered. What the filter
+  // leaves of a row's dhidden after the tail correction is off the basis
+  // B_w; its coordinates along the kTailProbes probes orthogonal to B_w
+  // (cdh's last columns) estimate its norm: E sum_j (q_j x)^2 = m |x|^2 /
+  // (H - k). The exact step's error on the same rows is estimated from its
+  // roundings of their kept entries (err_h: sum d^2 |W_v|^2; the left-out
+  // entries' roundings are smaller by their size, and leaving them out makes
+  // the estimate lower, so the guard stricter). dhidden: the block's rows
+  // (the dense rows, computed over every column, aside). dW: a column's
+  // left-out sum adds up over the blocks, so the probe sums of every block
+  // run filtered so far plus this one's, against the exact step's error over
+  // every block so far (err_w times |h_t|^2).
+  bool guard_holds(std::int64_t na, std::int64_t dense, bool dweight) {
+    const std::int64_t k = p.tail_rank;
+    constexpr std::int64_t kc = kTailCoords;
+    constexpr std::int64_t m = kc - kTailRank;
+    const TailRegions& t = ws.tail;
+    const double off_basis = static_cast<double>(std::max<std::int64_t>(p.shape.hidden - k, 1)) / m;
+    const double limit = kGuardRatio * kGuardRatio;
+    double left = 0.0, exact = 0.0, exact_w = 0.0;
+    std::int64_t x = 0;  // dense rows are listed in order (dense_rows)
+    for (std::int64_t i = 0; i < na; ++i) {
+      double eh = 0.0, ew = 0.0;
+      for (std::int64_t j = 0; j < p.tiles; ++j) {
+        eh += t.err_h[i * p.tiles + j];
+        ew += t.err_w[i * p.tiles + j];
+      }
+      if (dweight) {
+        const std::byte* h = ws.hidden_act.data() + static_cast<std::size_t>(i) * act_row_bytes;
+        double hh = 0.0;
+        for (std::int64_t c = 0; c < p.shape.hidden; ++c) {
+          const double v = tail_load(h, c, p.shape.dtype);
+          hh += v * v;
+        }
+        exact_w += ew * hh;
+      }
+      if (x < dense && t.dense_block[x] == i) {
+        ++x;
+        continue;
+      }
+      exact += eh;
+      for (std::int64_t r = k; r < kc; ++r) left += static_cast<double>(t.cdh[i * kc + r]) * t.cdh[i * kc + r];
+    }
+    exact_dweight_error += exact_w;  // this block's, whichever GEMMs it runs
+    if (left * off_basis > limit * exact) return false;
+    if (!dweight) return true;
+    const std::uint8_t* mark = ws.kept.mark.data();
+    double left_w = 0.0;
+    for (std::int64_t v = 0; v < p.shape.vocab; ++v) {
+      const float* sum = t.probe_w + v * m;
+      const float* add = t.pending + v * kc + k;
+      for (std::int64_t r = 0; r < m; ++r) {
+        const double s = sum[r] + (mark[v] == 0 ? add[r] : 0.0F);
+        left_w += s * s;
+      }
+    }
+    return left_w * off_basis <= limit * exact_dweight_error;
+  }
+
+  // |W_v|^2 of vocab columns [c0, c0 + cols) into out (the guard's weights).
+  void column_norms(std::int64_t c0, std::int64_t cols, float* out) const {
+    const std::int64_t hidden = p.shape.hidden;
+    const DType type = p.shape.dtype;
+    if (vocab_major) {
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const std::byte* row = weight_at_vocab(c0 + c);
+        float s = 0.0F;
+        for (std::int64_t h = 0; h < hidden; ++h) {
+          const float v = tail_load(row, h, type);
+          s += v * v;
+        }
+        out[c] = s;
+      }
+      return;
+    }
+    std::fill(out, out + cols, 0.0F);
+    for (std::int64_t h = 0; h < hidden; ++h) {
+      const std::byte* row = weight_at_hidden(h) + static_cast<std::size_t>(c0) * in_size;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const float v = tail_load(row, c, type);
+        out[c] += v * v;
+      }
+    }
+  }
+
+  // f32 dlogits: row i's tile-j share of the guard's exact-step error, each
+  // entry at or above the threshold taken at its rounding's mean square
+  // g^2 2^-48 / 3 (f32's unit roundoff 2^-24, uniform).
+  void guard_row_errors(std::int64_t i, std::int64_t j, const float* g, std::int64_t cols, float threshold) const {
+    const std::int64_t c0 = j * p.schedule.vocab_tile;
+    constexpr float kMeanSquare = 0x1p-48F / 3.0F;
+    float eh = 0.0F, ew = 0.0F;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      if (!(std::fabs(g[c]) >= threshold)) continue;
+      const float d2 = g[c] * g[c] * kMeanSquare;
+      eh += d2 * ws.tail.norm_w[c0 + c];
+      ew += d2;
+    }
+    ws.tail.err_h[i * p.tiles + j] = eh;
+    ws.tail.err_w[i * p.tiles + j] = ew;
   }
 
   // dhidden_act rows [0, na) += their tail coordinates x dual_w (after backward_kept).
@@ -772,7 +949,7 @@ struct LmHeadStep {
         for (std::int64_t i = chunk * kRows; i < std::min(na, (chunk + 1) * kRows); ++i) {
           float* d = ws.dhidden_act.data() + i * hidden;
           for (std::int64_t r = 0; r < k; ++r) {
-            const float c = t.cdh[i * k + r];
+            const float c = t.cdh[i * kTailCoords + r];
             const float* dual = t.dual_w + r * hidden;
             for (std::int64_t h = 0; h < hidden; ++h) d[h] += c * dual[h];
           }

@@ -103,35 +103,46 @@ struct KeptRemainders {
 struct TailRegions {
   // The plan's sizes (tail_dims, lm_head_plan.hpp): rank k, the apply GEMM's
   // K (kTailApplyLd), rows per dense GEMM (kDenseRows) and per block (kRowQuantum).
+  // rank k; coords kc: k, then the guard's probes (kTailCoords); pair: the
+  // hidden rows' [hi, lo, probes] (kTailPairProbes).
   struct Dims {
     std::int64_t vocab = 0, hidden = 0, tiles = 0, rank = 0;
     std::size_t dl_size = 0, in_size = 0;
     std::int64_t apply_ld = 0, dense_rows = 0, dense_block = 0;
+    std::int64_t coords = 0, pair = 0;
   };
-  std::byte* coord = nullptr;           // [V, k] dlogits dtype
+  std::byte* coord = nullptr;           // [V, kc] dlogits dtype: A = W B_w^T, then W's probe coordinates
   float* dual_w = nullptr;              // [k, H]
   float* dual_h = nullptr;              // [k, H]
-  std::byte* basis_h = nullptr;         // [k, H] input dtype
+  std::byte* basis_h = nullptr;         // [kc, H] input dtype: the hidden basis, then its probes
   std::byte* apply_b = nullptr;         // [kTailApplyLd, H] dlogits dtype
   float* cdw = nullptr;                 // [V, k]
   std::uint8_t* left = nullptr;         // [V] 1: some block left the column out
-  double* work = nullptr;               // [k, H + k]
+  double* work = nullptr;               // [kc, H + kc]
   std::byte* dense = nullptr;           // [kDenseRows, V] dlogits dtype: the dense rows' dlogits
   float* dense_out = nullptr;           // [kRowQuantum, H] the block's dense rows' dhidden
   std::int64_t* dense_block = nullptr;  // [kRowQuantum] the block's dense rows, active indices
-  std::byte* hidden_pair = nullptr;     // [rows, 2k] dlogits dtype
+  float* pending = nullptr;             // [V, kc] the block's dW coordinates and probe sums, before the guard
+  float* probe_w = nullptr;             // [V, kc - k] the probe sums of the blocks run filtered so far
+  float* norm_w = nullptr;              // [V] |W_v|^2
+  std::byte* hidden_pair = nullptr;     // [rows, pair] dlogits dtype
   float* below = nullptr;               // [rows, tiles] |g| under the threshold per row and tile
   float* row_scale = nullptr;           // [rows] the row's threshold / eps
-  float* hidden_f = nullptr;            // [rows, k]
-  float* cdh = nullptr;                 // [rows, k]
-  float* partial = nullptr;             // [tiles, rows, k]
+  float* hidden_f = nullptr;            // [rows, kc]
+  float* cdh = nullptr;                 // [rows, kc]
+  float* partial = nullptr;             // [tiles, rows, kc]
+  // Per row and tile, over its entries at or above the threshold: the sum of
+  // d^2 |W_v|^2 and of d^2, d its dlogits rounding (the exact step's error there).
+  float* err_h = nullptr;  // [rows, tiles]
+  float* err_w = nullptr;  // [rows, tiles]
 
   // Fixed and per-row bytes as booked (the fixed part with every carved piece's alignment).
-  static std::size_t fixed_bytes(const Dims& d) { return carve(d, 0, nullptr, nullptr) + 6 * kWorkspaceAlign; }
+  static std::size_t fixed_bytes(const Dims& d) { return carve(d, 0, nullptr, nullptr) + 8 * kWorkspaceAlign; }
   static std::size_t per_row_bytes(const Dims& d) {
-    const auto k = static_cast<std::size_t>(d.rank);
+    const auto kc = static_cast<std::size_t>(d.coords);
     const auto tiles = static_cast<std::size_t>(d.tiles);
-    return 2 * k * d.dl_size + 2 * k * sizeof(float) + tiles * k * sizeof(float) + (tiles + 1) * sizeof(float);
+    return static_cast<std::size_t>(d.pair) * d.dl_size + 2 * kc * sizeof(float) + tiles * kc * sizeof(float) +
+           (3 * tiles + 1) * sizeof(float);
   }
   TailRegions() = default;
   TailRegions(std::byte* base, const Dims& d, std::int64_t rows) { carve(d, rows, this, base); }
@@ -148,24 +159,31 @@ struct TailRegions {
                vocab = static_cast<std::size_t>(d.vocab), r = static_cast<std::size_t>(rows);
     TailRegions ignore;
     TailRegions& t = v != nullptr ? *v : ignore;
-    piece(&t.coord, vocab * k * d.dl_size);
+    const auto kc = static_cast<std::size_t>(d.coords);
+    const auto tiles = static_cast<std::size_t>(d.tiles);
+    piece(&t.coord, vocab * kc * d.dl_size);
     piece(&t.dual_w, k * h * sizeof(float));
     piece(&t.dual_h, k * h * sizeof(float));
-    piece(&t.basis_h, k * h * d.in_size);
+    piece(&t.basis_h, kc * h * d.in_size);
     piece(&t.apply_b, static_cast<std::size_t>(d.apply_ld) * h * d.dl_size);
     piece(&t.cdw, vocab * k * sizeof(float));
     piece(&t.left, vocab);
-    piece(&t.work, k * (h + k) * sizeof(double));
+    piece(&t.work, kc * (h + kc) * sizeof(double));
     const auto block = static_cast<std::size_t>(d.dense_block);
     piece(&t.dense, static_cast<std::size_t>(d.dense_rows) * vocab * d.dl_size);
     piece(&t.dense_out, block * h * sizeof(float));
     piece(&t.dense_block, block * sizeof(std::int64_t));
-    piece(&t.hidden_pair, r * 2 * k * d.dl_size);
-    piece(&t.below, r * static_cast<std::size_t>(d.tiles) * sizeof(float));
+    piece(&t.pending, vocab * kc * sizeof(float));
+    piece(&t.probe_w, vocab * (kc - k) * sizeof(float));
+    piece(&t.norm_w, vocab * sizeof(float));
+    piece(&t.hidden_pair, r * static_cast<std::size_t>(d.pair) * d.dl_size);
+    piece(&t.below, r * tiles * sizeof(float));
     piece(&t.row_scale, r * sizeof(float));
-    piece(&t.hidden_f, r * k * sizeof(float));
-    piece(&t.cdh, r * k * sizeof(float));
-    piece(&t.partial, static_cast<std::size_t>(d.tiles) * r * k * sizeof(float));
+    piece(&t.hidden_f, r * kc * sizeof(float));
+    piece(&t.cdh, r * kc * sizeof(float));
+    piece(&t.partial, tiles * r * kc * sizeof(float));
+    piece(&t.err_h, r * tiles * sizeof(float));
+    piece(&t.err_w, r * tiles * sizeof(float));
     return at;
   }
 };
