@@ -101,6 +101,7 @@ void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
     out["filter_dhidden_skipped_frac"] = frac(t.dhidden_skipped_row_columns, t.dhidden_gemm_rows);
     out["filter_dweight_skipped_frac"] = frac(t.dweight_skipped_row_columns, t.dweight_gemm_rows);
     out["filter_guard_blocks"] = static_cast<double>(t.filter_guard_blocks);
+    out["filter_lowered_blocks"] = static_cast<double>(t.filter_lowered_blocks);
   }
   // The unfused step's oneDNN GEMMs timed alone (a reference, not a bound).
   out["unfused_gemms_s"] = s.unfused_gemms_s.value_or(0.0);

@@ -232,10 +232,10 @@ def reference(head: Head) -> dict:
     dz = -coef[:, None] * p
     dz[rows, head.ids.long()] += coef
     del p
-    return {"loss": float(loss), "logp": logp.detach(), "dhidden": dz @ w, "dweight": dz.T @ h}
+    return {"loss": float(loss.detach()), "logp": logp.detach(), "dhidden": dz @ w, "dweight": dz.T @ h}
 
 
-def run_step(head: Head, grad_filter: float, threads: Optional[int] = None) -> dict:
+def run_step(head: Head, grad_filter: float, threads: Optional[int] = None, token_block: Optional[int] = None) -> dict:
     """The fused step through the core API: bf16 inputs, f32 gradients (what grpo-gradcheck measures)."""
     import grpo
 
@@ -253,6 +253,8 @@ def run_step(head: Head, grad_filter: float, threads: Optional[int] = None) -> d
     options.grad_filter = grad_filter
     if threads:
         options.max_threads = threads
+    if token_block:
+        options.token_block = token_block
     plan = grpo.LmHeadLossPlan(shape, config, options)
     logp = torch.empty(n)
     dhidden = torch.empty(n, hd)
@@ -289,13 +291,14 @@ def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref).norm() / ref.norm())
 
 
-def measure(head: Head, threads: Optional[int] = None, grad_filter: Optional[float] = None) -> dict:
+def measure(head: Head, threads: Optional[int] = None, grad_filter: Optional[float] = None,
+            token_block: Optional[int] = None) -> dict:
     """Exact and filtered error of dhidden and dW against the float64 reference, and what the filter left out."""
     import grpo
 
     ref = reference(head)
-    exact = run_step(head, 0.0, threads)
-    filtered = run_step(head, grpo.GRAD_FILTER_AUTO if grad_filter is None else grad_filter, threads)
+    exact = run_step(head, 0.0, threads, token_block)
+    filtered = run_step(head, grpo.GRAD_FILTER_AUTO if grad_filter is None else grad_filter, threads, token_block)
     valid = head.mask > 0
     entropy = _entropies(head)
     n, v = head.hidden.shape[0], head.weight.shape[0]
@@ -311,6 +314,7 @@ def measure(head: Head, threads: Optional[int] = None, grad_filter: Optional[flo
         "dweight_exact": rel_l2(exact["dweight"], ref["dweight"]),
         "dweight_filtered": rel_l2(filtered["dweight"], ref["dweight"]),
         "skipped_frac": st.dhidden_skipped_row_columns / max(1, st.dhidden_gemm_rows * v),
+        "guard_blocks": st.filter_guard_blocks,
     }
 
 

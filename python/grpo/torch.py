@@ -399,8 +399,9 @@ class LmHeadLossResult:
     stats: what the kernel executed (step_stats()): GEMM rows (padding
     included), active rows, the row x vocab columns grad_filter left out of
     the dhidden / dW GEMMs (dhidden_skipped_row_columns /
-    dweight_skipped_row_columns; filter_guard_blocks: the token blocks
-    grad_filter="auto"'s guard ran exact), executed_flops, kernel_s (the C++ call's
+    dweight_skipped_row_columns; filter_guard_blocks / filter_lowered_blocks:
+    the token blocks grad_filter="auto"'s guard ran exact / filtered at a
+    lower threshold), executed_flops, kernel_s (the C++ call's
     wall time) and the per-phase thread-seconds.
     """
 
@@ -420,7 +421,8 @@ def step_stats(stats: grpo.StepStats, v: int, h: int) -> dict[str, float]:
     """
     out = {name: getattr(stats, name) for name in (
         "logits_gemm_rows", "backward_gemm_rows", "dweight_gemm_rows", "active_rows",
-        "dhidden_skipped_row_columns", "dweight_skipped_row_columns", "filter_guard_blocks", "kernel_s",
+        "dhidden_skipped_row_columns", "dweight_skipped_row_columns", "filter_guard_blocks",
+        "filter_lowered_blocks", "kernel_s",
         "forward_gemm_s", "forward_stage_s", "dlogits_s", "dweight_gemm_s", "dhidden_gemm_s")}
     rows = stats.logits_gemm_rows + stats.backward_gemm_rows + stats.dweight_gemm_rows
     skipped = stats.dhidden_skipped_row_columns + stats.dweight_skipped_row_columns

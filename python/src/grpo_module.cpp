@@ -518,6 +518,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("dhidden_skipped_row_columns", [](const StepStats& s) { return s.step.dhidden_skipped_row_columns; })
       .def_prop_ro("dweight_skipped_row_columns", [](const StepStats& s) { return s.step.dweight_skipped_row_columns; })
       .def_prop_ro("filter_guard_blocks", [](const StepStats& s) { return s.step.filter_guard_blocks; })
+      .def_prop_ro("filter_lowered_blocks", [](const StepStats& s) { return s.step.filter_lowered_blocks; })
       .def_prop_ro("forward_gemm_s", [](const StepStats& s) { return s.step.forward_gemm_s; })
       .def_prop_ro("forward_stage_s", [](const StepStats& s) { return s.step.forward_stage_s; })
       .def_prop_ro("dlogits_s", [](const StepStats& s) { return s.step.dlogits_s; })

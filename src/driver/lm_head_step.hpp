@@ -17,6 +17,8 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -182,6 +184,7 @@ struct LmHeadStep {
   // The guard (filter_guard): the exact step's estimated dW error (squared)
   // over the call's blocks so far, and the blocks it sent to the exact GEMMs.
   double exact_dweight_error = 0.0;
+  double exact_dhidden_error = 0.0;  // the block's
 
   // stats with the phase times filled in.
   LmHeadStepStats step_stats() const {
@@ -492,11 +495,23 @@ struct LmHeadStep {
       // The tail correction's coordinates (and the guard's probes) before the
       // block commits to the filter: with grad_filter = auto a block whose
       // left-out entries the correction does not hold runs exact.
+      // A block the guard refuses at eps tries again at eps / 4 and eps /
+      // 16 (kFilterRungs): the columns whose entries reach the lower threshold
+      // join the kept ones (their bf16 dlogits as the exact step has them).
       if (kept_path && p.tail_rank > 0) {
         tail_block(padded, na, dweight);
-        if (p.filter_guard && !guard_holds(na, dense, dweight)) {
-          kept_path = false;
-          ++stats.filter_guard_blocks;
+        if (p.filter_guard) {
+          block_exact_errors(na, dense, dweight);
+          for (int rung = 0; !guard_holds(na, dense, dweight);) {
+            if (++rung == kFilterRungs || (kept_total = keep_at_rung(na, rung)) > p.kept_cap || kept_total >= vocab) {
+              kept_path = false;
+              kept_total = vocab;
+              break;
+            }
+            tail_kept_terms(na, rung);
+            if (rung == 1) ++stats.filter_lowered_blocks;
+          }
+          if (!kept_path) ++stats.filter_guard_blocks;
         }
         if (kept_path && dweight) commit_tail_dweight();
       }
@@ -765,7 +780,6 @@ struct LmHeadStep {
         }
       });
     }
-    const std::uint8_t* mark = ws.kept.mark.data();
     for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
@@ -775,24 +789,7 @@ struct LmHeadStep {
       dhidden_clock.time([&] {
         bindings.at(*p.tail_dhidden[rung].pick(last), slot)
             .run(g, t.coord + static_cast<std::size_t>(c0 * kc) * dl_size, part, nullptr, slot_scratch(slot), nullptr);
-        // Less the kept columns' own terms (the kept GEMMs have them): their
-        // A rows gathered after the slot's dW coordinates [cols, pw], then row by row.
-        float* a_kept = slot_tile(slot) + vt * pw;                     // [n, kc]
-        auto* at = reinterpret_cast<std::int32_t*>(a_kept + vt * kc);  // [n] tile columns
-        std::int64_t n = 0;
-        for (std::int64_t c = 0; c < cols; ++c) {
-          if (mark[c0 + c] == 0) continue;
-          for (std::int64_t r = 0; r < kc; ++r) a_kept[n * kc + r] = tail_load(t.coord, (c0 + c) * kc + r, dl);
-          at[n++] = static_cast<std::int32_t>(c);
-        }
-        for (std::int64_t i = 0; i < na; ++i) {
-          float* row = part + i * kc;
-          for (std::int64_t x = 0; x < n; ++x) {
-            const float gv = tail_load(g, i * vocab + at[x], dl);
-            const float* a = a_kept + x * kc;
-            for (std::int64_t r = 0; r < kc; ++r) row[r] -= gv * a[r];
-          }
-        }
+        tile_kept_terms(j, slot, na, 1);
       });
       if (!dweight) return;
       dweight_clock.time([&] {
@@ -807,7 +804,46 @@ struct LmHeadStep {
         }
       });
     });
-    // dhidden's coordinates, the tiles summed in order.
+    sum_tail_partials(na);
+  }
+
+  // Tile j's partial sums less the terms of the columns marked `tag` (the
+  // kept GEMMs have them): their A rows gathered after the slot's dW
+  // coordinates [cols, kTailPairProbes], then row by row.
+  void tile_kept_terms(std::int64_t j, int slot, std::int64_t na, std::uint8_t tag) const {
+    constexpr std::int64_t kc = kTailCoords;
+    const std::int64_t vt = p.schedule.vocab_tile;
+    const std::int64_t vocab = p.shape.vocab;
+    const std::int64_t c0 = j * vt;
+    const std::int64_t cols = std::min(vt, vocab - c0);
+    const DType dl = p.dlogits_dtype;
+    const TailRegions& t = ws.tail;
+    const std::uint8_t* mark = ws.kept.mark.data();
+    const std::byte* g = block_at(0, c0, dl_size);
+    float* part = t.partial + j * p.block_rows_alloc * kc;
+    float* a_kept = slot_tile(slot) + vt * kTailPairProbes;        // [n, kc]
+    auto* at = reinterpret_cast<std::int32_t*>(a_kept + vt * kc);  // [n] tile columns
+    std::int64_t n = 0;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      if (mark[c0 + c] != tag) continue;
+      for (std::int64_t r = 0; r < kc; ++r) a_kept[n * kc + r] = tail_load(t.coord, (c0 + c) * kc + r, dl);
+      at[n++] = static_cast<std::int32_t>(c);
+    }
+    for (std::int64_t i = 0; i < na; ++i) {
+      float* row = part + i * kc;
+      for (std::int64_t x = 0; x < n; ++x) {
+        const float gv = tail_load(g, i * vocab + at[x], dl);
+        const float* a = a_kept + x * kc;
+        for (std::int64_t r = 0; r < kc; ++r) row[r] -= gv * a[r];
+      }
+    }
+  }
+
+  // dhidden's tail coordinates (and probes), the tiles' partial sums added in tile order.
+  void sum_tail_partials(std::int64_t na) const {
+    constexpr std::int64_t kc = kTailCoords;
+    const TailRegions& t = ws.tail;
+    const std::int64_t rows = p.block_rows_alloc;
     for (std::int64_t i = 0; i < na; ++i) {
       for (std::int64_t r = 0; r < kc; ++r) {
         float sum = 0.0F;
@@ -815,6 +851,45 @@ struct LmHeadStep {
         t.cdh[i * kc + r] = sum;
       }
     }
+  }
+
+  // The guard's ladder, rung >= 1: every column no row keeps yet is kept
+  // (marked rung + 1) where some active row's stored dlogits reach eps 4^-rung
+  // of its scale; the kept columns listed again in column order. Returns
+  // their count.
+  std::int64_t keep_at_rung(std::int64_t na, int rung) {
+    const std::int64_t vt = p.schedule.vocab_tile;
+    const std::int64_t vocab = p.shape.vocab;
+    const float factor = std::ldexp(p.grad_filter, -2 * rung);
+    const auto tag = static_cast<std::uint8_t>(rung + 1);
+    const TailRegions& t = ws.tail;
+    std::uint8_t* mark = ws.kept.mark.data();
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) {
+      dlogits_clock.time([&] {
+        const std::int64_t c0 = j * vt;
+        const std::int64_t cols = std::min(vt, vocab - c0);
+        for (std::int64_t i = 0; i < na; ++i) {
+          const float threshold = factor * t.row_scale[i];
+          const std::byte* g = block_at(i, c0, dl_size);
+          for (std::int64_t c = 0; c < cols; ++c) {
+            if (mark[c0 + c] == 0 && std::fabs(tail_load(g, c, p.dlogits_dtype)) >= threshold) mark[c0 + c] = tag;
+          }
+        }
+      });
+    });
+    std::int64_t kept = 0;
+    for (std::int64_t v = 0; v < vocab; ++v) {
+      if (mark[v] != 0) ws.kept.column[kept++] = static_cast<std::int32_t>(v);
+    }
+    return kept;
+  }
+
+  // The tail coordinates after keep_at_rung(rung): less the newly kept columns' terms.
+  void tail_kept_terms(std::int64_t na, int rung) {
+    for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
+      dhidden_clock.time([&] { tile_kept_terms(j, slot, na, static_cast<std::uint8_t>(rung + 1)); });
+    });
+    sum_tail_partials(na);
   }
 
   // The block's tail dW coordinates (tail_block's pending) added to the
@@ -848,14 +923,11 @@ struct LmHeadStep {
   // left-out sum adds up over the blocks, so the probe sums of every block
   // run filtered so far plus this one's, against the exact step's error over
   // every block so far (err_w times |h_t|^2).
-  bool guard_holds(std::int64_t na, std::int64_t dense, bool dweight) {
-    const std::int64_t k = p.tail_rank;
-    constexpr std::int64_t kc = kTailCoords;
-    constexpr std::int64_t m = kc - kTailRank;
+  // The exact step's estimated error on the block: dhidden's over its rows
+  // but the dense ones (exact_dhidden_error), dW's added to the call's.
+  void block_exact_errors(std::int64_t na, std::int64_t dense, bool dweight) {
     const TailRegions& t = ws.tail;
-    const double off_basis = static_cast<double>(std::max<std::int64_t>(p.shape.hidden - k, 1)) / m;
-    const double limit = kGuardRatio * kGuardRatio;
-    double left = 0.0, exact = 0.0, exact_w = 0.0;
+    double exact = 0.0, exact_w = 0.0;
     std::int64_t x = 0;  // dense rows are listed in order (dense_rows)
     for (std::int64_t i = 0; i < na; ++i) {
       double eh = 0.0, ew = 0.0;
@@ -877,10 +949,28 @@ struct LmHeadStep {
         continue;
       }
       exact += eh;
+    }
+    exact_dhidden_error = exact;
+    exact_dweight_error += exact_w;  // this block's, whichever GEMMs it runs
+  }
+
+  bool guard_holds(std::int64_t na, std::int64_t dense, bool dweight) const {
+    const std::int64_t k = p.tail_rank;
+    constexpr std::int64_t kc = kTailCoords;
+    constexpr std::int64_t m = kc - kTailRank;
+    const TailRegions& t = ws.tail;
+    const double off_basis = static_cast<double>(std::max<std::int64_t>(p.shape.hidden - k, 1)) / m;
+    const double limit = kGuardRatio * kGuardRatio;
+    double left = 0.0;
+    std::int64_t x = 0;
+    for (std::int64_t i = 0; i < na; ++i) {
+      if (x < dense && t.dense_block[x] == i) {
+        ++x;
+        continue;
+      }
       for (std::int64_t r = k; r < kc; ++r) left += static_cast<double>(t.cdh[i * kc + r]) * t.cdh[i * kc + r];
     }
-    exact_dweight_error += exact_w;  // this block's, whichever GEMMs it runs
-    if (left * off_basis > limit * exact) return false;
+    if (left * off_basis > limit * exact_dhidden_error) return false;
     if (!dweight) return true;
     const std::uint8_t* mark = ws.kept.mark.data();
     double left_w = 0.0;
@@ -895,29 +985,45 @@ struct LmHeadStep {
     return left_w * off_basis <= limit * exact_dweight_error;
   }
 
-  // |W_v|^2 of vocab columns [c0, c0 + cols) into out (the guard's weights).
+  // |W_v|^2 of vocab columns [c0, c0 + cols) into out (the guard's weights):
+  // a pass over W per call, in loops the compiler vectorizes (one per dtype).
   void column_norms(std::int64_t c0, std::int64_t cols, float* out) const {
     const std::int64_t hidden = p.shape.hidden;
-    const DType type = p.shape.dtype;
+    const bool bf16 = p.shape.dtype == DType::bf16;
+    const auto square = [&](const std::byte* x, std::int64_t n, float* acc, bool sum) {
+      if (bf16) {
+        const auto* b = reinterpret_cast<const std::uint16_t*>(x);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const float v = std::bit_cast<float>(static_cast<std::uint32_t>(b[i]) << 16);
+          acc[sum ? 0 : i] += v * v;
+        }
+      } else {
+        const auto* f = reinterpret_cast<const float*>(x);
+        for (std::int64_t i = 0; i < n; ++i) acc[sum ? 0 : i] += f[i] * f[i];
+      }
+    };
     if (vocab_major) {
       for (std::int64_t c = 0; c < cols; ++c) {
+        // 16 partial sums: a loop without a serial dependence.
+        std::array<float, 16> lane{};
         const std::byte* row = weight_at_vocab(c0 + c);
-        float s = 0.0F;
-        for (std::int64_t h = 0; h < hidden; ++h) {
-          const float v = tail_load(row, h, type);
-          s += v * v;
+        const std::int64_t whole = hidden / 16 * 16;
+        for (std::int64_t h = 0; h < whole; h += 16) {
+          std::array<float, 16> part{};
+          square(row + static_cast<std::size_t>(h) * in_size, 16, part.data(), false);
+          for (int l = 0; l < 16; ++l) lane[l] += part[l];
         }
-        out[c] = s;
+        float tail = 0.0F;
+        square(row + static_cast<std::size_t>(whole) * in_size, hidden - whole, &tail, true);
+        float sum = tail;
+        for (const float l : lane) sum += l;
+        out[c] = sum;
       }
       return;
     }
     std::fill(out, out + cols, 0.0F);
     for (std::int64_t h = 0; h < hidden; ++h) {
-      const std::byte* row = weight_at_hidden(h) + static_cast<std::size_t>(c0) * in_size;
-      for (std::int64_t c = 0; c < cols; ++c) {
-        const float v = tail_load(row, c, type);
-        out[c] += v * v;
-      }
+      square(weight_at_hidden(h) + static_cast<std::size_t>(c0) * in_size, cols, out, false);
     }
   }
 
