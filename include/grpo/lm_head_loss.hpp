@@ -159,7 +159,7 @@ struct LmHeadStepStats {
   // found too large beside the exact step's own error (docs/filtered_backward.md),
   // run through the exact GEMMs instead.
   std::int64_t filter_guard_blocks = 0;
-  // ... and those it let run filtered at a lower threshold (eps / 4 or eps / 16).
+  // ... and those it let run filtered at a lower threshold (eps / 4^r, r = 1..5).
   std::int64_t filter_lowered_blocks = 0;
   double forward_gemm_s = 0.0;
   double forward_stage_s = 0.0;

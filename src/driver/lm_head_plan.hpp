@@ -107,13 +107,13 @@ inline constexpr std::int64_t kTailProbes = 8;
 inline constexpr std::int64_t kTailCoords = kTailRank + kTailProbes;  // a coordinate row: basis, then probes
 inline constexpr std::int64_t kTailPairProbes = kTailPair + kTailProbes;  // hidden rows' [hi, lo, probes]
 inline constexpr double kGuardRatio = 0.75;
-// A block the guard refuses tries lower thresholds, eps / 4 and eps / 16,
-// before the exact GEMMs: what the correction leaves is mostly the
-// incoherent sum of the entries just under the threshold, not a direction a
-// basis could hold (python/grpo/head_families.py's heads: 2^-14 took the
-// left-out error from 0.9-9x the exact step's to 0.1-1.1x, keeping 8-33% of
-// the columns of 256-row blocks at V = 16384).
-inline constexpr int kFilterRungs = 3;
+// A block the guard refuses tries lower thresholds, eps / 4^r for r = 1..5
+// (down to eps / 1024), before the exact GEMMs: what the correction leaves
+// is mostly the sum of many small entries, not a direction a basis could
+// hold. On python/grpo/head_families.py's heads at T=512 H=1024 V=151936
+// (Zen 5) three rungs let 4 of 9 run filtered, six rungs 8 of 9, at
+// 60-99% of the backward left out (docs/filtered_backward.md).
+inline constexpr int kFilterRungs = 6;
 static_assert(kTailCoords <= kTailRows, "the W projection GEMM's rows hold the basis and the probes");
 // A dense row: nearly uniform (entropy above ln V - kDenseRowEntropyGap,
 // support beyond ~V / 20 columns) with entries under the filter's threshold

@@ -495,8 +495,8 @@ struct LmHeadStep {
       // The tail correction's coordinates (and the guard's probes) before the
       // block commits to the filter: with grad_filter = auto a block whose
       // left-out entries the correction does not hold runs exact.
-      // A block the guard refuses at eps tries again at eps / 4 and eps /
-      // 16 (kFilterRungs): the columns whose entries reach the lower threshold
+      // A block the guard refuses at eps tries again at eps / 4, eps / 16, ...
+      // (kFilterRungs): the columns whose entries reach the lower threshold
       // join the kept ones (their bf16 dlogits as the exact step has them).
       if (kept_path && p.tail_rank > 0) {
         tail_block(padded, na, dweight);
