@@ -65,6 +65,8 @@ void add_run_counters(const BenchConfig& c, const RunStats& s, Counters& out) {
       out["roofline_s"] = std::max(compute_s, memory_s);
       out["roofline_frac"] = s.p50() > 0.0 ? std::max(compute_s, memory_s) / s.p50() : 0.0;
     }
+    withhold_fraction_above_one(out, "peak_frac", c.name);
+    withhold_fraction_above_one(out, "roofline_frac", c.name);
   }
   // Where the last step's time went (thread-seconds per phase, see
   // LmHeadStepStats), and each phase's share of that same step's
@@ -229,6 +231,18 @@ BenchResult run_bench(const BenchConfig& config, bool show_progress) {
   result.step_s = main.step_s;
   result.label = main.describe;
   return result;
+}
+
+bool withhold_fraction_above_one(Counters& counters, const std::string& key, const std::string& run) {
+  const auto it = counters.find(key);
+  if (it == counters.end() || !(it->second > 1.0)) return false;
+  std::fprintf(stderr,
+               "grpo-microbench: %s: %s = %.4g is above 1, a measurement error (the peak probe ran at a slow "
+               "moment, or the bound is wrong): withheld as %s_withheld, %s reported as 0\n",
+               run.c_str(), key.c_str(), it->second, key.c_str(), key.c_str());
+  counters[key + "_withheld"] = it->second;
+  it->second = 0.0;
+  return true;
 }
 
 }  // namespace grpo::bench

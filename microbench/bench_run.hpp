@@ -30,4 +30,10 @@ struct BenchResult {
 // show_progress: progress lines on stderr for long runs.
 BenchResult run_bench(const BenchConfig& config, bool show_progress);
 
+// A fraction of a bound (peak_frac, roofline_frac) above 1 is a measurement
+// error, not a result: the bound's probe caught a slow moment. Moves the
+// value to <key>_withheld, sets <key> to 0 (does not apply) and says so on
+// stderr, naming `run`. Returns whether it withheld one.
+bool withhold_fraction_above_one(Counters& counters, const std::string& key, const std::string& run);
+
 }  // namespace grpo::bench

@@ -133,9 +133,16 @@ std::string format_compare_table(const JsonRun& a, const JsonRun& b) {
   for (const Row& r : rows) {
     const std::optional<double> va = a.counter(r.key), vb = b.counter(r.key);
     if (!va && !vb) continue;
+    // A fraction above 1 the run withheld (withhold_fraction_above_one): said, not printed as a result.
+    const std::string withheld = std::string(r.key) + "_withheld";
+    const std::optional<double> wa = a.counter(withheld), wb = b.counter(withheld);
+    const auto cell = [&](const std::optional<double>& v, const std::optional<double>& w) {
+      if (w) return "withheld (" + plain(*w) + " > 1: probe error)";
+      return v ? r.format(*v) : std::string("-");
+    };
     std::string ratio = "";
-    if (r.ratio && va && vb && *va > 0.0 && *vb >= 0.0) ratio = plain(*vb / *va) + "x";
-    os << pad(r.title, w0) << pad(va ? r.format(*va) : "-", w1) << pad(vb ? r.format(*vb) : "-", w1) << ratio << "\n";
+    if (r.ratio && va && vb && !wa && !wb && *va > 0.0 && *vb >= 0.0) ratio = plain(*vb / *va) + "x";
+    os << pad(r.title, w0) << pad(cell(va, wa), w1) << pad(cell(vb, wb), w1) << ratio << "\n";
   }
   return os.str();
 }

@@ -42,10 +42,15 @@ struct MachinePeak {
   double for_dtype(DType dtype) const;
 };
 
+// The defaults take ~1.1 s per unit: a probe of 3 x 0.08 s once read 307
+// GFLOP/s of vdpbf16ps in one process where the next read 459 (2-core Zen
+// 4, run_main.sh's compare), and the slower process printed a fraction of
+// the peak of 1.05. Five repetitions of 0.2 s, the best taken, ride out a
+// busy moment of that length.
 struct PeakProbeOptions {
-  int threads = 0;        // 0 = one per CPU in the process's affinity mask
-  double seconds = 0.08;  // per repetition and unit, after a warm-up of half that
-  int repetitions = 3;    // best of
+  int threads = 0;       // 0 = one per CPU in the process's affinity mask
+  double seconds = 0.2;  // per repetition and unit, after a warm-up of half that
+  int repetitions = 5;   // best of
 };
 
 // Measures every available unit with these options (about

@@ -272,6 +272,11 @@ TEST(GradFilter, DescribeNamesTheFilterOnlyWhenOn) {
   const std::string d = LmHeadLossPlan(shape, LossConfig{}, o).describe();
   EXPECT_NE(d.find("grad_filter=2^-12"), std::string::npos) << d;
   EXPECT_NE(d.find("the rest back in rank 8"), std::string::npos) << d;
+  EXPECT_NE(d.find("guarded: a block whose left-out part outweighs 75% of the exact step's error"), std::string::npos)
+      << d;
+  o.grad_filter = 1e-3;  // an explicit threshold is the caller's: the rule as stated, no guard
+  EXPECT_EQ(LmHeadLossPlan(shape, LossConfig{}, o).describe().find("guarded"), std::string::npos);
+  o.grad_filter = kGradFilterAuto;
   o.forward_only = true;  // nothing to filter
   EXPECT_EQ(LmHeadLossPlan(shape, LossConfig{}, o).describe().find("grad_filter"), std::string::npos);
 }

@@ -347,5 +347,33 @@ TEST(MicrobenchCompare, TableShowsRatios) {
   std::filesystem::remove(dir / "grpo_cmp_b.json");
 }
 
+// A fraction of the machine peak above 1 is a probe error: never a result in
+// the counters nor in the compare table.
+TEST(MicrobenchCompare, FractionsAboveOneAreWithheld) {
+  Counters c{{"peak_frac", 1.0465}, {"roofline_frac", 0.93}};
+  EXPECT_TRUE(withhold_fraction_above_one(c, "peak_frac", "test"));
+  EXPECT_FALSE(withhold_fraction_above_one(c, "roofline_frac", "test"));
+  EXPECT_FALSE(withhold_fraction_above_one(c, "absent", "test"));
+  EXPECT_EQ(c.at("peak_frac"), 0.0);
+  EXPECT_EQ(c.at("peak_frac_withheld"), 1.0465);
+  EXPECT_EQ(c.at("roofline_frac"), 0.93);
+  EXPECT_EQ(c.count("roofline_frac_withheld"), 0U);
+
+  const auto dir = std::filesystem::temp_directory_path();
+  auto write = [&](const char* file, const char* extra) {
+    std::ofstream(dir / file) << "{\n  \"benchmarks\": [\n    {\n      \"name\": \"x/iterations:3/manual_time\",\n"
+                              << "      \"step_s_p50\": 2.0,\n      \"peak_frac\": " << extra << "\n    }\n  ]\n}\n";
+    return read_benchmark_json((dir / file).string());
+  };
+  const auto a = write("grpo_cmp_wa.json", "0,\n      \"peak_frac_withheld\": 1.0465");
+  const auto b = write("grpo_cmp_wb.json", "0.9");
+  ASSERT_TRUE(a && b);
+  const std::string table = format_compare_table(*a, *b);
+  EXPECT_NE(table.find("withheld (1.0465 > 1: probe error)"), std::string::npos) << table;
+  EXPECT_EQ(table.find("1.0465x"), std::string::npos) << table;
+  std::filesystem::remove(dir / "grpo_cmp_wa.json");
+  std::filesystem::remove(dir / "grpo_cmp_wb.json");
+}
+
 }  // namespace
 }  // namespace grpo::bench

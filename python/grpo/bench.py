@@ -109,14 +109,23 @@ def describe_workload(name: str) -> str:
 
 
 def cpu_model() -> str:
+    """The CPU's model name with its family and model numbers (a VM's name alone, "AMD EPYC", names no generation)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return name
 
 
 def _rss_kib(field: str) -> int:

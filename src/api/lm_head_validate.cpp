@@ -251,6 +251,11 @@ std::string describe_gemms(const LmHeadPlanData& plan) {
          (plan.kept_lo_cap > 0
               ? ", the kept entries' bf16 remainders, up to " + std::to_string(plan.kept_lo_cap) + " per row"
               : std::string()) +
+         (plan.filter_guard ? "; guarded: a block whose left-out part outweighs " +
+                                  std::to_string(static_cast<int>(kGuardRatio * 100.0)) +
+                                  "% of the exact step's error tries eps / 4^r, r < " + std::to_string(kFilterRungs) +
+                                  ", then runs exact"
+                            : std::string()) +
          ")";
   }
   return s;

@@ -104,7 +104,7 @@ inline constexpr std::int64_t kTailRows = 16;
 // coordinates are a chi-square of 8 degrees, under 0.39 of their mean (the
 // 1.6x that 0.75 would need to reach 1.2x the exact error) with p ~ 0.06.
 inline constexpr std::int64_t kTailProbes = 8;
-inline constexpr std::int64_t kTailCoords = kTailRank + kTailProbes;  // a coordinate row: basis, then probes
+inline constexpr std::int64_t kTailCoords = kTailRank + kTailProbes;      // a coordinate row: basis, then probes
 inline constexpr std::int64_t kTailPairProbes = kTailPair + kTailProbes;  // hidden rows' [hi, lo, probes]
 inline constexpr double kGuardRatio = 0.75;
 // A block the guard refuses tries lower thresholds, eps / 4^r for r = 1..5
@@ -347,8 +347,8 @@ struct BlockChoice {
 
 // The tail correction's workspace dimensions (rank 0 when it is off).
 inline TailRegions::Dims tail_dims(const LmHeadPlanData& p) {
-  return {p.shape.vocab,          p.shape.hidden, p.tiles,    p.tail_rank, size_of(p.dlogits_dtype),
-          size_of(p.shape.dtype), kTailApplyLd,   kDenseRows, kRowQuantum, kTailCoords, kTailPairProbes};
+  return {p.shape.vocab, p.shape.hidden, p.tiles,     p.tail_rank, size_of(p.dlogits_dtype), size_of(p.shape.dtype),
+          kTailApplyLd,  kDenseRows,     kRowQuantum, kTailCoords, kTailPairProbes};
 }
 
 // The vocab tile a plan of this shape and options uses.

@@ -153,9 +153,9 @@ std::size_t slot_tile_bytes(const LmHeadPlanData& p) {
     // The tail correction's W projection tile [kTailRows, tile]; its dW
     // coordinates [tile, kTailPairProbes], the kept columns' A rows [tile,
     // kTailCoords] and places [tile]; the remainders' row, marks and columns.
-    b = std::max(b, static_cast<std::size_t>(std::max(kTailRows, kTailPairProbes + kTailCoords + 1) *
-                                             p.schedule.vocab_tile) *
-                        sizeof(float));
+    b = std::max(
+        b, static_cast<std::size_t>(std::max(kTailRows, kTailPairProbes + kTailCoords + 1) * p.schedule.vocab_tile) *
+               sizeof(float));
   }
   return b;
 }

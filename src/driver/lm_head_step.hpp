@@ -18,8 +18,8 @@
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -77,8 +77,8 @@ inline void fill_probes(float* y, std::int64_t ld, std::int64_t k, std::int64_t 
 // their span even though rounding left them not quite orthonormal. Rows past
 // d (the guard's probes) come out orthogonal to the first d. work: k (n + k)
 // doubles.
-inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t k, std::int64_t d, std::int64_t n,
-                       double* work, std::byte* basis, std::int64_t ld_basis, DType type, float* dual) {
+inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t k, std::int64_t d, std::int64_t n, double* work,
+                       std::byte* basis, std::int64_t ld_basis, DType type, float* dual) {
   double* q = work;
   double* m = work + k * n;
   const auto dot = [&](const double* a, const double* b) {
@@ -621,8 +621,8 @@ struct LmHeadStep {
     constexpr std::int64_t kc = kTailCoords;
     fill_probes(ws.dhidden_act.data(), hidden, k, kc, hidden);
     std::memset(ws.stage.data(), 0, static_cast<std::size_t>(kTailRows) * act_row_bytes);
-    tail_basis(ws.dhidden_act.data(), hidden, kc, k, hidden, t.work, ws.stage.data(), p.shape.hidden_ld,
-               p.shape.dtype, t.dual_w);
+    tail_basis(ws.dhidden_act.data(), hidden, kc, k, hidden, t.work, ws.stage.data(), p.shape.hidden_ld, p.shape.dtype,
+               t.dual_w);
     for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
       const std::int64_t c0 = j * vt;
       const std::int64_t cols = std::min(vt, vocab - c0);
@@ -768,7 +768,8 @@ struct LmHeadStep {
             .run(ws.hidden_act.data(), t.basis_h, t.hidden_f, nullptr, slot_scratch(0), nullptr);
         // [hi, lo] of the basis coordinates, then the probes' (an estimate: one rounding is enough).
         for (std::int64_t i = 0; i < padded; ++i) {
-          for (std::int64_t r = 0; r < k; ++r) tail_store_pair(t.hidden_pair, i * pw + r, k, t.hidden_f[i * kc + r], dl);
+          for (std::int64_t r = 0; r < k; ++r)
+            tail_store_pair(t.hidden_pair, i * pw + r, k, t.hidden_f[i * kc + r], dl);
           for (std::int64_t r = k; r < kc; ++r) {
             const float v = t.hidden_f[i * kc + r];
             if (dl == DType::bf16) {
