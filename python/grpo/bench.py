@@ -44,7 +44,8 @@ step, as Trainer's zero_grad(set_to_none=True)); reported: the median over
 --steps steps after one warm-up step. Own peak = VmHWM - VmRSS, with VmHWM
 restarted (/proc/self/clear_refs) once the inputs exist.
 
-Run it from the repository (or set GRPO_REPO): the C++ configs are read
+Run it from the repository, set GRPO_REPO, or pass --microbench from a
+checkout's build (its configs are found beside it): the C++ configs are read
 from there. Shapes: "quick" (B=1 T=512 H=4096 V=151936), "headline" (B=1 T=8192 H=4096
 V=151936), or "B,T,H,V". Writes a JSON (--out) and a PNG next to it (needs
 matplotlib). The headline shape needs ~20 GB for eager and minutes per
@@ -83,21 +84,37 @@ WORKLOADS = {
 HEAD_CONFIG = "configs/microbench/generic_head_T512_bf16.yaml"
 
 
-def _find_repo() -> str:
-    """The grpo source tree (its configs/microbench): $GRPO_REPO, else the working directory or a parent of it."""
-    if os.environ.get("GRPO_REPO"):
-        return os.environ["GRPO_REPO"]
-    here = os.getcwd()
+def _checkout_above(start: str) -> str | None:
+    """start or the nearest parent holding configs/microbench (a grpo checkout), else None."""
+    here = os.path.abspath(start)
     while True:
         if os.path.isdir(os.path.join(here, "configs", "microbench")):
             return here
         parent = os.path.dirname(here)
         if parent == here:
-            return os.getcwd()
+            return None
         here = parent
 
 
+def _find_repo() -> str:
+    """The grpo source tree (its configs/microbench): $GRPO_REPO, else the working directory or a parent of it."""
+    if os.environ.get("GRPO_REPO"):
+        return os.environ["GRPO_REPO"]
+    return _checkout_above(os.getcwd()) or os.getcwd()
+
+
 REPO = _find_repo()
+
+
+def configs_root(binary: str | None) -> str | None:
+    """Where the C++ rows' configs are: REPO when it holds configs/microbench, else the checkout the
+    grpo-microbench binary was built in (build/microbench/ under it), else None (a pip user outside the
+    checkout who passed no binary from one)."""
+    if os.path.isdir(os.path.join(REPO, "configs", "microbench")):
+        return REPO
+    if binary is not None:
+        return _checkout_above(os.path.dirname(os.path.realpath(binary)))
+    return None
 
 
 def describe_workload(name: str) -> str:
@@ -277,9 +294,10 @@ def _microbench_path(given: str | None) -> str | None:
 
 
 def run_cpp(binary: str, b: int, t: int, h: int, v: int, dtype: str, steps: int, threads: int,
-            workload: str, head: bool = False) -> dict:
+            workload: str, head: bool = False, root: str | None = None) -> dict:
     """The C++ microbench on the workload's config at this shape (head: the generic head's); its p50 step and
-    own peak."""
+    own peak. root: the checkout holding the configs (configs_root)."""
+    root = root or REPO
     _lt, _beta, _off, config, loss_sets = WORKLOADS[workload]
     if head:
         config = HEAD_CONFIG
@@ -288,11 +306,11 @@ def run_cpp(binary: str, b: int, t: int, h: int, v: int, dtype: str, steps: int,
             "warmup=1", "measure_unfused_gemms=false"] + loss_sets
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cpp.json")
-        cmd = [binary, "--config", os.path.join(REPO, config), "--quiet"]
+        cmd = [binary, "--config", os.path.join(root, config), "--quiet"]
         for s in sets:
             cmd += ["--set", s]
         cmd += [f"--benchmark_out={out}", "--benchmark_out_format=json"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             return {"method": "cpp_head" if head else "cpp", "B": b, "T": t, "H": h, "V": v, "dtype": dtype, "workload": workload,
@@ -405,6 +423,11 @@ def main(argv=None) -> int:
     if binary is None:
         print("C++ microbench: not found (build/microbench/grpo-microbench or --microbench PATH): no ratios",
               flush=True)
+    root = configs_root(binary)
+    if binary is not None and root is None:
+        print(f"C++ microbench: {binary} found, but not its configs (configs/microbench/*.yaml of the grpo "
+              "checkout): run from the checkout or set GRPO_REPO=<checkout>: no C++ rows, no ratios", flush=True)
+        binary = None
     results = []
     for b, t, h, v in shapes:
         print(f"B={b} T={t} H={h} V={v} {args.dtype}", flush=True)
@@ -414,11 +437,12 @@ def main(argv=None) -> int:
               f"{'exec GF':>9s} {'loss':>12s}", flush=True)
         cpp = cpp_head = None
         if binary is not None:
-            cpp = run_cpp(binary, b, t, h, v, args.dtype, args.steps, args.threads, args.workload)
+            cpp = run_cpp(binary, b, t, h, v, args.dtype, args.steps, args.threads, args.workload, root=root)
             print(_line(cpp, None), flush=True)
             results.append(cpp)
             if "grpo_head" in methods:
-                cpp_head = run_cpp(binary, b, t, h, v, args.dtype, args.steps, args.threads, args.workload, head=True)
+                cpp_head = run_cpp(binary, b, t, h, v, args.dtype, args.steps, args.threads, args.workload,
+                                   head=True, root=root)
                 print(_line(cpp_head, None), flush=True)
                 results.append(cpp_head)
         for method in methods:

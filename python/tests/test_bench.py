@@ -45,3 +45,34 @@ def test_bench_runs_the_cpp_step_of_the_same_workload(tmp_path):
     # dapo with a KL term keeps every row active on both sides: the same executed GEMM work.
     assert ours["active_rows"] == 8
     assert cpp["executed_gflop"] == pytest.approx(ours["executed_gflop"], rel=0.05)
+
+
+@pytest.mark.skipif(not os.access(MICROBENCH, os.X_OK), reason="build/microbench/grpo-microbench not built")
+def test_bench_outside_the_checkout_finds_the_configs_beside_the_binary(tmp_path):
+    """A pip user runs python -m grpo.bench from anywhere: with a checkout's binary its configs are found."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "GRPO_REPO"}
+    proc = subprocess.run([sys.executable, "-m", "grpo.bench", "--shape", "1,8,16,64", "--steps", "1", "--out",
+                           str(out), "--methods", "grpo_loss", "--microbench", MICROBENCH],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cpp, ours = json.loads(out.read_text())["results"]
+    assert cpp["method"] == "cpp" and "error" not in cpp, cpp
+    assert ours["ratio_vs_cpp"] > 0
+
+
+@pytest.mark.skipif(not os.access(MICROBENCH, os.X_OK), reason="build/microbench/grpo-microbench not built")
+def test_bench_says_how_to_point_at_the_configs(tmp_path):
+    """A binary outside any checkout, run outside it: no C++ rows, and a line saying what to set."""
+    import shutil
+
+    binary = tmp_path / "grpo-microbench"
+    shutil.copy(MICROBENCH, binary)
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "GRPO_REPO"}
+    proc = subprocess.run([sys.executable, "-m", "grpo.bench", "--shape", "1,8,16,64", "--steps", "1", "--out",
+                           str(out), "--methods", "grpo_loss", "--microbench", str(binary)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "set GRPO_REPO=<checkout>" in proc.stdout
+    assert [r["method"] for r in json.loads(out.read_text())["results"]] == ["grpo_loss"]
