@@ -995,7 +995,7 @@ struct LmHeadStep {
       if (bf16) {
         const auto* b = reinterpret_cast<const std::uint16_t*>(x);
         for (std::int64_t i = 0; i < n; ++i) {
-          const float v = std::bit_cast<float>(static_cast<std::uint32_t>(b[i]) << 16);
+          const auto v = std::bit_cast<float>(static_cast<std::uint32_t>(b[i]) << 16);
           acc[sum ? 0 : i] += v * v;
         }
       } else {
