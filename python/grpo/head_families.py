@@ -330,7 +330,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m grpo.head_families", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="512,1024,151936", help="T,H,V (default 512,1024,151936)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--families", default="", help="comma-separated indices into MATRIX (default: all)")
+    ap.add_argument("--families", default="", help="comma-separated indices into MATRIX (default: all; none: only "
+                                                   "--head-file heads)")
     ap.add_argument("--head-file", action="append", default=[], help="also an exported head (GRPOIN01 file)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -338,7 +339,10 @@ def main(argv=None) -> int:
     t, h, v = (int(x) for x in args.shape.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
-    picks = [int(i) for i in args.families.split(",")] if args.families else range(len(MATRIX))
+    if args.families == "none":
+        picks = []
+    else:
+        picks = [int(i) for i in args.families.split(",")] if args.families else range(len(MATRIX))
     print(f"# CPU: {cpu_model()}; T={t} H={h} V={v} bf16, grpo beta {BETA}, f32 gradients; relative L2 vs float64")
     print(f"{'head':60s} {'ent mean/med':>12s} {'dh exact':>9s} {'dh filt':>9s} {'x':>5s} "
           f"{'dW exact':>9s} {'dW filt':>9s} {'x':>5s} {'skipped':>7s}")
