@@ -377,10 +377,15 @@ class _LossGradients(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, hidden, weight, bias, step):  # noqa: D401
         ctx.step = step
+        # A saved tensor (empty: no memory) so that torch frees it after a
+        # backward without retain_graph and a second one raises as torch's own
+        # ops do, instead of running the kernel again and adding dW twice.
+        ctx.save_for_backward(loss.new_empty(0))
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad_loss):
+        ctx.saved_tensors  # raises "Trying to backward through the graph a second time" once freed
         need_h, need_w, need_b = ctx.needs_input_grad[1:4]
         gh, gw, gb = ctx.step.backward(grad_loss, need_h, need_w, need_b)
         return None, gh, gw, gb, None

@@ -179,6 +179,20 @@ def test_second_backward_with_retain_graph(dtype):
 
 
 @DTYPES
+def test_second_backward_without_retain_graph_raises(dtype):
+    """As torch's own ops: the graph is freed after a backward without retain_graph, and a second backward raises
+    and adds nothing (it used to run the kernel again and double the gradients)."""
+    case = make_case(seed=36, dtype=dtype)
+    x, w = leaves(case)
+    loss = call(case, x, w).loss
+    loss.backward()
+    dw, dx = w.grad.clone(), x.grad.clone()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    assert torch.equal(w.grad, dw) and torch.equal(x.grad, dx)
+
+
+@DTYPES
 @pytest.mark.parametrize("how", ["set_to_none", "zero_"])
 def test_zero_grad_between_forward_and_backward(dtype, how):
     """The common loop `loss = f(); opt.zero_grad(); loss.backward()` with a .grad the forward added into."""
