@@ -39,8 +39,8 @@ import torch
 import grpo
 from grpo import _core, _fields
 
-__all__ = ["LmHeadGRPOLoss", "LmHeadLossResult", "fused_log_probs", "lm_head_grpo_loss", "release_gradient_memory",
-           "set_gradient_memory_reuse"]
+__all__ = ["LinearCrossEntropyLoss", "LmHeadGRPOLoss", "LmHeadLossResult", "fused_log_probs", "linear_cross_entropy",
+           "lm_head_grpo_loss", "release_gradient_memory", "set_gradient_memory_reuse"]
 
 _LOSS_TYPES = _fields.LOSS_TYPES
 _IS_LEVELS = _fields.IS_LEVELS
@@ -1292,3 +1292,7 @@ class _NoCtx:
 
     def save_for_backward(self, *tensors):
         pass
+
+
+# The SFT loss with torch's F.linear_cross_entropy signature (grpo/cross_entropy.py).
+from grpo.cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy  # noqa: E402
