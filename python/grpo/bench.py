@@ -17,6 +17,11 @@ other method's to the fused C++ step (cpp):
   liger       Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss (compiled=False)
   trl_head    TRL 1.16's chunked log-prob head (ChunkedLogProbFunction) + the
               loss in torch
+  grpo_ce     grpo.torch.linear_cross_entropy, reduction="sum" (cross entropy
+              over every token: the workload's loss terms do not apply; its
+              ratio is to the fused C++ step, the same three GEMM passes)
+  eager_ce    torch 2.15's F.linear_cross_entropy, reduction="sum", no
+              options (the logits materialized)
 
 Workloads (--workload) are the C++ microbench configs' own recipes, so the
 C++ run is the same work (same loss type, beta, old / ref log-probs,
@@ -68,7 +73,7 @@ import sys
 import tempfile
 import time
 
-METHODS = ("grpo_loss", "grpo_dropin", "grpo_head", "eager", "liger", "trl_head")
+METHODS = ("grpo_loss", "grpo_dropin", "grpo_head", "eager", "liger", "trl_head", "grpo_ce", "eager_ce")
 SHAPES = {"quick": (1, 512, 4096, 151936), "headline": (1, 8192, 4096, 151936)}
 LOGIT_STD, OLD_NOISE, REF_NOISE = 3.0, 0.3, 0.1
 EPS = 0.2
@@ -248,6 +253,17 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
                                        num_items_in_batch=num_items if loss_type == "dapo" else None)
             kernel.append(out.stats)
             return out.loss
+    elif method in ("grpo_ce", "eager_ce"):
+        # Cross entropy, the sum of -logp over every token (the workload's loss terms do not apply):
+        # grpo's fused call against torch's F.linear_cross_entropy without options (logits materialized).
+        import torch.nn.functional as F
+
+        import grpo.torch as gt
+
+        ce = gt.linear_cross_entropy if method == "grpo_ce" else F.linear_cross_entropy
+
+        def step():
+            return ce(hidden.view(-1, h), weight, ids.view(-1), reduction="sum")
     elif method in ("liger", "grpo_dropin"):
         if method == "liger":
             from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss as Loss

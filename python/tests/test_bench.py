@@ -76,3 +76,13 @@ def test_bench_says_how_to_point_at_the_configs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "set GRPO_REPO=<checkout>" in proc.stdout
     assert [r["method"] for r in json.loads(out.read_text())["results"]] == ["grpo_loss"]
+
+
+def test_bench_cross_entropy_rows(tmp_path):
+    """grpo_ce beside eager_ce: the same cross entropy (sum of -logp over every token) two ways."""
+    data, _stdout = run_bench(tmp_path, "--methods", "grpo_ce,eager_ce", "--microbench", "none")
+    ours, eager = data["results"]
+    assert ours["method"] == "grpo_ce" and eager["method"] == "eager_ce"
+    assert ours["step_s"] > 0 and eager["step_s"] > 0
+    assert abs(ours["loss"] - eager["loss"]) < 1e-2 * abs(eager["loss"])  # bf16 logits on torch's side
+
