@@ -86,9 +86,9 @@ inline constexpr std::int64_t kTailApplyLd = 32;
 // The basis of W's rows is sketched from every kTailSketchStride-th row (of
 // a vocab-major W; every row of a hidden-major one, whose sampled rows would
 // be columns two strides apart, which oneDNN's memory descriptors refuse), in
-// GEMMs of kTailRows rows (>= kTailRank; the AMX tile's 16).
+// GEMMs of kTailRows rows (>= kTailRank + kTailProbes; two AMX tiles of 16).
 inline constexpr std::int64_t kTailSketchStride = 8;
-inline constexpr std::int64_t kTailRows = 16;
+inline constexpr std::int64_t kTailRows = 32;
 // The guard of grad_filter = auto (LmHeadStep::guard_holds): beside the
 // basis, kTailProbes random directions orthogonal to it ride in the same
 // tail GEMMs; a left-out sum's coordinates along them estimate the norm of
@@ -96,14 +96,16 @@ inline constexpr std::int64_t kTailRows = 16;
 // the basis). A block runs filtered only while that estimate is within
 // kGuardRatio of the exact step's own error there (its bf16 roundings of the
 // kept entries), for dhidden per block and for dW summed over the call's
-// blocks so far; else it runs the exact GEMMs. Measured over the head
-// families of python/grpo/head_families.py (docs/filtered_backward.md): both
-// estimates within 0.84-1.33x of the errors they estimate, so 0.75 keeps the
-// filtered gradients under the exact step's error there. What the estimate
-// can miss: a left-out sum along one direction only, whose 8 probe
-// coordinates are a chi-square of 8 degrees, under 0.39 of their mean (the
-// 1.6x that 0.75 would need to reach 1.2x the exact error) with p ~ 0.06.
-inline constexpr std::int64_t kTailProbes = 8;
+// blocks so far; else it tries a lower threshold (kFilterRungs) or runs the
+// exact GEMMs. Measured over the head families of
+// python/grpo/head_families.py (docs/filtered_backward.md): both estimates
+// within 0.84-1.33x of the errors they estimate, so 0.75 keeps the filtered
+// gradients under the exact step's error there. What the estimate can
+// miss: a left-out sum along one direction only, whose probe coordinates
+// are then a chi-square of m degrees; it passes a block at 1.2x the exact
+// error when that falls under (0.75 / 1.2)^2 = 0.39 of its mean: p = 0.073
+// with 8 probes, 0.0033 with 24 (24 + 8 = the AMX tile's 32 rows).
+inline constexpr std::int64_t kTailProbes = 24;
 inline constexpr std::int64_t kTailCoords = kTailRank + kTailProbes;      // a coordinate row: basis, then probes
 inline constexpr std::int64_t kTailPairProbes = kTailPair + kTailProbes;  // hidden rows' [hi, lo, probes]
 inline constexpr double kGuardRatio = 0.75;
