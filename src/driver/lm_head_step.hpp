@@ -960,7 +960,10 @@ struct LmHeadStep {
     constexpr std::int64_t kc = kTailCoords;
     constexpr std::int64_t m = kc - kTailRank;
     const TailRegions& t = ws.tail;
-    const double off_basis = static_cast<double>(std::max<std::int64_t>(p.shape.hidden - k, 1)) / m;
+    // Past H - k probes the complement of the basis is spanned (a small H):
+    // the probes' sum is then the norm itself.
+    const std::int64_t off = std::max<std::int64_t>(p.shape.hidden - k, 1);
+    const double off_basis = static_cast<double>(off) / static_cast<double>(std::min(m, off));
     const double limit = kGuardRatio * kGuardRatio;
     double left = 0.0;
     std::int64_t x = 0;
