@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "driver/lm_head_plan.hpp"
 #include "driver/parallel.hpp"
@@ -69,24 +70,24 @@ inline void fill_probes(float* y, std::int64_t ld, std::int64_t k, std::int64_t 
   }
 }
 
-// An orthonormal basis of the span of rows y [k, n] (row stride ld_y):
+// An orthonormal basis of the span of rows y [rows, n] (row stride ld_y):
 // modified Gram-Schmidt in double, twice (a row keeping less than 1e-6 of its
-// norm becomes zero), rounded to `type` into basis [k, n] (row stride
-// ld_basis); and dual [d, n] = (Bb Bb^T)^-1 Bb of the first d <= kTailRank
+// norm becomes zero), rounded to `type` into basis [rows, n] (row stride
+// ld_basis); and dual [k, n] = (Bb Bb^T)^-1 Bb of the first k <= kTailRank
 // rounded rows Bb, so x -> (x Bb^T) dual is the orthogonal projection onto
 // their span even though rounding left them not quite orthonormal. Rows past
-// d (the guard's probes) come out orthogonal to the first d. work: k (n + k)
-// doubles.
-inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t k, std::int64_t d, std::int64_t n, double* work,
-                       std::byte* basis, std::int64_t ld_basis, DType type, float* dual) {
+// k (the guard's probes) come out orthogonal to the first k. work: rows (n +
+// rows) doubles.
+inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t rows, std::int64_t k, std::int64_t n,
+                       double* work, std::byte* basis, std::int64_t ld_basis, DType type, float* dual) {
   double* q = work;
-  double* m = work + k * n;
+  double* m = work + rows * n;
   const auto dot = [&](const double* a, const double* b) {
     double d = 0.0;
     for (std::int64_t c = 0; c < n; ++c) d += a[c] * b[c];
     return d;
   };
-  for (std::int64_t r = 0; r < k; ++r) {
+  for (std::int64_t r = 0; r < rows; ++r) {
     double* qr = q + r * n;
     for (std::int64_t c = 0; c < n; ++c) qr[c] = y[r * ld_y + c];
     const double norm0 = std::sqrt(dot(qr, qr));
@@ -111,9 +112,8 @@ inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t k, std::i
       }
     }
   }
-  // M = Bb Bb^T of the first d rows (1 on the diagonal of a zero row: its
+  // M = Bb Bb^T of the first k rows (1 on the diagonal of a zero row: its
   // dual row stays zero), Cholesky M = L L^T in place.
-  k = d;
   for (std::int64_t r = 0; r < k; ++r) {
     for (std::int64_t t = 0; t <= r; ++t) m[r * k + t] = dot(q + r * n, q + t * n);
     if (m[r * k + r] == 0.0) m[r * k + r] = 1.0;
@@ -147,16 +147,18 @@ inline float tail_load(const std::byte* base, std::int64_t i, DType type) {
   return type == DType::bf16 ? kernels::bf16_to_float(reinterpret_cast<const std::uint16_t*>(base)[i])
                              : reinterpret_cast<const float*>(base)[i];
 }
-// v as (hi, lo) at i and i + offset: bf16(v) and bf16(v - hi), or v and 0 in f32.
-inline void tail_store_pair(std::byte* base, std::int64_t i, std::int64_t offset, float v, DType type) {
+// v stored at i in dlogits dtype (rounded to bf16 there).
+inline void tail_store(std::byte* base, std::int64_t i, float v, DType type) {
   if (type == DType::bf16) {
-    auto* b = reinterpret_cast<std::uint16_t*>(base);
-    b[i] = kernels::float_to_bf16(v);
-    b[i + offset] = kernels::float_to_bf16(v - kernels::bf16_to_float(b[i]));
+    reinterpret_cast<std::uint16_t*>(base)[i] = kernels::float_to_bf16(v);
   } else {
     reinterpret_cast<float*>(base)[i] = v;
-    reinterpret_cast<float*>(base)[i + offset] = 0.0F;
   }
+}
+// v as (hi, lo) at i and i + offset: bf16(v) and bf16(v - hi), or v and 0 in f32.
+inline void tail_store_pair(std::byte* base, std::int64_t i, std::int64_t offset, float v, DType type) {
+  tail_store(base, i, v, type);
+  tail_store(base, i + offset, v - tail_load(base, i, type), type);
 }
 
 struct LmHeadStep {
@@ -182,9 +184,8 @@ struct LmHeadStep {
   bool tail_used = false;
   bool hidden_basis_ready = false;
   // The guard (filter_guard): the exact step's estimated dW error (squared)
-  // over the call's blocks so far, and the blocks it sent to the exact GEMMs.
+  // over the call's blocks so far.
   double exact_dweight_error = 0.0;
-  double exact_dhidden_error = 0.0;  // the block's
 
   // stats with the phase times filled in.
   LmHeadStepStats step_stats() const {
@@ -501,8 +502,8 @@ struct LmHeadStep {
       if (kept_path && p.tail_rank > 0) {
         tail_block(padded, na, dweight);
         if (p.filter_guard) {
-          block_exact_errors(na, dense, dweight);
-          for (int rung = 0; !guard_holds(na, dense, dweight);) {
+          const double exact_dhidden = block_exact_errors(na, dense, dweight);
+          for (int rung = 0; !guard_holds(na, dense, dweight, exact_dhidden);) {
             if (++rung == kFilterRungs || (kept_total = keep_at_rung(na, rung)) > p.kept_cap || kept_total >= vocab) {
               kept_path = false;
               kept_total = vocab;
@@ -630,12 +631,7 @@ struct LmHeadStep {
       bindings.at(*p.tail_project.pick(j == p.tiles - 1), slot)
           .run(ws.stage.data(), weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
       for (std::int64_t c = 0; c < cols; ++c) {
-        for (std::int64_t r = 0; r < kc; ++r)
-          if (dl == DType::bf16) {
-            reinterpret_cast<std::uint16_t*>(t.coord)[(c0 + c) * kc + r] = kernels::float_to_bf16(tile[r * cols + c]);
-          } else {
-            reinterpret_cast<float*>(t.coord)[(c0 + c) * kc + r] = tile[r * cols + c];
-          }
+        for (std::int64_t r = 0; r < kc; ++r) tail_store(t.coord, (c0 + c) * kc + r, tile[r * cols + c], dl);
       }
       if (p.filter_guard) column_norms(c0, cols, t.norm_w + c0);
     });
@@ -770,14 +766,7 @@ struct LmHeadStep {
         for (std::int64_t i = 0; i < padded; ++i) {
           for (std::int64_t r = 0; r < k; ++r)
             tail_store_pair(t.hidden_pair, i * pw + r, k, t.hidden_f[i * kc + r], dl);
-          for (std::int64_t r = k; r < kc; ++r) {
-            const float v = t.hidden_f[i * kc + r];
-            if (dl == DType::bf16) {
-              reinterpret_cast<std::uint16_t*>(t.hidden_pair)[i * pw + k + r] = kernels::float_to_bf16(v);
-            } else {
-              reinterpret_cast<float*>(t.hidden_pair)[i * pw + k + r] = v;
-            }
-          }
+          for (std::int64_t r = k; r < kc; ++r) tail_store(t.hidden_pair, i * pw + k + r, t.hidden_f[i * kc + r], dl);
         }
       });
     }
@@ -912,21 +901,13 @@ struct LmHeadStep {
     });
   }
 
-  // grad_filter = auto: whether the block may run filtered. What the filter
-  // leaves of a row's dhidden after the tail correction is off the basis
-  // B_w; its coordinates along the kTailProbes probes orthogonal to B_w
-  // (cdh's last columns) estimate its norm: E sum_j (q_j x)^2 = m |x|^2 /
-  // (H - k). The exact step's error on the same rows is estimated from its
-  // roundings of their kept entries (err_h: sum d^2 |W_v|^2; the left-out
-  // entries' roundings are smaller by their size, and leaving them out makes
-  // the estimate lower, so the guard stricter). dhidden: the block's rows
-  // (the dense rows, computed over every column, aside). dW: a column's
-  // left-out sum adds up over the blocks, so the probe sums of every block
-  // run filtered so far plus this one's, against the exact step's error over
-  // every block so far (err_w times |h_t|^2).
-  // The exact step's estimated error on the block: dhidden's over its rows
-  // but the dense ones (exact_dhidden_error), dW's added to the call's.
-  void block_exact_errors(std::int64_t na, std::int64_t dense, bool dweight) {
+  // The exact step's estimated error (squared) on the block, from its
+  // roundings of the kept entries (err_h: sum d^2 |W_v|^2; err_w: sum d^2,
+  // times |h_t|^2 here; the left-out entries' roundings are smaller by their
+  // size, and leaving them out makes the estimate lower, so the guard
+  // stricter): dhidden's over its rows but the dense ones (computed over
+  // every column) is returned, dW's is added to the call's.
+  double block_exact_errors(std::int64_t na, std::int64_t dense, bool dweight) {
     const TailRegions& t = ws.tail;
     double exact = 0.0, exact_w = 0.0;
     std::int64_t x = 0;  // dense rows are listed in order (dense_rows)
@@ -951,11 +932,19 @@ struct LmHeadStep {
       }
       exact += eh;
     }
-    exact_dhidden_error = exact;
     exact_dweight_error += exact_w;  // this block's, whichever GEMMs it runs
+    return exact;
   }
 
-  bool guard_holds(std::int64_t na, std::int64_t dense, bool dweight) const {
+  // grad_filter = auto: whether the block may run filtered. What the filter
+  // leaves of a row's dhidden after the tail correction is off the basis
+  // B_w; its coordinates along the kTailProbes probes orthogonal to B_w
+  // (cdh's last columns) estimate its norm: E sum_j (q_j x)^2 = m |x|^2 /
+  // (H - k). dhidden: the block's rows (the dense rows aside) against
+  // exact_dhidden (block_exact_errors). dW: a column's left-out sum adds up
+  // over the blocks, so the probe sums of every block run filtered so far
+  // plus this one's, against the exact step's error over every block so far.
+  bool guard_holds(std::int64_t na, std::int64_t dense, bool dweight, double exact_dhidden) const {
     const std::int64_t k = p.tail_rank;
     constexpr std::int64_t kc = kTailCoords;
     constexpr std::int64_t m = kc - kTailRank;
@@ -974,7 +963,7 @@ struct LmHeadStep {
       }
       for (std::int64_t r = k; r < kc; ++r) left += static_cast<double>(t.cdh[i * kc + r]) * t.cdh[i * kc + r];
     }
-    if (left * off_basis > limit * exact_dhidden_error) return false;
+    if (left * off_basis > limit * exact_dhidden) return false;
     if (!dweight) return true;
     const std::uint8_t* mark = ws.kept.mark.data();
     double left_w = 0.0;
@@ -990,44 +979,45 @@ struct LmHeadStep {
   }
 
   // |W_v|^2 of vocab columns [c0, c0 + cols) into out (the guard's weights):
-  // a pass over W per call, in loops the compiler vectorizes (one per dtype).
+  // a pass over W per call, in loops the compiler vectorizes.
   void column_norms(std::int64_t c0, std::int64_t cols, float* out) const {
-    const std::int64_t hidden = p.shape.hidden;
-    const bool bf16 = p.shape.dtype == DType::bf16;
-    const auto square = [&](const std::byte* x, std::int64_t n, float* acc, bool sum) {
-      if (bf16) {
-        const auto* b = reinterpret_cast<const std::uint16_t*>(x);
-        for (std::int64_t i = 0; i < n; ++i) {
-          const auto v = std::bit_cast<float>(static_cast<std::uint32_t>(b[i]) << 16);
-          acc[sum ? 0 : i] += v * v;
-        }
+    if (p.shape.dtype == DType::bf16) {
+      column_norms_of<std::uint16_t>(c0, cols, out);
+    } else {
+      column_norms_of<float>(c0, cols, out);
+    }
+  }
+  template <class E>
+  void column_norms_of(std::int64_t c0, std::int64_t cols, float* out) const {
+    const auto square = [](E x) {
+      float v = 0.0F;
+      if constexpr (std::is_same_v<E, float>) {
+        v = x;
       } else {
-        const auto* f = reinterpret_cast<const float*>(x);
-        for (std::int64_t i = 0; i < n; ++i) acc[sum ? 0 : i] += f[i] * f[i];
+        v = std::bit_cast<float>(static_cast<std::uint32_t>(x) << 16);  // bf16 widened exactly
       }
+      return v * v;
     };
-    if (vocab_major) {
-      for (std::int64_t c = 0; c < cols; ++c) {
-        // 16 partial sums: a loop without a serial dependence.
-        std::array<float, 16> lane{};
-        const std::byte* row = weight_at_vocab(c0 + c);
-        const std::int64_t whole = hidden / 16 * 16;
-        for (std::int64_t h = 0; h < whole; h += 16) {
-          std::array<float, 16> part{};
-          square(row + static_cast<std::size_t>(h) * in_size, 16, part.data(), false);
-          for (int l = 0; l < 16; ++l) lane[l] += part[l];
-        }
-        float tail = 0.0F;
-        square(row + static_cast<std::size_t>(whole) * in_size, hidden - whole, &tail, true);
-        float sum = tail;
-        for (const float l : lane) sum += l;
-        out[c] = sum;
+    const std::int64_t hidden = p.shape.hidden;
+    if (!vocab_major) {  // W [H, V]: a row of W adds into every column's sum
+      std::fill(out, out + cols, 0.0F);
+      for (std::int64_t h = 0; h < hidden; ++h) {
+        const auto* row = reinterpret_cast<const E*>(weight_at_hidden(h)) + c0;
+        for (std::int64_t c = 0; c < cols; ++c) out[c] += square(row[c]);
       }
       return;
     }
-    std::fill(out, out + cols, 0.0F);
-    for (std::int64_t h = 0; h < hidden; ++h) {
-      square(weight_at_hidden(h) + static_cast<std::size_t>(c0) * in_size, cols, out, false);
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const auto* row = reinterpret_cast<const E*>(weight_at_vocab(c0 + c));
+      std::array<float, 16> lane{};  // 16 partial sums: no serial dependence in the loop
+      std::int64_t h = 0;
+      for (; h + 16 <= hidden; h += 16) {
+        for (std::size_t l = 0; l < lane.size(); ++l) lane[l] += square(row[h + static_cast<std::int64_t>(l)]);
+      }
+      float sum = 0.0F;
+      for (; h < hidden; ++h) sum += square(row[h]);
+      for (const float l : lane) sum += l;
+      out[c] = sum;
     }
   }
 
