@@ -503,16 +503,21 @@ struct LmHeadStep {
         tail_block(padded, na, dweight);
         if (p.filter_guard) {
           const double exact_dhidden = block_exact_errors(na, dense, dweight);
-          for (int rung = 0; !guard_holds(na, dense, dweight, exact_dhidden);) {
+          int rung = 0;
+          while (!guard_holds(na, dense, dweight, exact_dhidden)) {
             if (++rung == kFilterRungs || (kept_total = keep_at_rung(na, rung)) > p.kept_cap || kept_total >= vocab) {
               kept_path = false;
               kept_total = vocab;
               break;
             }
             tail_kept_terms(na, rung);
-            if (rung == 1) ++stats.filter_lowered_blocks;
           }
-          if (!kept_path) ++stats.filter_guard_blocks;
+          // Either count, never both: a block lowered and still refused ran exact.
+          if (!kept_path) {
+            ++stats.filter_guard_blocks;
+          } else if (rung > 0) {
+            ++stats.filter_lowered_blocks;
+          }
         }
         if (kept_path && dweight) commit_tail_dweight();
       }
