@@ -75,6 +75,24 @@ void expect_bitwise(const std::vector<float>& a, const std::vector<float>& b, co
 
 void expect_same_metrics(const Metrics& a, const Metrics& b) { EXPECT_EQ(std::memcmp(&a, &b, sizeof(Metrics)), 0); }
 
+// dhidden's and dW's relative L2 error ||got - ref|| / ||ref|| against the oracle.
+struct GradErrors {
+  double dhidden = 0.0, dweight = 0.0;
+};
+GradErrors rel_errors(const HeadCase& c, const HeadOutputs& o, const oracle::LmHeadResult& want) {
+  const auto rel_l2 = [](const std::vector<double>& got, const std::vector<double>& ref) {
+    double e = 0.0, r = 0.0;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      e += (got[i] - ref[i]) * (got[i] - ref[i]);
+      r += ref[i] * ref[i];
+    }
+    return std::sqrt(e / r);
+  };
+  const std::vector<float> dh = to_float(o.dhidden.data(), c.dhidden_dtype, want.dhidden.size());
+  return {rel_l2(std::vector<double>(dh.begin(), dh.end()), want.dhidden),
+          rel_l2(o.dweight_vocab_major(c), want.dweight)};
+}
+
 class FilteredHead : public ::testing::TestWithParam<HeadCase> {};
 
 TEST_P(FilteredHead, WithinTheDerivedBoundAndExactElsewhere) {
@@ -160,22 +178,9 @@ TEST(GradFilter, NoLessAccurateThanTheExactStep) {
     HeadCase exact_case = c;
     exact_case.grad_filter = 0.0;
     const HeadOutputs exact = run_head(exact_case, p);
-    const auto rel_l2 = [](const std::vector<double>& got, const std::vector<double>& ref) {
-      double e = 0.0, r = 0.0;
-      for (std::size_t i = 0; i < ref.size(); ++i) {
-        e += (got[i] - ref[i]) * (got[i] - ref[i]);
-        r += ref[i] * ref[i];
-      }
-      return std::sqrt(e / r);
-    };
-    const auto dhidden = [&](const HeadOutputs& o) {
-      const std::vector<float> f = to_float(o.dhidden.data(), c.dhidden_dtype, want.dhidden.size());
-      return std::vector<double>(f.begin(), f.end());
-    };
-    const double dh_filtered = rel_l2(dhidden(filtered), want.dhidden);
-    const double dh_exact = rel_l2(dhidden(exact), want.dhidden);
-    const double dw_filtered = rel_l2(filtered.dweight_vocab_major(c), want.dweight);
-    const double dw_exact = rel_l2(exact.dweight_vocab_major(c), want.dweight);
+    const GradErrors f = rel_errors(c, filtered, want);
+    const GradErrors e = rel_errors(c, exact, want);
+    const double dh_filtered = f.dhidden, dh_exact = e.dhidden, dw_filtered = f.dweight, dw_exact = e.dweight;
     // Most of the backward was left out.
     const double all = static_cast<double>(c.spec.batch * c.spec.seq_len) * static_cast<double>(c.spec.vocab);
     EXPECT_GT(static_cast<double>(filtered.stats.dweight_skipped_row_columns), 0.8 * all) << filtered.schedule;
@@ -217,29 +222,17 @@ TEST(GradFilter, GuardHoldsTheExactStepsError) {
     HeadCase exact_case = c;
     exact_case.grad_filter = 0.0;
     const HeadOutputs exact = run_head(exact_case, p);
-    const auto rel_l2 = [](const std::vector<double>& v, const std::vector<double>& ref) {
-      double e = 0.0, r = 0.0;
-      for (std::size_t i = 0; i < ref.size(); ++i) {
-        e += (v[i] - ref[i]) * (v[i] - ref[i]);
-        r += ref[i] * ref[i];
-      }
-      return std::sqrt(e / r);
-    };
-    const auto dhidden = [&](const HeadOutputs& o) {
-      const std::vector<float> f = to_float(o.dhidden.data(), c.dhidden_dtype, want.dhidden.size());
-      return std::vector<double>(f.begin(), f.end());
-    };
-    EXPECT_LE(rel_l2(dhidden(got), want.dhidden), 1.2 * rel_l2(dhidden(exact), want.dhidden));
-    EXPECT_LE(rel_l2(got.dweight_vocab_major(c), want.dweight),
-              1.2 * rel_l2(exact.dweight_vocab_major(c), want.dweight));
+    const GradErrors g = rel_errors(c, got, want);
+    const GradErrors e = rel_errors(c, exact, want);
+    EXPECT_LE(g.dhidden, 1.2 * e.dhidden);
+    EXPECT_LE(g.dweight, 1.2 * e.dweight);
     guarded += got.stats.filter_guard_blocks + got.stats.filter_lowered_blocks;
     HeadCase rule_case = c;  // the rule alone: an explicit threshold is unguarded
     rule_case.grad_filter = std::ldexp(1.0, -12);
     const HeadOutputs rule = run_head(rule_case, p);
     EXPECT_EQ(rule.stats.filter_guard_blocks + rule.stats.filter_lowered_blocks, 0);
-    rule_worst = std::max(
-        {rule_worst, rel_l2(dhidden(rule), want.dhidden) / rel_l2(dhidden(exact), want.dhidden),
-         rel_l2(rule.dweight_vocab_major(c), want.dweight) / rel_l2(exact.dweight_vocab_major(c), want.dweight)});
+    const GradErrors r = rel_errors(c, rule, want);
+    rule_worst = std::max({rule_worst, r.dhidden / e.dhidden, r.dweight / e.dweight});
     filtered += got.stats.dhidden_skipped_row_columns > 0 ? 1 : 0;
     // Bitwise the same on 1 and 2 threads, the ladder included.
     const HeadOutputs one = run_head(c, p, 1);
