@@ -606,20 +606,9 @@ def use_fused_loss(trainer, grad_filter=None) -> None:
 
 def cpu_name() -> str:
     """The CPU the arm ran on, as /proc/cpuinfo names it (model name, family and model): step times hold on it."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu family", "model") and key not in fields:
-                    fields[key] = value.strip()
-                if not line.strip() and fields:
-                    break
-    except OSError:
-        return "unknown"
-    name, family, model = (fields.get(k, "?") for k in ("model name", "cpu family", "model"))
-    return f"{name} (family {family} model {model})"
+    from grpo.bench import cpu_model  # the package every arm's venv has (run_train_ab.sh installs it)
+
+    return cpu_model()
 
 
 def setup_fields(smoke: bool, steps: int | None, sets: list[str]) -> dict:

@@ -32,6 +32,8 @@ from typing import Any, Optional
 import torch
 
 import grpo
+import grpo.torch as gt
+from grpo.torch import _refuse
 
 _REDUCTIONS = ("mean", "sum", "none")
 # The fused loss's arguments, as linear_cross_entropy's caller spells them.
@@ -39,10 +41,12 @@ _NAMES = {"hidden": "input", "weight": "linear_weight", "bias": "linear_bias", "
           "mask": "target"}
 
 
-def _refuse(argument: str, message: str, kind: type = grpo.Error) -> Exception:
-    error = kind(f"{argument}: {message}")
-    error.argument = argument
-    return error
+def _check_options(reduction: str, label_smoothing: float) -> None:
+    """The options grpo computes: one of the three reductions, no label smoothing."""
+    if label_smoothing != 0.0:
+        raise _refuse("label_smoothing", f"only 0 is supported by grpo, got {label_smoothing!r}", NotImplementedError)
+    if reduction not in _REDUCTIONS:
+        raise _refuse("reduction", f"must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
 
 
 def linear_cross_entropy(
@@ -66,14 +70,9 @@ def linear_cross_entropy(
     None means torch's -100. Returns the input's dtype: a 0-dim loss, or [*]
     for reduction="none" (0 on ignored rows).
     """
-    import grpo.torch as gt
-
     if weight is not None:
         raise _refuse("weight", "class weights are not supported by grpo (None only)", NotImplementedError)
-    if label_smoothing != 0.0:
-        raise _refuse("label_smoothing", f"only 0 is supported by grpo, got {label_smoothing!r}", NotImplementedError)
-    if reduction not in _REDUCTIONS:
-        raise _refuse("reduction", f"must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
+    _check_options(reduction, label_smoothing)
     if not isinstance(linear_weight, torch.Tensor) or linear_weight.dim() != 2:
         shape = list(linear_weight.shape) if isinstance(linear_weight, torch.Tensor) else type(linear_weight).__name__
         raise _refuse("linear_weight", f"must be [V, H] (2-D), got {shape}")
@@ -122,11 +121,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     def __init__(self, *, reduction: str = "mean", ignore_index: Optional[int] = None, label_smoothing: float = 0.0,
                  num_threads: Optional[int] = None, plan_cache: Optional[grpo.PlanCache] = None):
         super().__init__()
-        if reduction not in _REDUCTIONS:
-            raise _refuse("reduction", f"must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
-        if label_smoothing != 0.0:
-            raise _refuse("label_smoothing", f"only 0 is supported by grpo, got {label_smoothing!r}",
-                          NotImplementedError)
+        _check_options(reduction, label_smoothing)
         self.reduction, self.ignore_index, self.label_smoothing = reduction, ignore_index, label_smoothing
         self.num_threads, self.plan_cache = num_threads, plan_cache
 

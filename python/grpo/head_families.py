@@ -162,7 +162,7 @@ def _finish(name: str, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Te
                 torch.randn(n, generator=g))
 
 
-def read_head_file(path: str, seed: int = 0) -> Head:
+def read_head_file(path: str) -> Head:
     """A head written by scripts/export_trained_head.py (microbench/input_file.hpp's format), rounded to bf16."""
     import numpy as np
 
@@ -178,7 +178,6 @@ def read_head_file(path: str, seed: int = 0) -> Head:
         adv = torch.from_numpy(np.fromfile(f, dtype="<f4", count=int(adv_count)).copy())
     if adv.numel() != n:
         adv = adv.repeat_interleave(n // adv.numel())
-    g = torch.Generator().manual_seed(seed)
     return Head(path.rsplit("/", 1)[-1], hidden.to(torch.bfloat16).contiguous(), weight.to(torch.bfloat16).contiguous(),
                 ids.to(torch.int32).contiguous(), mask.contiguous(), adv.contiguous())
 
@@ -211,7 +210,8 @@ def _off_the_kinks(logp: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def reference(head: Head) -> dict:
-    """float64: logits materialized, the grpo loss by autograd to c_t = dLoss/dlogp_t, then dz, dhidden, dW."""
+    """float64: logits materialized, the grpo loss by autograd to c_t = dLoss/dlogp_t, then dz, dhidden, dW (and
+    each row's entropy)."""
     h = head.hidden.double()
     w = head.weight.double()
     z = h @ w.T
@@ -228,11 +228,25 @@ def reference(head: Head) -> dict:
     loss = (per_token * m).sum() / m.sum().clamp_min(1.0)  # grpo, one sequence: its masked mean
     (coef,) = torch.autograd.grad(loss, logp)
     p = torch.exp(z - lse[:, None])
+    entropy = lse - (p * z).sum(dim=1)
     del z
     dz = -coef[:, None] * p
     dz[rows, head.ids.long()] += coef
     del p
-    return {"loss": float(loss.detach()), "logp": logp.detach(), "dhidden": dz @ w, "dweight": dz.T @ h}
+    return {"loss": float(loss.detach()), "logp": logp.detach(), "entropy": entropy, "dhidden": dz @ w,
+            "dweight": dz.T @ h}
+
+
+def _shape(head: Head):
+    """The core API's shape of a head: one sequence of its rows, bf16, dense rows."""
+    import grpo
+
+    n, hd = head.hidden.shape
+    shape = grpo.LmHeadShape()
+    shape.batch, shape.seq_len, shape.hidden, shape.vocab = 1, n, hd, head.weight.shape[0]
+    shape.dtype = grpo.DType.bf16
+    shape.hidden_ld = shape.weight_ld = hd
+    return shape
 
 
 def run_step(head: Head, grad_filter: float, threads: Optional[int] = None, token_block: Optional[int] = None) -> dict:
@@ -241,10 +255,6 @@ def run_step(head: Head, grad_filter: float, threads: Optional[int] = None, toke
 
     n, hd = head.hidden.shape
     v = head.weight.shape[0]
-    shape = grpo.LmHeadShape()
-    shape.batch, shape.seq_len, shape.hidden, shape.vocab = 1, n, hd, v
-    shape.dtype = grpo.DType.bf16
-    shape.hidden_ld = shape.weight_ld = hd
     config = grpo.LossConfig()
     config.loss_type = grpo.LossType.grpo
     config.epsilon_low, config.epsilon_high, config.beta = EPS_LOW, EPS_HIGH, BETA
@@ -255,7 +265,7 @@ def run_step(head: Head, grad_filter: float, threads: Optional[int] = None, toke
         options.max_threads = threads
     if token_block:
         options.token_block = token_block
-    plan = grpo.LmHeadLossPlan(shape, config, options)
+    plan = grpo.LmHeadLossPlan(_shape(head), config, options)
     logp = torch.empty(n)
     dhidden = torch.empty(n, hd)
     dweight = torch.empty(v, hd)
@@ -270,15 +280,11 @@ def prepare_loss_inputs(head: Head, seed: int) -> Head:
     """old_logp / ref_logp from the step's own forward logp plus N(0, 0.3) (old kept off the clip edges)."""
     import grpo
 
-    n, hd = head.hidden.shape
-    shape = grpo.LmHeadShape()
-    shape.batch, shape.seq_len, shape.hidden, shape.vocab = 1, n, hd, head.weight.shape[0]
-    shape.dtype = grpo.DType.bf16
-    shape.hidden_ld = shape.weight_ld = hd
+    n = head.hidden.shape[0]
     options = grpo.LmHeadOptions()
     options.forward_only = True
     logp = torch.empty(n)
-    grpo.LmHeadLossPlan(shape, grpo.LossConfig(), options).execute(
+    grpo.LmHeadLossPlan(_shape(head), grpo.LossConfig(), options).execute(
         None, head.hidden, head.weight, None, head.ids, head.mask, head.advantages, None, None, None, logp, None, None,
         None, None, None)
     g = torch.Generator().manual_seed(seed + 7)
@@ -300,7 +306,7 @@ def measure(head: Head, threads: Optional[int] = None, grad_filter: Optional[flo
     exact = run_step(head, 0.0, threads, token_block)
     filtered = run_step(head, grpo.GRAD_FILTER_AUTO if grad_filter is None else grad_filter, threads, token_block)
     valid = head.mask > 0
-    entropy = _entropies(head)
+    entropy = ref["entropy"]
     n, v = head.hidden.shape[0], head.weight.shape[0]
     st = filtered["stats"]
     return {
@@ -316,12 +322,6 @@ def measure(head: Head, threads: Optional[int] = None, grad_filter: Optional[flo
         "skipped_frac": st.dhidden_skipped_row_columns / max(1, st.dhidden_gemm_rows * v),
         "guard_blocks": st.filter_guard_blocks,
     }
-
-
-def _entropies(head: Head) -> torch.Tensor:
-    z = head.hidden.float() @ head.weight.float().T
-    logp = torch.log_softmax(z, dim=1)
-    return -(logp.exp() * logp).sum(dim=1)
 
 
 def main(argv=None) -> int:
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
           f"{'dW exact':>9s} {'dW filt':>9s} {'x':>5s} {'skipped':>7s}")
     rows = []
     jobs = [(lambda i=i: make_head(MATRIX[i][0], MATRIX[i][1], t, h, v, args.seed + i)) for i in picks]
-    jobs += [(lambda p=p: read_head_file(p, args.seed)) for p in args.head_file]
+    jobs += [(lambda p=p: read_head_file(p)) for p in args.head_file]
     for job in jobs:
         t0 = time.time()
         head = prepare_loss_inputs(job(), args.seed)

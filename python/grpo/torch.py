@@ -1294,5 +1294,12 @@ class _NoCtx:
         pass
 
 
-# The SFT loss with torch's F.linear_cross_entropy signature (grpo/cross_entropy.py).
-from grpo.cross_entropy import LinearCrossEntropyLoss, linear_cross_entropy  # noqa: E402
+
+def __getattr__(name: str):
+    """The SFT loss with torch's F.linear_cross_entropy signature lives in grpo/cross_entropy.py, which builds on
+    this module: resolved on first use, so neither module imports the other while it is being imported."""
+    if name in ("LinearCrossEntropyLoss", "linear_cross_entropy"):
+        from grpo import cross_entropy
+
+        return getattr(cross_entropy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
