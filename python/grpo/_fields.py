@@ -123,6 +123,13 @@ LOSS_CONFIG: dict[str, tuple[str, Any, Callable[[str, Any], Any]]] = {
     "logit_softcap": ("logit_softcap", None, _optional_float),
     "logit_scale": ("logit_scale", 1.0, _float),
 }
+# The keywords that set a LossConfig field (num_items_in_batch is the call's own).
+LOSS_KEYWORDS = tuple(kw for kw, _default, convert in LOSS_CONFIG.values() if convert is not None)
+
+
+def loss_values(arguments: dict[str, Any]) -> dict[str, Any]:
+    """{keyword: value} of the LossConfig keywords among a call's arguments (its locals())."""
+    return {kw: arguments[kw] for kw in LOSS_KEYWORDS}
 
 def _schedule_int(name, value):
     """A schedule option: None = the library's default (None returned), else an integer >= 0."""
@@ -180,10 +187,10 @@ OPTION_KEYWORDS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
 # LmHeadOptions fields grpo.torch derives from the tensors: field -> where from.
 OPTION_DERIVED = {
     "forward_only": "no input requires grad, or grad mode is off",
-    "dweight_dtype": "the dtype the weight gradient is written in: weight.grad's when the kernel adds into it, "
-                     "else the weight's",
+    "dweight_dtype": "the weight's dtype (the dtype the weight gradient is written in)",
     "dhidden_dtype": "hidden's dtype",
-    "accumulate_weight_grads": "weight.grad exists and the kernel can add into it (see grad_into)",
+    "accumulate_weight_grads": "never from grpo.torch: its ops return fresh gradients, which autograd adds into an "
+                               "existing .grad",
     "frozen_weight": "neither weight nor bias requires grad",
 }
 

@@ -18,6 +18,7 @@ gradients nobody needs).
 from __future__ import annotations
 
 import atexit
+import itertools
 import threading
 import weakref
 from collections import OrderedDict
@@ -50,7 +51,10 @@ class PlanCache:
         self.builds = 0  # plans built so far (a training loop's count stops growing)
         self._plans: OrderedDict[tuple[str, Hashable], Any] = OrderedDict()
         self._lock = threading.Lock()
+        # How grpo's torch ops name this cache (their spec is a string).
+        self.handle = next(_handles)
         _caches.add(self)
+        _by_handle[self.handle] = self
 
     def get(self, kind: str, key: Hashable, build: Callable[[], Any]) -> Any:
         """The plan for (kind, key); `build()` makes it on a miss."""
@@ -96,6 +100,22 @@ class PlanCache:
 # objects (plans, workspaces) still alive when its module is torn down as
 # leaks, and the process-wide cache would otherwise hold its plans until then.
 _caches: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+_by_handle: "weakref.WeakValueDictionary[int, PlanCache]" = weakref.WeakValueDictionary()
+_handles = itertools.count(1)
+
+
+DEFAULT_HANDLE = 0  # the process-wide cache (default_plan_cache()), made on first use
+
+
+def by_handle(handle: int) -> PlanCache:
+    """The live cache with this handle (PlanCache.handle), or the process-wide one for DEFAULT_HANDLE."""
+    if handle == DEFAULT_HANDLE:
+        return default_plan_cache()
+    cache = _by_handle.get(handle)
+    if cache is None:
+        raise ValueError(f"grpo: plan cache {handle} no longer exists (keep the PlanCache you pass as plan_cache "
+                         "alive while its losses are in use)")
+    return cache
 
 
 @atexit.register

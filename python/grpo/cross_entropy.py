@@ -32,8 +32,8 @@ from typing import Any, Optional
 import torch
 
 import grpo
-import grpo.torch as gt
-from grpo.torch import _refuse
+from grpo._torch_args import REFUSALS, refuse as _refuse, renamed
+from grpo.functional import fused_log_probs, lm_head_grpo_loss
 
 _REDUCTIONS = ("mean", "sum", "none")
 # The fused loss's arguments, as linear_cross_entropy's caller spells them.
@@ -96,21 +96,23 @@ def linear_cross_entropy(
 
     try:
         if reduction == "none":
-            logp, _ = gt.fused_log_probs(rows, linear_weight, linear_bias, ids, outputs=("log_probs",),
+            logp, _ = fused_log_probs(rows, linear_weight, linear_bias, ids, outputs=("log_probs",),
                                          mask=valid.to(torch.float32), num_threads=num_threads,
                                          plan_cache=plan_cache)
             return (-logp).reshape(target.shape).to(input.dtype)
-        count = int(valid.sum())
-        result = gt.lm_head_grpo_loss(
+        # The count stays a tensor (read by the op): nothing leaves a compiled graph.
+        count = valid.sum(dtype=torch.float64)
+        result = lm_head_grpo_loss(
             rows, linear_weight, ids.reshape(1, n), valid.to(torch.float32).reshape(1, n),
             torch.ones(1, n), bias=linear_bias, loss_type="cispo", epsilon_high=1.0,
-            num_items_in_batch=float(max(count, 1)) if reduction == "mean" else 1.0,
+            num_items_in_batch=count.clamp(min=1.0) if reduction == "mean" else 1.0,
             num_threads=num_threads, plan_cache=plan_cache, _names=_NAMES)
-    except (grpo.Error, grpo.ArgumentTypeError) as error:
-        raise gt._renamed(error, _NAMES) from None
+    except REFUSALS as error:
+        raise renamed(error, _NAMES) from None
     loss = result.loss
-    if reduction == "mean" and count == 0:
-        loss = loss + float("nan")  # torch: the mean over no rows is NaN, its gradients 0
+    if reduction == "mean":
+        # torch: the mean over no rows is NaN (its gradients 0).
+        loss = loss + torch.where(count == 0, float("nan"), 0.0).to(loss.dtype)
     return loss.to(input.dtype)
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import grpo
 import grpo.torch as gt
+from ops_seen import OpsSeen
 
 
 def make(dtype, b=2, t=9, h=24, v=300, bias=True, ignore=-100, seed=3):
@@ -72,19 +73,12 @@ def test_batched_input_as_hf_hidden_states():
 def test_three_gemm_passes_for_scalar_reductions():
     """mean / sum: the fused loss (gradients in the forward), no backward kernel call; none: the generic head."""
     x, w, bb, y = make(torch.float32)
-    seen = []
-    original = gt.lm_head_grpo_loss
-
-    def spy(*args, **kwargs):
-        seen.append("fused")
-        return original(*args, **kwargs)
-
-    gt.lm_head_grpo_loss = spy
-    try:
-        gt.linear_cross_entropy(x, w, y)
-    finally:
-        gt.lm_head_grpo_loss = original
-    assert seen == ["fused"]
+    for reduction, expected in (("mean", ["lm_head_loss"]), ("sum", ["lm_head_loss"]),
+                                ("none", ["log_probs", "log_probs_backward"])):
+        a, b, c = (t.clone().requires_grad_() for t in (x, w, bb))
+        with OpsSeen() as seen:
+            gt.linear_cross_entropy(a, b, y, linear_bias=c, reduction=reduction).sum().backward()
+        assert seen.calls == expected, reduction
 
 
 def test_all_ignored_mean_is_nan_with_zero_gradients_as_torch():

@@ -35,6 +35,7 @@ import pytest
 import torch
 
 import grpo
+import grpo.liger
 import grpo.torch as gt
 from reference import U32, UBF, Case, reference
 
@@ -183,7 +184,7 @@ def run_module(case, monkeypatch, **kw):
         return result
 
     with monkeypatch.context() as m:
-        m.setattr(gt, "lm_head_grpo_loss", spy)
+        m.setattr(grpo.liger, "lm_head_grpo_loss", spy)
         loss, metrics = module(x, w, case.ids, case.mask, case.advantages)
     loss.backward()
     return loss, metrics, x.grad.reshape(-1, x.shape[-1]), w.grad, seen[0]

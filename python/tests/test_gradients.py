@@ -1,10 +1,11 @@
-"""The gradients of grpo.torch's fused loss: written by the kernel, scaled inside it, accumulated in place.
+"""The gradients of grpo.torch's fused loss: written by the kernel, scaled inside it, handed to autograd.
 
-Issue 19, items 2-4: no float32 [V, H] buffer, dW in the weight's dtype,
-num_items_in_batch as the call's gradient scale, gradient accumulation into an
-existing weight.grad with no [V, H] temporary while AccumulateGrad (and its
-hooks) still runs, grad_output != 1, a second backward, zero_grad between
-the forward and the backward.
+No float32 [V, H] buffer, dW in the weight's dtype (or in float32 for a
+weight whose grad_dtype is float32), num_items_in_batch as the call's
+gradient scale, gradient accumulation into an existing weight.grad by
+AccumulateGrad (its hooks run), grad_output != 1, a second backward, zero_grad
+between the forward and the backward, and nothing the caller owns written by
+a call that is refused (issue 49 item 4).
 
 Bounds. Both sides of every comparison below are the same kernel on the same
 rows, so they differ only in where the results are rounded: each bf16
@@ -172,7 +173,7 @@ def test_second_backward_with_retain_graph(dtype):
     loss = call(case, x, w).loss
     loss.backward(retain_graph=True)
     with pytest.warns(RuntimeWarning, match="kernel again"):
-        gt._RERUN_WARNED = False
+        grpo._ops._rerun_warned = False
         loss.backward()
     within(w.grad, 2.0 * dw.double(), [dw, dw], dtype, "dW after two backwards")
     within(x.grad, 2.0 * dx.double(), [dx, dx], dtype, "dhidden after two backwards")
@@ -195,7 +196,7 @@ def test_second_backward_without_retain_graph_raises(dtype):
 @DTYPES
 @pytest.mark.parametrize("how", ["set_to_none", "zero_"])
 def test_zero_grad_between_forward_and_backward(dtype, how):
-    """The common loop `loss = f(); opt.zero_grad(); loss.backward()` with a .grad the forward added into."""
+    """The common loop `loss = f(); opt.zero_grad(); loss.backward()`: the forward wrote nothing into .grad."""
     case = make_case(seed=36, dtype=dtype)
     _, dw = single_grads(case)
     x, w = leaves(case)
@@ -205,13 +206,12 @@ def test_zero_grad_between_forward_and_backward(dtype, how):
         w.grad = None
     else:
         w.grad.zero_()
-    gt._RERUN_WARNED = True  # the warning is tested above
     loss.backward()
     within(w.grad, dw, [dw], dtype, f"dW after zero_grad ({how}) between forward and backward")
 
 
 def test_two_pending_calls_one_backward_count_each_call_once():
-    """l1 and l2 both added into the same .grad in their forwards; (l1 + l2).backward() must not add it twice."""
+    """Two losses on one weight summed before one backward: each call's dW counted once."""
     a = make_case(seed=37)
     b = make_case(seed=38)
     b.weight = a.weight
@@ -225,18 +225,35 @@ def test_two_pending_calls_one_backward_count_each_call_once():
     within(w.grad, dw_a.double() + dw_b.double(), [dw_a, dw_b], torch.float32, "dW of two pending calls")
 
 
-def test_grad_into_new_writes_nothing_before_backward():
+def test_forward_writes_nothing_the_caller_owns():
     case = make_case(seed=39)
     x, w = leaves(case)
     w.grad = torch.ones_like(w)
-    loss = call(case, x, w, grad_into="new").loss
+    loss = call(case, x, w).loss
+    assert torch.equal(w.grad, torch.ones_like(w)) and x.grad is None
+    del loss  # dropped without backward: nothing to undo
     assert torch.equal(w.grad, torch.ones_like(w))
+    loss = call(case, x, w).loss
     loss.backward()
     _, dw = single_grads(case)
-    within(w.grad, 1.0 + dw.double(), [dw, torch.ones_like(dw)], torch.float32, "dW with grad_into='new'")
-    loss2 = call(case, x, w).loss  # "auto": added in the forward already
-    assert not torch.equal(w.grad, 1.0 + dw)
-    loss2.backward()
+    within(w.grad, 1.0 + dw.double(), [dw, torch.ones_like(dw)], torch.float32, "dW added into .grad")
+
+
+@DTYPES
+def test_a_refusal_met_late_in_the_step_leaves_every_gradient_as_it_was(dtype):
+    """A k3 KL beyond float32 on the last row, met after earlier token blocks ran their backward: the call raises
+    naming ref_logp, and an accumulated weight.grad / hidden.grad (earlier micro-batches) is untouched."""
+    case = make_case(seed=47, dtype=dtype, t=48)
+    case.ref_logp[-1, -1] = 120.0  # d = ref_logp - logp > 88.7 on the last row only
+    case.mask[-1, -1] = 1.0
+    x, w = leaves(case)
+    w.grad = torch.full_like(w, 0.25)
+    x.grad = torch.full_like(x, -0.5)
+    before = (w.grad.clone(), x.grad.clone())
+    with pytest.raises(grpo.Error) as info:
+        call(case, x, w, token_block=16).loss.backward()
+    assert info.value.argument == "ref_logp"
+    assert torch.equal(w.grad, before[0]) and torch.equal(x.grad, before[1])
 
 
 def test_tensor_hook_sees_this_calls_gradient_alone():
@@ -284,61 +301,39 @@ print(json.dumps({"rises_kib": rises, "grad_dtype": str(w.grad.dtype)}))
 """
 
 
-def test_step_peak_rise_has_no_float32_dweight_and_no_temporary_when_grad_exists():
+def test_step_peak_rise_is_the_gradients_in_the_weights_dtype():
     """The whole step's own peak RSS rise (forward + backward), measured in a subprocess.
 
-    First step: the bf16 dW (V*H*2 bytes, it becomes .grad) and the plan's
-    workspace, never a float32 dW (V*H*4 bytes more). Accumulation steps:
-    the kernel adds into .grad, so the rise must stay below half the bf16 dW
-    (a [V, H] bf16 temporary would show as a whole one)."""
+    Every step: the bf16 dW (V*H*2 bytes; the first step's becomes .grad, an
+    accumulation step's is added into it by AccumulateGrad and freed) and the
+    plan's workspace, never a float32 dW (V*H*4 bytes more)."""
     v, h = 32768, 2048
     run = subprocess.run([sys.executable, "-c", _PEAK, str(v), str(h)], check=True, capture_output=True, text=True)
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["grad_dtype"] == "torch.bfloat16"
-    first, *later = (r * 1024 for r in result["rises_kib"])
     bf16_bytes, f32_bytes = v * h * 2, v * h * 4
-    assert 0.9 * bf16_bytes <= first < f32_bytes, f"first step rise {first / 2**20:.0f} MiB"
-    for rise in later:
-        assert rise < 0.5 * bf16_bytes, f"an accumulation step's rise {rise / 2**20:.0f} MiB holds a [V, H] temporary"
-
-
-def test_fresh_gradient_memory_is_reused_only_when_nothing_refers_to_it():
-    """zero_grad(set_to_none=True) between steps: the next step's dW reuses the memory (no fresh pages to fault
-    in), with the right values; a reference the caller kept to the old .grad is never overwritten."""
-    case = make_case(seed=41, dtype=torch.bfloat16)
-    _, dw = single_grads(case)
-    x, w = leaves(case)
-    call(case, x, w).loss.backward()
-    first = w.grad.data_ptr()
-    w.grad = None
-    x.grad = None
-    call(case, x, w).loss.backward()
-    assert w.grad.data_ptr() == first and torch.equal(w.grad, dw)
-    kept = w.grad  # the caller holds the old gradient: its memory must not be reused
-    kept_copy = kept.clone()
-    w.grad = None
-    call(case, x, w).loss.backward()
-    assert w.grad.data_ptr() != kept.data_ptr() and torch.equal(kept, kept_copy) and torch.equal(w.grad, dw)
-    gt.set_gradient_memory_reuse(False)
-    try:
-        w.grad = None
-        del kept
-        call(case, x, w).loss.backward()
-        assert torch.equal(w.grad, dw)
-    finally:
-        gt.set_gradient_memory_reuse(True)
+    for step, rise in enumerate(r * 1024 for r in result["rises_kib"]):
+        assert rise < f32_bytes, f"step {step}: rise {rise / 2**20:.0f} MiB holds a float32 [V, H]"
+        if step == 0:
+            assert 0.9 * bf16_bytes <= rise, f"first step rise {rise / 2**20:.0f} MiB"
 
 
 def test_float32_grad_of_a_bf16_weight_is_accumulated_in_float32():
-    """Mixed precision: a float32 .grad on a bf16 weight takes the kernel's float32 dW directly (no bf16 rounding)."""
+    """Mixed precision: a bf16 weight whose grad_dtype is float32 gets the kernel's float32 dW (no bf16 rounding),
+    added into its float32 .grad in place."""
     case = make_case(seed=42, dtype=torch.bfloat16)
     _, dw = single_grads(case)
     x, w = leaves(case)
     w.grad_dtype = torch.float32  # torch 2.15 refuses a .grad of another dtype without it
+    x2, w2 = leaves(case)
+    w2.grad_dtype = torch.float32
+    call(case, x2, w2).loss.backward()
+    fresh = w2.grad
+    assert fresh.dtype == torch.float32 and not torch.equal(fresh.to(torch.bfloat16).float(), fresh)
     w.grad = torch.zeros(w.shape, dtype=torch.float32)
     storage = w.grad.data_ptr()
     call(case, x, w).loss.backward()
-    assert w.grad.dtype == torch.float32 and w.grad.data_ptr() == storage
+    assert w.grad.dtype == torch.float32 and w.grad.data_ptr() == storage and torch.equal(w.grad, fresh)
     # The float32 dW rounds to the bf16 one (the same kernel, one rounding apart).
     within(w.grad.to(torch.bfloat16), dw, [dw], torch.bfloat16, "float32 .grad rounded vs bf16 dW")
 
@@ -355,9 +350,9 @@ def test_only_the_bias_trains():
 
 
 @DTYPES
-def test_fused_log_probs_accumulates_into_grad_in_place(dtype):
-    """The generic head's backward adds dW into an existing weight.grad (same memory), hooks firing, equal to the
-    sum of two separate calls within the rounding bound."""
+def test_fused_log_probs_accumulates_into_grad(dtype):
+    """The generic head's dW is added into an existing weight.grad (in place, by AccumulateGrad), hooks firing, equal
+    to the sum of two separate calls within the rounding bound; on_stats sees the forward and the backward."""
     a = make_case(seed=44, dtype=dtype)
     b = make_case(seed=45, dtype=dtype)
     b.weight = a.weight
@@ -381,17 +376,3 @@ def test_fused_log_probs_accumulates_into_grad_in_place(dtype):
     assert w.grad.data_ptr() == storage and len(fired) == 2
     assert len(stats) == 2 and stats[1]["active_rows"] > 0 and stats[1]["kernel_s"] > 0  # forward, backward
     within(w.grad, singles[0].double() + singles[1].double(), singles, dtype, "head dW accumulated")
-
-
-def test_dropping_a_loss_that_added_into_grad_warns():
-    case = make_case(seed=46)
-    x, w = leaves(case)
-    w.grad = torch.zeros_like(w)
-    out = call(case, x, w)
-    with pytest.warns(RuntimeWarning, match="dropped without backward"):
-        del out
-        import gc
-        gc.collect()
-    assert w.grad.abs().sum() > 0  # the forward's dW stays (documented)
-    out = call(case, x, w, grad_into="new")  # nothing written before backward, nothing to warn about
-    del out

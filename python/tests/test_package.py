@@ -51,11 +51,8 @@ def test_core_api_on_numpy():
 
 
 def test_training_loop_reuses_plans_and_workspace():
-    """dapo with a num_items_in_batch that changes every step: two plans, one workspace allocation.
-
-    Step 0 has no weight.grad (a plan writing a fresh dW); steps 1-3 add into
-    it (a plan with accumulate_weight_grads). num_items_in_batch is the
-    call's gradient scale, not part of either plan."""
+    """dapo with a num_items_in_batch that changes every step and gradients accumulating in .grad: one plan, one
+    workspace allocation (num_items_in_batch is the call's gradient scale, not part of the plan)."""
     cache = grpo.PlanCache()
     module = gt.LmHeadGRPOLoss(loss_type="dapo", beta=0.04, plan_cache=cache)
     case = make_case(seed=5)
@@ -67,7 +64,7 @@ def test_training_loop_reuses_plans_and_workspace():
         loss.backward()
         if step == 0:
             allocations = cache.workspace.allocations
-    assert cache.builds == 2 and len(cache) == 2
+    assert cache.builds == 1 and len(cache) == 1
     assert cache.workspace.allocations == allocations == 1
 
 

@@ -1,0 +1,372 @@
+"""grpo's functional PyTorch entry points: the fused loss and the generic log-prob head.
+
+- `lm_head_grpo_loss`: the GRPO loss of an LM head, fused, with grpo's
+  semantics and every output (per-token logp, entropy, KL, metrics).
+- `fused_log_probs`: per-token log-probabilities and entropy of an LM head,
+  differentiable for any loss computed on them in Python (TRL's fused LM
+  head computes the same).
+
+Both check their arguments (shapes, dtypes, devices: nothing that reads a
+value), then call grpo's torch ops (grpo/_ops.py: `torch.ops.grpo.*`, with
+fake kernels and registered autograd), so torch.compile(fullgraph=True)
+traces them. Large tensors (hidden, weight, bias) reach C++ without copies;
+the small per-token ones are converted to int32 / float32 by the op. Plans
+are cached per shape / dtype / stride / config / options in a
+`grpo.PlanCache` (the process-wide one unless `plan_cache` is given), and
+share its workspace. The GIL is released while the kernel runs. Threads:
+`num_threads`, else torch.get_num_threads().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Optional
+
+import torch
+
+import grpo
+from grpo import _fields, _ops, _plan_cache
+from grpo._ops import METRIC_FIELDS, make_spec, step_stats
+from grpo._torch_args import (as_rows, check_cpu, check_float, check_head, check_shape, frozen_head, needs_grad,
+                              per_token, refuse, refused_keyword)
+
+__all__ = ["LmHeadLossResult", "fused_log_probs", "lm_head_grpo_loss"]
+
+_DAPO_LIKE = ("dapo", "cispo", "vespo")
+
+
+@dataclasses.dataclass
+class LmHeadLossResult:
+    """What `lm_head_grpo_loss` returns.
+
+    loss: 0-dim float32, differentiable w.r.t. hidden / weight / bias.
+    per_token_logps: [B, T] float32 (0 on masked rows): the next epoch's old_logp.
+    entropy: [B, T] float32 when requested. kl: [B, T] float32 when beta != 0, the KL
+    term added per token (its forward value, times r under kl_bias_correction; TRL's per_token_kl).
+    metrics: clip_ratio_low / high / region, kl_mean, entropy_mean (masked
+    means over valid rows), num_valid, as Python floats (read on first use:
+    under torch.compile, reading them leaves the graph; `metrics_tensor`
+    holds them in METRIC_FIELDS order).
+    stats: what the kernel executed: GEMM rows (padding included), active
+    rows, the row x vocab columns grad_filter left out of the dhidden / dW
+    GEMMs (dhidden_skipped_row_columns / dweight_skipped_row_columns;
+    filter_guard_blocks / filter_lowered_blocks: the token blocks
+    grad_filter="auto"'s guard ran exact / filtered at a lower threshold),
+    executed_flops, and in eager mode kernel_s (the C++ call's wall time)
+    and the per-phase thread-seconds.
+    """
+
+    loss: torch.Tensor
+    per_token_logps: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    kl: Optional[torch.Tensor]
+    metrics_tensor: torch.Tensor
+    stats_tensor: torch.Tensor
+    head_shape: tuple[int, int]  # (V, H), for stats' executed_flops
+    timings: Optional[dict[str, float]] = None  # the kernel's wall times (eager calls)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return dict(zip(METRIC_FIELDS, self.metrics_tensor.tolist()))
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return step_stats(self.stats_tensor, *self.head_shape, self.timings)
+
+
+@torch.compiler.assume_constant_result
+def _check_keywords(values: Optional[dict], plan_values: dict, names: dict) -> bool:
+    """Converts every loss and schedule keyword as the plan will (a refusal names the keyword), before any tensor
+    is looked at. Run once per call site under torch.compile (its arguments are constants there)."""
+    try:
+        if values is not None:
+            _fields.loss_config(values)
+        _fields.head_options(plan_values)
+    except _fields.Refusal as refusal:
+        raise refused_keyword(refusal, names) from None
+    return True
+
+
+def _num_items(value, name: str) -> Optional[torch.Tensor]:
+    """num_items_in_batch as a 0-dim float64 tensor (a tensor input of the op: no recompile when it changes)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        check_cpu(value, name)
+        if value.numel() != 1:
+            raise refuse(name, f"must hold one value, got shape {list(value.shape)}")
+        return value.detach().reshape(())
+    try:
+        normalizer = float(value)
+    except (TypeError, ValueError):
+        raise refuse(name, f"must be a number or a one-element tensor, got {type(value).__name__}",
+                     grpo.ArgumentTypeError) from None
+    if not (normalizer > 0.0 and math.isfinite(normalizer)):
+        raise refuse(name, f"must be finite and > 0, got {normalizer}")
+    return torch.tensor(normalizer, dtype=torch.float64)
+
+
+def lm_head_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    old_logp: Optional[torch.Tensor] = None,
+    ref_logp: Optional[torch.Tensor] = None,
+    is_weight: Optional[torch.Tensor] = None,
+    loss_type: str = "grpo",
+    importance_sampling_level: str = "token",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: Optional[float] = None,
+    beta: float = 0.0,
+    kl_bias_correction: bool = False,
+    kl_estimator: str = "k3",
+    kl_clamp: Optional[float] = None,
+    temperature: float = 1.0,
+    temperature_on_logp: bool = False,
+    max_completion_length: Optional[int] = None,
+    num_items_in_batch: Any = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
+    off_policy_mask_threshold: Optional[float] = None,
+    clip_ratio_c: Optional[float] = None,
+    entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
+    logit_softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    loss_scale: float = 1.0,
+    return_entropy: bool = False,
+    num_threads: Optional[int] = None,
+    workspace_budget: Optional[int] = None,
+    token_block: Optional[int] = None,
+    vocab_tile: Optional[int] = None,
+    grad_filter: Any = None,
+    plan_cache: Optional[grpo.PlanCache] = None,
+    _names: Optional[dict[str, str]] = None,
+) -> LmHeadLossResult:
+    """The GRPO loss of an LM head, fused (grpo's semantics: README "What it computes").
+
+    hidden [B, T, H] or [B*T, H] and weight [V, H] (lm_head.weight), both
+    float32 or both bfloat16, unit inner stride (any row stride); bias [V];
+    ids / mask [B, T]; advantages [B] or [B, T]; old_logp / ref_logp [B, T];
+    is_weight [B, T], [B, 1] or [B]. dapo / cispo / vespo need num_items_in_batch
+    (the global valid-token count: a number or a one-element tensor); dr_grpo
+    needs max_completion_length; luspo needs importance_sampling_level=
+    "sequence". Every grpo.LossConfig field has a keyword here
+    (grpo/_fields.py: sapo_tau_pos is sapo_temperature_pos, ...):
+    kl_estimator ("k3", "k1", "abs", "k2", "k1+", "abs+", "k3+"),
+    off_policy_mask_threshold, clip_ratio_c (verl's dual-clip), entropy_coef,
+    top_entropy_quantile, logit_softcap / logit_scale. token_block /
+    vocab_tile / workspace_budget / num_threads: the plan's schedule options.
+    grad_filter: the filtered backward (docs/filtered_backward.md): None /
+    "off" (default: every gradient exact), "auto" (guarded, threshold
+    eps(weight dtype) / 32) or a threshold in (0, 1); loss, logp, entropy,
+    KL and metrics are bitwise the unfiltered ones; stats count what was left
+    out.
+
+    loss_scale multiplies the loss and its gradients inside the kernel: a
+    trainer's `loss / gradient_accumulation_steps` without a pass over the
+    gradients (a grad_output != 1 costs one product per gradient).
+
+    Gradients: the kernel computes them in the forward, in each parameter's
+    dtype, scaled by the aggregation's normalizer inside the kernel (no
+    float32 [V, H] buffer exists). They are outputs of grpo's op, handed to
+    autograd by its backward: AccumulateGrad takes them as `.grad` (no copy)
+    or adds them into an existing `.grad`. Nothing the caller owns is written
+    by the call: a refusal leaves every tensor, `.grad` included, as it was.
+    A second backward without retain_graph raises, as torch's own ops do;
+    with retain_graph the second one runs the kernel again (a warning says
+    so once).
+    """
+    values = _fields.loss_values(locals())  # the LossConfig keywords as given, by field name
+    names = {k: k for k in ("hidden", "weight", "bias", "ids", "mask", "advantages", "old_logp", "ref_logp",
+                            "is_weight", "num_items_in_batch", "loss_scale")}
+    if _names:
+        names.update(_names)
+    plan_values = dict(num_threads=num_threads, workspace_budget=workspace_budget, token_block=token_block,
+                       vocab_tile=vocab_tile, grad_filter=grad_filter)
+    _check_keywords(values, plan_values, names)
+    if not (isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale)):
+        raise refuse(names["loss_scale"], f"must be a finite number, got {loss_scale!r}")
+
+    for t, key in ((hidden, "hidden"), (weight, "weight")):
+        check_cpu(t, names[key])
+        check_float(t, names[key])
+    check_cpu(ids, names["ids"])
+    # B and T: from hidden when it is [B, T, H], else from ids [B, T].
+    if hidden.dim() == 3:
+        b, s = hidden.shape[:2]
+    elif ids.dim() == 2:
+        b, s = ids.shape
+    else:
+        raise refuse(names["ids"], f"must be [B, T], got shape {list(ids.shape)}")
+    if b == 0 or s == 0:
+        raise refuse(names["hidden"], f"holds an empty batch (B = {b}, T = {s}); grpo needs B, T >= 1")
+    if weight.dtype != hidden.dtype:
+        raise refuse(names["weight"], f"has dtype {weight.dtype} but {names['hidden']} has {hidden.dtype}; "
+                     "grpo needs both float32 or both bfloat16", grpo.ArgumentTypeError)
+    rows = as_rows(hidden, names["hidden"], b * s)
+    check_head(rows, weight, bias, names)
+
+    tokens = (b, s)
+    ids_ = per_token(ids, names["ids"], tokens, integer=True)
+    mask_ = per_token(mask, names["mask"], tokens)
+    adv_ = per_token(advantages, names["advantages"], tokens, (b,))
+    old_ = per_token(old_logp, names["old_logp"], tokens)
+    ref_ = per_token(ref_logp, names["ref_logp"], tokens)
+    isw_ = per_token(is_weight, names["is_weight"], tokens, (b, 1), (b,))
+    items = _num_items(num_items_in_batch, names["num_items_in_batch"])
+    if loss_type in _DAPO_LIKE and items is None:
+        raise refuse(names["num_items_in_batch"], f"is required for loss_type '{loss_type}' "
+                     "(the global valid-token count)")
+
+    grads = needs_grad(hidden, weight, bias)
+    cache_handle = plan_cache.handle if plan_cache is not None else _plan_cache.DEFAULT_HANDLE
+    spec = make_spec(names=names, config=values, plan=plan_values, batch=b, seq_len=s, grads=grads,
+                     frozen=frozen_head(weight, bias), dweight=weight.requires_grad,
+                     dweight_dtype=_ops.dweight_dtype(weight), entropy=bool(return_entropy),
+                     kl=float(beta) != 0.0, loss_scale=float(loss_scale), cache=cache_handle)
+    loss, logp, entropy, kl, metrics, stats, _dh, _dw, _db = _ops.lm_head_loss(
+        rows, weight, bias, ids_, mask_, adv_, old_, ref_, isw_, items, spec)
+    timings = None if torch.compiler.is_compiling() else _ops.last_timings()
+    return LmHeadLossResult(loss, logp.view(b, s), entropy.view(b, s) if return_entropy else None,
+                            kl.view(b, s) if float(beta) != 0.0 else None, metrics, stats,
+                            (weight.shape[0], rows.shape[1]), timings)
+
+
+def _check_signature() -> None:
+    missing = set(_fields.LOSS_KEYWORDS) - set(inspect.signature(lm_head_grpo_loss).parameters)
+    if missing:
+        raise ImportError(f"grpo: lm_head_grpo_loss has no keyword for LossConfig fields {sorted(missing)} "
+                          "(grpo/_fields.py LOSS_CONFIG)")
+
+
+_check_signature()
+
+_LOG_PROB_OUTPUTS = ("log_probs", "entropy")
+# TRL's ChunkedLogProbFunction outputs grpo does not compute.
+_UNSUPPORTED_LOG_PROB_OUTPUTS = ("log_sum_sq_probs", "mean_logits", "is_top1")
+_LOG_PROB_NAMES = {"hidden": "hidden", "weight": "weight", "bias": "bias", "ids": "labels", "mask": "mask",
+                   "dlogp": "grad of log_probs", "dentropy": "grad of entropy"}
+
+
+def fused_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    outputs: tuple[str, ...] = _LOG_PROB_OUTPUTS,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    temperature_on_logp: bool = False,
+    logit_softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    num_threads: Optional[int] = None,
+    workspace_budget: Optional[int] = None,
+    grad_filter: Any = None,
+    plan_cache: Optional[grpo.PlanCache] = None,
+    on_stats=None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token log-probabilities (and entropy) of an LM head, without the [N, V] logits.
+
+    Returns `(log_probs, entropy)`, float32, shaped like `labels`; entropy is
+    None unless "entropy" is in `outputs`. Both are differentiable w.r.t.
+    hidden, weight and bias for any loss computed on them: backward runs
+    grpo's log-prob head backward (`torch.ops.grpo.log_probs_backward`) with
+    their grad_output (None = 0), recomputing the logits. It is the primitive
+    TRL 1.16's `add_fused_lm_head` computes with its `ChunkedLogProbFunction`
+    (same temperature semantics: x = z / temperature, logp = x_y -
+    logsumexp(x), entropy of softmax(x)).
+
+    hidden [B, T, H] or [N, H], weight [V, H] (lm_head.weight): both float32 or
+    both bfloat16, unit inner stride (any row stride: viewed, not copied);
+    bias [V] or None. labels: integer ids in [0, V), B*T (or N) of them, any
+    shape; int64 is converted to int32 (ids outside int32 are refused).
+    outputs: "log_probs" (always computed) and optionally "entropy"; TRL's
+    other outputs raise NotImplementedError.
+
+    Masks: none by default, every position is computed (as TRL does on CPU:
+    it scores every position with the ignored labels clamped to 0 and zeroes
+    them afterwards), so labels must be valid everywhere: pass
+    `labels.clamp(min=0)` for -100 labels and mask the outputs yourself.
+    `mask` (0 / 1, shaped like labels) is the C++ head's row mask: a masked
+    row's log_prob is 0, its label is not read, its entropy is still
+    computed, and the upstream gradients of both are ignored.
+
+    Gradients: written by the C++ backward in each input's dtype (dbias in
+    float32, cast), fresh tensors that AccumulateGrad takes as `.grad` or adds
+    into it. A frozen head (neither weight nor bias requires grad, as in
+    LoRA) gets a frozen_weight plan whose backward skips the dW GEMMs, a
+    third of the step. Any other unneeded gradient (a hidden that does not
+    require grad, a weight whose bias alone is trained) is written into a
+    scratch buffer kept in the plan cache and discarded. on_stats (eager
+    only): called with the step stats (grpo.torch.step_stats) of the forward
+    and of the backward kernel calls. logit_softcap / logit_scale: the
+    model's logit transform before the temperature, as TRL applies
+    final_logit_softcapping and its logit scale: z' = c tanh(s z / c), or
+    s z without a cap (None). temperature_on_logp: grpo's other temperature
+    convention (logp = (z_y - LSE(z)) / tau, entropy of softmax(z)).
+    grad_filter: the filtered backward, as lm_head_grpo_loss. Refusals raise
+    grpo.Error / grpo.ArgumentTypeError / NotImplementedError naming the
+    argument.
+    """
+    _check_keywords(None, dict(num_threads=num_threads, workspace_budget=workspace_budget, grad_filter=grad_filter),
+                    {})
+    outputs = tuple(outputs)
+    for name in outputs:
+        if name in _UNSUPPORTED_LOG_PROB_OUTPUTS:
+            raise refuse("outputs", f"'{name}' is not computed by grpo", NotImplementedError)
+        if name not in _LOG_PROB_OUTPUTS:
+            raise refuse("outputs", f"unknown output '{name}' (one of {', '.join(_LOG_PROB_OUTPUTS)})")
+    for t, name in ((hidden, "hidden"), (weight, "weight")):
+        check_cpu(t, name)
+        check_float(t, name)
+    check_cpu(labels, "labels")
+    if hidden.dim() not in (2, 3):
+        raise refuse("hidden", f"must be [B, T, H] or [N, H], got {hidden.dim()} dimensions")
+    n = hidden.shape[0] * (hidden.shape[1] if hidden.dim() == 3 else 1)
+    if weight.dtype != hidden.dtype:
+        raise refuse("weight", f"has dtype {weight.dtype} but hidden has {hidden.dtype}; "
+                     "grpo needs both float32 or both bfloat16", grpo.ArgumentTypeError)
+    rows = as_rows(hidden, "hidden", n)
+    check_head(rows, weight, bias, _LOG_PROB_NAMES)
+    if labels.numel() != n:
+        raise refuse("labels", f"has {labels.numel()} elements (shape {list(labels.shape)}), expected {n}")
+    out_shape = labels.shape
+    labels_ = per_token(labels.reshape(n), "labels", (n,), integer=True)
+    mask_ = None
+    if mask is not None:
+        check_cpu(mask, "mask")
+        check_shape(mask, "mask", tuple(out_shape))
+        mask_ = per_token(mask.reshape(n), "mask", (n,))
+    if not (float(temperature) > 0.0 and math.isfinite(float(temperature))):
+        raise refuse("temperature", f"must be finite and > 0, got {temperature}")
+    if on_stats is not None and torch.compiler.is_compiling():
+        raise refuse("on_stats", "is for eager mode; under torch.compile read the stats in eager runs")
+
+    cache_handle = plan_cache.handle if plan_cache is not None else _plan_cache.DEFAULT_HANDLE
+    spec = make_spec(names=_LOG_PROB_NAMES, temperature=float(temperature),
+                     temperature_on_logp=bool(temperature_on_logp),
+                     logit_softcap=None if logit_softcap is None else float(logit_softcap),
+                     logit_scale=float(logit_scale),
+                     plan=dict(num_threads=num_threads, workspace_budget=workspace_budget, grad_filter=grad_filter),
+                     forward_only=not needs_grad(hidden, weight, bias), frozen=frozen_head(weight, bias),
+                     dweight_dtype=_ops.dweight_dtype(weight),
+                     entropy="entropy" in outputs, cache=cache_handle)
+    logp, entropy, stats = _ops.log_probs(rows, weight, bias, labels_, mask_, spec)
+    if on_stats is not None:
+        on_stats(step_stats(stats, weight.shape[0], rows.shape[1], _ops.last_timings()))
+        if logp.grad_fn is not None:
+            logp.grad_fn.on_stats = on_stats  # read by the op's backward (grpo/_ops.py)
+    return logp.view(out_shape), entropy.view(out_shape) if "entropy" in outputs else None
