@@ -10,8 +10,8 @@ log-prob head: forward, and backward from upstream gradients).
     import grpo
     cache = grpo.PlanCache()
     plan = cache.get("lm_head_loss", key, lambda: grpo.LmHeadLossPlan(shape, config, options))
-    metrics = plan.execute(cache.workspace, hidden, weight, None, ids, mask, advantages,
-                           None, None, None, logp, None, None, dhidden, dweight, None)
+    metrics = plan.execute(cache.workspace, hidden=hidden, weight=weight, ids=ids, mask=mask,
+                           advantages=advantages, logp=logp, dhidden=dhidden, dweight=dweight)
 
 Refusals raise grpo.Error (a ValueError), grpo.ArgumentTypeError (a
 TypeError) or grpo.UnsupportedError (a NotImplementedError); each has

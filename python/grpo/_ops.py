@@ -234,9 +234,10 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Te
                            _scratch(cache, (v, h), grad_dtype))  # the bias alone is trained
                 dbias = torch.empty(v, dtype=torch.float32) if bias is not None else None
         stats = grpo.StepStats()
-        m = plan.execute(cache.workspace, hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                         ids32, _f32(mask), _f32(advantages), _f32(old_logp), _f32(ref_logp), _f32(is_weight), logp,
-                         entropy, kl, dhidden, dweight, dbias, grad_scale=scale, stats=stats)
+        m = plan.execute(cache.workspace, hidden=hidden.detach(), weight=weight.detach(), ids=ids32, mask=_f32(mask),
+                         advantages=_f32(advantages), logp=logp, bias=None if bias is None else bias.detach(),
+                         old_logp=_f32(old_logp), ref_logp=_f32(ref_logp), is_weight=_f32(is_weight), entropy=entropy,
+                         kl=kl, dhidden=dhidden, dweight=dweight, dbias=dbias, grad_scale=scale, stats=stats)
     except _fields.Refusal as refusal:
         raise refused_keyword(refusal, names) from None
     except REFUSALS as error:
@@ -354,8 +355,8 @@ def log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
         cache, plan = _log_prob_plan(s, hidden, weight, bias, s["forward_only"], s["frozen"])
         logp = torch.empty(n, dtype=torch.float32)
         entropy = torch.empty(n, dtype=torch.float32) if s["entropy"] else None
-        stats = plan.forward(cache.workspace, hidden.detach(), weight.detach(),
-                             None if bias is None else bias.detach(), ids32, _f32(mask), logp, entropy)
+        stats = plan.forward(cache.workspace, hidden=hidden.detach(), weight=weight.detach(), ids=ids32, logp=logp,
+                             bias=None if bias is None else bias.detach(), mask=_f32(mask), entropy=entropy)
     except _fields.Refusal as refusal:
         raise refused_keyword(refusal, names) from None
     except REFUSALS as error:
@@ -395,8 +396,9 @@ def log_probs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], l
             dweight = torch.empty(v, h, dtype=grad_dtype) if need_weight else _scratch(cache, (v, h), grad_dtype)
             if bias is not None:
                 dbias = torch.empty(v, dtype=torch.float32) if need_bias else _scratch(cache, (v,))
-        stats = plan.backward(cache.workspace, hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                              ids32, _f32(mask), _f32(dlogp), _f32(dentropy), dhidden, dweight, dbias)
+        stats = plan.backward(cache.workspace, hidden=hidden.detach(), weight=weight.detach(), ids=ids32,
+                              dlogp=_f32(dlogp), dhidden=dhidden, bias=None if bias is None else bias.detach(),
+                              mask=_f32(mask), dentropy=_f32(dentropy), dweight=dweight, dbias=dbias)
     except _fields.Refusal as refusal:
         raise refused_keyword(refusal, names) from None
     except REFUSALS as error:

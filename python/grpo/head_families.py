@@ -270,8 +270,9 @@ def run_step(head: Head, grad_filter: float, threads: Optional[int] = None, toke
     dhidden = torch.empty(n, hd)
     dweight = torch.empty(v, hd)
     stats = grpo.StepStats()
-    metrics = plan.execute(None, head.hidden, head.weight, None, head.ids, head.mask, head.advantages,
-                           head.old_logp, head.ref_logp, None, logp, None, None, dhidden, dweight, None, stats=stats)
+    metrics = plan.execute(None, hidden=head.hidden, weight=head.weight, ids=head.ids, mask=head.mask,
+                           advantages=head.advantages, old_logp=head.old_logp, ref_logp=head.ref_logp, logp=logp,
+                           dhidden=dhidden, dweight=dweight, stats=stats)
     return {"loss": metrics.loss, "entropy_mean": metrics.entropy_mean, "logp": logp, "dhidden": dhidden,
             "dweight": dweight, "stats": stats, "describe": plan.describe()}
 
@@ -285,8 +286,8 @@ def prepare_loss_inputs(head: Head, seed: int) -> Head:
     options.forward_only = True
     logp = torch.empty(n)
     grpo.LmHeadLossPlan(_shape(head), grpo.LossConfig(), options).execute(
-        None, head.hidden, head.weight, None, head.ids, head.mask, head.advantages, None, None, None, logp, None, None,
-        None, None, None)
+        None, hidden=head.hidden, weight=head.weight, ids=head.ids, mask=head.mask, advantages=head.advantages,
+        logp=logp)
     g = torch.Generator().manual_seed(seed + 7)
     head.old_logp = _off_the_kinks(logp, 0.3 * torch.randn(n, generator=g))
     head.ref_logp = (logp + 0.3 * torch.randn(n, generator=g)).float()

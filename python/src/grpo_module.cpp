@@ -224,12 +224,14 @@ void timed(StepStats* stats, Call&& call) {
   }
 }
 
+// The arrays are keyword-only in Python (plan.execute(workspace, hidden=..., ...)): the required ones first, the
+// optional ones (None by default) after.
 grpo::Metrics execute_lm_head(const grpo::LmHeadLossPlan& plan, Workspace* workspace, const Array& hidden,
-                              const Array& weight, const OptArray& bias, const Array& ids, const Array& mask,
-                              const Array& advantages, const OptArray& old_logp, const OptArray& ref_logp,
-                              const OptArray& is_weight, const Array& logp, const OptArray& entropy, const OptArray& kl,
-                              const OptArray& dhidden, const OptArray& dweight, const OptArray& dbias,
-                              double grad_scale, StepStats* stats) {
+                              const Array& weight, const Array& ids, const Array& mask, const Array& advantages,
+                              const Array& logp, const OptArray& bias, const OptArray& old_logp,
+                              const OptArray& ref_logp, const OptArray& is_weight, const OptArray& entropy,
+                              const OptArray& kl, const OptArray& dhidden, const OptArray& dweight,
+                              const OptArray& dbias, double grad_scale, StepStats* stats) {
   grpo::LmHeadInputs in;
   in.grad_scale = grad_scale;
   in.hidden = in_matrix(hidden, "hidden");
@@ -299,8 +301,8 @@ void with_workspace(Workspace* workspace, std::size_t bytes, Call&& call) {
 }
 
 StepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
-                           const Array& weight, const OptArray& bias, const Array& ids, const OptArray& mask,
-                           const Array& logp, const OptArray& entropy) {
+                           const Array& weight, const Array& ids, const Array& logp, const OptArray& bias,
+                           const OptArray& mask, const OptArray& entropy) {
   const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
   StepStats stats;
   grpo::LogProbOutputs out;
@@ -314,9 +316,9 @@ StepStats log_prob_forward(const grpo::LmHeadLogProbPlan& plan, Workspace* works
 }
 
 StepStats log_prob_backward(const grpo::LmHeadLogProbPlan& plan, Workspace* workspace, const Array& hidden,
-                            const Array& weight, const OptArray& bias, const Array& ids, const OptArray& mask,
-                            const Array& dlogp, const OptArray& dentropy, const Array& dhidden, const OptArray& dweight,
-                            const OptArray& dbias) {
+                            const Array& weight, const Array& ids, const Array& dlogp, const Array& dhidden,
+                            const OptArray& bias, const OptArray& mask, const OptArray& dentropy,
+                            const OptArray& dweight, const OptArray& dbias) {
   const grpo::LogProbInputs in = log_prob_inputs(hidden, weight, bias, ids, mask);
   StepStats stats;
   grpo::LogProbUpstream up;
@@ -499,10 +501,11 @@ NB_MODULE(_core, m) {
            "[N], dhidden, dweight (the options' dtypes), dbias float32 [V]. grad_scale multiplies every gradient "
            "(grpo::LmHeadInputs::grad_scale); stats, a StepStats, receives what the step executed and its wall time. "
            "Returns the Metrics; on a refusal no output was written.",
-           "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a, "advantages"_a,
-           "old_logp"_a.none(), "ref_logp"_a.none(), "is_weight"_a.none(), "logp"_a, "entropy"_a.none(), "kl"_a.none(),
-           "dhidden"_a.none(), "dweight"_a.none(), "dbias"_a.none(), "grad_scale"_a = 1.0,
-           "stats"_a.none() = nb::none());
+           "workspace"_a.none(), nb::kw_only(), "hidden"_a, "weight"_a, "ids"_a, "mask"_a, "advantages"_a, "logp"_a,
+           "bias"_a.none() = nb::none(), "old_logp"_a.none() = nb::none(), "ref_logp"_a.none() = nb::none(),
+           "is_weight"_a.none() = nb::none(), "entropy"_a.none() = nb::none(), "kl"_a.none() = nb::none(),
+           "dhidden"_a.none() = nb::none(), "dweight"_a.none() = nb::none(), "dbias"_a.none() = nb::none(),
+           "grad_scale"_a = 1.0, "stats"_a.none() = nb::none());
 
   nb::class_<StepStats>(m, "StepStats",
                         "What one C++ call executed (grpo::LmHeadStepStats: GEMM rows, padding included, active rows, "
@@ -557,13 +560,14 @@ NB_MODULE(_core, m) {
            "Validates, then writes logp (and entropy) float32 [N] (GIL released). hidden [N, H], weight, bias [V] "
            "as LmHeadLossPlan.execute; ids int32 [N]; mask float32 [N] of 0 / 1 or None (every row valid). Returns "
            "the StepStats; on a refusal nothing was written.",
-           "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a.none(), "logp"_a,
-           "entropy"_a.none())
+           "workspace"_a.none(), nb::kw_only(), "hidden"_a, "weight"_a, "ids"_a, "logp"_a,
+           "bias"_a.none() = nb::none(), "mask"_a.none() = nb::none(), "entropy"_a.none() = nb::none())
       .def("backward", &log_prob_backward,
            "Validates, then writes dhidden [N, H], dweight (weight's layout; the options' dtypes) and dbias float32 "
            "[V] (when the plan has a bias) from dlogp float32 [N] and dentropy float32 [N] or None (GIL released). "
            "Every gradient buffer the plan has is required (dweight and dbias are None with frozen_weight). Returns "
            "the StepStats.",
-           "workspace"_a.none(), "hidden"_a, "weight"_a, "bias"_a.none(), "ids"_a, "mask"_a.none(), "dlogp"_a,
-           "dentropy"_a.none(), "dhidden"_a, "dweight"_a.none(), "dbias"_a.none());
+           "workspace"_a.none(), nb::kw_only(), "hidden"_a, "weight"_a, "ids"_a, "dlogp"_a, "dhidden"_a,
+           "bias"_a.none() = nb::none(), "mask"_a.none() = nb::none(), "dentropy"_a.none() = nb::none(),
+           "dweight"_a.none() = nb::none(), "dbias"_a.none() = nb::none());
 }

@@ -101,8 +101,8 @@ def test_core_grad_scale_scales_every_gradient_and_is_bitwise_at_one():
         out = [np.zeros(6, np.float32), np.zeros((6, 8), np.float32), np.zeros((16, 8), np.float32),
                np.zeros(16, np.float32)]
         stats = grpo.StepStats()
-        plan.execute(None, h, w, bias, ids, mask, adv, None, None, None, out[0], None, None, out[1], out[2], out[3],
-                     stats=stats, **kw)
+        plan.execute(None, hidden=h, weight=w, bias=bias, ids=ids, mask=mask, advantages=adv, logp=out[0],
+                     dhidden=out[1], dweight=out[2], dbias=out[3], stats=stats, **kw)
         return out, stats
 
     base, stats = run()

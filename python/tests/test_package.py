@@ -43,8 +43,8 @@ def test_core_api_on_numpy():
     h = np.zeros((4, 8), np.float32)  # all-equal logits: logp = -log V
     w = np.ones((12, 8), np.float32)
     logp = np.zeros(4, np.float32)
-    m = plan.execute(None, h, w, None, np.arange(4, dtype=np.int32), np.ones(4, np.float32),
-                     np.ones(1, np.float32), None, None, None, logp, None, None, None, None, None)
+    m = plan.execute(None, hidden=h, weight=w, ids=np.arange(4, dtype=np.int32), mask=np.ones(4, np.float32),
+                     advantages=np.ones(1, np.float32), logp=logp)
     np.testing.assert_allclose(logp, -np.log(12), rtol=1e-6)
     assert m.num_valid == 4
     assert abs(m.entropy_mean - np.log(12)) < 1e-5

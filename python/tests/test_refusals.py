@@ -214,14 +214,16 @@ def test_core_refusal_leaves_outputs_untouched():
     dh = np.full((6, 8), 5.0, np.float32)
     dw = np.full((16, 8), 5.0, np.float32)
     with pytest.raises(grpo.Error) as info:
-        plan.execute(grpo.Workspace(), h, w, None, ids, mask, adv, None, None, None, logp, None, None, dh, dw, None)
+        plan.execute(grpo.Workspace(), hidden=h, weight=w, ids=ids, mask=mask, advantages=adv, logp=logp, dhidden=dh,
+                     dweight=dw)
     assert info.value.argument == "ids"
     assert (logp == 3.0).all() and (dh == 5.0).all() and (dw == 5.0).all()
     with pytest.raises(grpo.ArgumentTypeError) as info:
-        plan.execute(None, h, w, None, ids.astype(np.int64), mask, adv, None, None, None, logp, None, None, dh,
-                     dw, None)
+        plan.execute(None, hidden=h, weight=w, ids=ids.astype(np.int64), mask=mask, advantages=adv, logp=logp,
+                     dhidden=dh, dweight=dw)
     assert info.value.argument == "ids"
     with pytest.raises(grpo.Error) as info:
-        plan.execute(None, h[:, ::2], w, None, ids, mask, adv, None, None, None, logp, None, None, dh, dw, None)
+        plan.execute(None, hidden=h[:, ::2], weight=w, ids=ids, mask=mask, advantages=adv, logp=logp, dhidden=dh,
+                     dweight=dw)
     assert info.value.argument == "hidden"
     assert (logp == 3.0).all() and (dh == 5.0).all() and (dw == 5.0).all()
