@@ -215,12 +215,20 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Te
         options = _fields.head_options(_plan_values(s), forward_only=not grads, frozen_weight=frozen,
                                        dweight_dtype=FLOAT_DTYPES[grad_dtype], dhidden_dtype=dtype)
         hidden_ld, weight_ld = _row_stride(hidden), _row_stride(weight)
+        # Scale-out (grpo/distributed.py): the groups by handle, this rank's shard of the vocabulary.
+        groups = (s.get("vocab"), s.get("data"), s.get("vocab_offset", 0), s.get("global_vocab", 0))
         key = (s["batch"], s["seq_len"], h, v, str(hidden.dtype), None if bias is None else str(bias.dtype),
-               hidden_ld, weight_ld, _fields.plan_key(config, options))
+               hidden_ld, weight_ld, _fields.plan_key(config, options), groups)
 
         def build():
             shape = _head_shape(s["batch"], s["seq_len"], h, v, dtype, bias, hidden_ld, weight_ld)
-            return _core.LmHeadLossPlan(shape, config, options)
+            if groups[0] is None and groups[1] is None:
+                return _core.LmHeadLossPlan(shape, config, options)
+            from grpo import distributed
+
+            shape.vocab_offset, shape.global_vocab = groups[2], groups[3]
+            return _core.LmHeadLossPlan(shape, config, options, vocab_group=distributed.by_handle(groups[0]),
+                                        data_group=distributed.by_handle(groups[1]))
 
         plan = cache.get("lm_head_loss", key, build)
         logp = torch.empty(n, dtype=torch.float32)

@@ -152,6 +152,9 @@ def lm_head_grpo_loss(
     vocab_tile: Optional[int] = None,
     grad_filter: Any = None,
     plan_cache: Optional[grpo.PlanCache] = None,
+    vocab_group: Any = None,
+    data_group: Any = None,
+    vocab_start: Optional[int] = None,
     _names: Optional[dict[str, str]] = None,
 ) -> LmHeadLossResult:
     """The GRPO loss of an LM head, fused (grpo's semantics: README "What it computes").
@@ -174,6 +177,13 @@ def lm_head_grpo_loss(
     KL and metrics are bitwise the unfiltered ones; stats count what was left
     out.
 
+    vocab_group / data_group: torch.distributed process groups (grpo/distributed.py,
+    docs/scale_out.md): weight (and bias) is this rank's contiguous shard of
+    the vocabulary's rows, starting at vocab_start (derived from the group
+    when None), and ids stay global; or this rank's batch of a data-parallel
+    group. The call is then collective over the groups (eager only); a
+    refusal on any rank raises on every rank.
+
     loss_scale multiplies the loss and its gradients inside the kernel: a
     trainer's `loss / gradient_accumulation_steps` without a pass over the
     gradients (a grad_output != 1 costs one product per gradient).
@@ -190,11 +200,48 @@ def lm_head_grpo_loss(
     """
     values = _fields.loss_values(locals())  # the LossConfig keywords as given, by field name
     names = {k: k for k in ("hidden", "weight", "bias", "ids", "mask", "advantages", "old_logp", "ref_logp",
-                            "is_weight", "num_items_in_batch", "loss_scale")}
+                            "is_weight", "num_items_in_batch", "loss_scale", "vocab_group", "data_group",
+                            "vocab_start")}
     if _names:
         names.update(_names)
     plan_values = dict(num_threads=num_threads, workspace_budget=workspace_budget, token_block=token_block,
                        vocab_tile=vocab_tile, grad_filter=grad_filter)
+    args = dict(hidden=hidden, weight=weight, ids=ids, mask=mask, advantages=advantages, bias=bias, old_logp=old_logp,
+                ref_logp=ref_logp, is_weight=is_weight, num_items_in_batch=num_items_in_batch, loss_scale=loss_scale,
+                return_entropy=return_entropy, plan_cache=plan_cache, values=values, plan_values=plan_values,
+                names=names)
+    if vocab_group is None and data_group is None:
+        if vocab_start is not None:
+            raise refuse(names["vocab_start"], "needs a vocab_group (the shard's first token in the group's vocabulary)")
+        op_args, shape = _prepare_loss(**args, groups={})
+    else:
+        # Collective: a refusal on any rank of the groups reaches every rank before the op's collectives begin.
+        from grpo import distributed
+
+        handles = {"vocab": None if vocab_group is None else distributed.communicator(vocab_group)[0],
+                   "data": None if data_group is None else distributed.communicator(data_group)[0]}
+        error, op_args = None, None
+        try:
+            groups = dict(handles)
+            if handles["vocab"] is not None:
+                groups["vocab_offset"], groups["global_vocab"] = distributed.vocab_shard(
+                    handles["vocab"], weight.shape[0] if isinstance(weight, torch.Tensor) else 0, vocab_start)
+            op_args, shape = _prepare_loss(**args, groups=groups)
+        except (grpo.Error, grpo.ArgumentTypeError, NotImplementedError) as refusal:
+            error = refusal
+        order = [h for h in (handles["vocab"], handles["data"], handles["vocab"]) if h is not None]
+        distributed.agree(order if len(set(order)) > 1 else order[:1], error)
+    loss, logp, entropy, kl, metrics, stats, _dh, _dw, _db = _ops.lm_head_loss(*op_args)
+    b, s, v, h = shape
+    timings = None if torch.compiler.is_compiling() else _ops.last_timings()
+    return LmHeadLossResult(loss, logp.view(b, s), entropy.view(b, s) if return_entropy else None,
+                            kl.view(b, s) if float(beta) != 0.0 else None, metrics, stats, (v, h), timings)
+
+
+def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_logp, is_weight, num_items_in_batch,
+                  loss_scale, return_entropy, plan_cache, values, plan_values, names, groups):
+    """lm_head_grpo_loss's checks (nothing read from a tensor's values) and the op's arguments: (args, (B, T, V, H))."""
+    loss_type = values["loss_type"]
     _check_keywords(values, plan_values, names)
     if not (isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale)):
         raise refuse(names["loss_scale"], f"must be a finite number, got {loss_scale!r}")
@@ -235,13 +282,11 @@ def lm_head_grpo_loss(
     spec = make_spec(names=names, config=values, plan=plan_values, batch=b, seq_len=s, grads=grads,
                      frozen=frozen_head(weight, bias), dweight=weight.requires_grad,
                      dweight_dtype=_ops.dweight_dtype(weight), entropy=bool(return_entropy),
-                     kl=float(beta) != 0.0, loss_scale=float(loss_scale), cache=cache_handle)
-    loss, logp, entropy, kl, metrics, stats, _dh, _dw, _db = _ops.lm_head_loss(
-        rows, weight, bias, ids_, mask_, adv_, old_, ref_, isw_, items, spec)
-    timings = None if torch.compiler.is_compiling() else _ops.last_timings()
-    return LmHeadLossResult(loss, logp.view(b, s), entropy.view(b, s) if return_entropy else None,
-                            kl.view(b, s) if float(beta) != 0.0 else None, metrics, stats,
-                            (weight.shape[0], rows.shape[1]), timings)
+                     kl=float(values["beta"]) != 0.0, loss_scale=float(loss_scale), cache=cache_handle, **groups)
+    return (rows, weight, bias, ids_, mask_, adv_, old_, ref_, isw_, items, spec), (b, s, weight.shape[0],
+                                                                                   rows.shape[1])
+
+
 
 
 def _check_signature() -> None:

@@ -46,7 +46,10 @@ class LmHeadGRPOLoss(torch.nn.Module):
     `compiled` and `chunk_size` (Liger's torch.compile and chunking knobs) are
     accepted and have no effect. Extra keyword-only arguments: num_threads
     (default torch.get_num_threads()), temperature_on_logp, workspace_budget,
-    plan_cache, grad_filter (see lm_head_grpo_loss). The metrics are 0-dim
+    plan_cache, grad_filter, and vocab_group / data_group / vocab_start
+    (torch.distributed groups, see lm_head_grpo_loss; with a data_group the
+    dapo normalizer is the global token count, since each rank's gradients
+    are the group's sum). The metrics are 0-dim
     float32 tensors computed without leaving the graph, so a module calling
     it compiles with torch.compile(fullgraph=True) (vespo with a per-token
     vllm_is_ratio excepted: its check reads values).
@@ -86,6 +89,9 @@ class LmHeadGRPOLoss(torch.nn.Module):
         workspace_budget: Optional[int] = None,
         plan_cache: Optional[grpo.PlanCache] = None,
         grad_filter: Any = None,
+        vocab_group: Any = None,
+        data_group: Any = None,
+        vocab_start: Optional[int] = None,
     ):
         super().__init__()
         # Liger's own constructor checks, with its messages.
@@ -118,6 +124,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         self.workspace_budget = workspace_budget
         self.plan_cache = plan_cache
         self.grad_filter = grad_filter
+        self.vocab_group, self.data_group, self.vocab_start = vocab_group, data_group, vocab_start
         self._check_settings()
 
     def _check_settings(self) -> None:
@@ -184,7 +191,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         if self.loss_type == "vespo" and vllm_is_ratio is not None:
             is_weight = self._vespo_is_weight(vllm_is_ratio, attention_mask)
         if self.loss_type in ("dapo", "cispo", "vespo"):
-            num_items = self._dapo_normalizer(attention_mask, num_items_in_batch)
+            num_items = self._dapo_normalizer(attention_mask, num_items_in_batch, self.data_group)
         else:
             num_items = None
         delta = None if self.loss_type in ("cispo", "sapo") else self.delta
@@ -201,6 +208,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
             vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
             vespo_lambda_neg=self.vespo_lambda_neg, num_threads=self.num_threads,
             workspace_budget=self.workspace_budget, plan_cache=self.plan_cache, grad_filter=self.grad_filter,
+            vocab_group=self.vocab_group, data_group=self.data_group, vocab_start=self.vocab_start,
             _names=_LIGER_NAMES)
 
         metrics = []
@@ -247,7 +255,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
         return vllm_is_ratio  # a wrong shape: lm_head_grpo_loss names it
 
     @staticmethod
-    def _dapo_normalizer(attention_mask, num_items_in_batch):
+    def _dapo_normalizer(attention_mask, num_items_in_batch, data_group=None):
         """Liger's `_compute_dapo_normalizer`: the per-process share of the global token count, >= 1.
 
         A 0-dim tensor when the count is one (read by the op, so no value
@@ -255,8 +263,10 @@ class LmHeadGRPOLoss(torch.nn.Module):
         """
         world_size = 1
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed:
+        if distributed and data_group is None:
             world_size = torch.distributed.get_world_size()
+        # With grpo's data_group the step is the single process's over every rank's batch: the normalizer is the
+        # global count itself (each rank's dW is the group's sum), not Liger's per-process share.
         if num_items_in_batch is not None:
             total = num_items_in_batch
         else:
@@ -264,7 +274,7 @@ class LmHeadGRPOLoss(torch.nn.Module):
                 raise _refuse("attention_mask", "must be a torch.Tensor", grpo.ArgumentTypeError)
             total = attention_mask.detach().to(torch.float64).sum()
             if distributed:
-                torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)
+                torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=data_group)
         if isinstance(total, torch.Tensor):
             return torch.clamp(total.detach().to(torch.float64).reshape(()) / world_size, min=1.0)
         return max(float(total) / world_size, 1.0)

@@ -78,8 +78,9 @@ using namespace nb::literals;
   X(frozen_weight)                     \
   X(grad_filter)
 // clang-format on
-// LmHeadOptions fields with no binding: Python plans use the default
-// allocator, and grpo::mpi (scale_out) has no Python binding.
+// LmHeadOptions fields with no field binding: Python plans use the default
+// allocator; scale_out's groups are LmHeadLossPlan's vocab_group / data_group
+// keywords (Communicator objects, kept alive by the plan).
 constexpr const char* kUnboundOptions[] = {"allocator", "scale_out"};
 
 namespace {
@@ -167,6 +168,55 @@ std::span<T> flat(const OptArray& a, const char* name) {
   }
   return {static_cast<T*>(a->data()), a->size()};
 }
+
+// A grpo::Communicator whose collectives are a Python object's methods
+// (grpo.distributed.TorchCommunicator runs them on a torch.distributed
+// process group): rank() and size() are read once, allgather(send, recv) and
+// alltoall(send, recv) are called with uint8 NumPy views of the library's
+// buffers (valid for the call only), the GIL taken for the call. A Python
+// exception propagates out of the plan's constructor or execute().
+class PyCommunicator final : public grpo::Communicator {
+ public:
+  explicit PyCommunicator(nb::object impl)
+      : impl_(std::move(impl)), rank_(nb::cast<int>(impl_.attr("rank")())), size_(nb::cast<int>(impl_.attr("size")())) {
+    if (size_ < 1 || rank_ < 0 || rank_ >= size_) {
+      throw grpo::Error("communicator", "rank() must lie in [0, size()) and size() >= 1");
+    }
+  }
+  PyCommunicator(const PyCommunicator&) = delete;
+  PyCommunicator& operator=(const PyCommunicator&) = delete;
+  ~PyCommunicator() override {
+    nb::gil_scoped_acquire gil;
+    impl_.reset();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const nb::object& impl() const { return impl_; }
+
+  void allgather(const void* send, void* recv, std::size_t bytes) const override {
+    call("allgather", send, bytes, recv, bytes * static_cast<std::size_t>(size_));
+  }
+  void alltoall(const void* send, void* recv, std::size_t bytes) const override {
+    const std::size_t all = bytes * static_cast<std::size_t>(size_);
+    call("alltoall", send, all, recv, all);
+  }
+
+ private:
+  using Bytes = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>;
+  void call(const char* method, const void* send, std::size_t send_bytes, void* recv, std::size_t recv_bytes) const {
+    nb::gil_scoped_acquire gil;
+    // send may lie inside recv (an in-place allgather): both are plain views.
+    // rv_policy::reference: views of the library's memory (an ndarray without an owner is otherwise copied).
+    Bytes send_view(const_cast<void*>(send), {send_bytes}, nb::handle());
+    Bytes recv_view(recv, {recv_bytes}, nb::handle());
+    impl_.attr(method)(nb::cast(send_view, nb::rv_policy::reference), nb::cast(recv_view, nb::rv_policy::reference));
+  }
+
+  nb::object impl_;
+  int rank_;
+  int size_;
+};
 
 // The workspace every plan of a cache shares: 64-byte aligned, grown to the
 // largest plan's size and never shrunk, so a training loop allocates it once.
@@ -427,8 +477,18 @@ NB_MODULE(_core, m) {
     config.attr("fields") = nb::tuple(names);
   }
 
+  nb::class_<PyCommunicator>(m, "Communicator",
+                             "grpo::Communicator over a Python object with rank(), size(), allgather(send, recv) and "
+                             "alltoall(send, recv) (uint8 NumPy views; see grpo.distributed.TorchCommunicator).")
+      .def(nb::init<nb::object>(), "impl"_a)
+      .def_prop_ro("rank", &PyCommunicator::rank)
+      .def_prop_ro("size", &PyCommunicator::size)
+      .def_prop_ro("impl", &PyCommunicator::impl);
+
   nb::class_<grpo::LmHeadShape>(m, "LmHeadShape", "Shape, dtypes and strides of an LM-head plan (grpo::LmHeadShape).")
       .def(nb::init<>())
+      .def_rw("vocab_offset", &grpo::LmHeadShape::vocab_offset)
+      .def_rw("global_vocab", &grpo::LmHeadShape::global_vocab)
       .def_rw("batch", &grpo::LmHeadShape::batch)
       .def_rw("seq_len", &grpo::LmHeadShape::seq_len)
       .def_rw("hidden", &grpo::LmHeadShape::hidden)
@@ -480,11 +540,19 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](grpo::LmHeadLossPlan* self, const grpo::LmHeadShape& shape, const grpo::LossConfig& config,
-             const grpo::LmHeadOptions& options) {
-            nb::gil_scoped_release release;
+             grpo::LmHeadOptions options, const PyCommunicator* vocab_group, const PyCommunicator* data_group,
+             bool global_num_items) {
+            options.scale_out.vocab_group = vocab_group;
+            options.scale_out.data_group = data_group;
+            options.scale_out.global_num_items = global_num_items;
+            nb::gil_scoped_release release;  // a communicator takes it back for its collectives
             new (self) grpo::LmHeadLossPlan(shape, config, options);
           },
-          "shape"_a, "config"_a, "options"_a = grpo::LmHeadOptions{})
+          "shape"_a, "config"_a, "options"_a = grpo::LmHeadOptions{}, nb::kw_only(),
+          "vocab_group"_a.none() = nb::none(), "data_group"_a.none() = nb::none(), "global_num_items"_a = false,
+          nb::keep_alive<1, 5>(), nb::keep_alive<1, 6>(),
+          "Builds the plan (collective over its groups when given: every rank of a group builds it, in the same "
+          "order; the plan keeps its communicators alive).")
       .def_prop_ro("workspace_size", &grpo::LmHeadLossPlan::workspace_size)
       .def_prop_ro(
           "gemm_count", [](const grpo::LmHeadLossPlan& p) { return p.schedule().gemm_count; },
@@ -560,8 +628,8 @@ NB_MODULE(_core, m) {
            "Validates, then writes logp (and entropy) float32 [N] (GIL released). hidden [N, H], weight, bias [V] "
            "as LmHeadLossPlan.execute; ids int32 [N]; mask float32 [N] of 0 / 1 or None (every row valid). Returns "
            "the StepStats; on a refusal nothing was written.",
-           "workspace"_a.none(), nb::kw_only(), "hidden"_a, "weight"_a, "ids"_a, "logp"_a,
-           "bias"_a.none() = nb::none(), "mask"_a.none() = nb::none(), "entropy"_a.none() = nb::none())
+           "workspace"_a.none(), nb::kw_only(), "hidden"_a, "weight"_a, "ids"_a, "logp"_a, "bias"_a.none() = nb::none(),
+           "mask"_a.none() = nb::none(), "entropy"_a.none() = nb::none())
       .def("backward", &log_prob_backward,
            "Validates, then writes dhidden [N, H], dweight (weight's layout; the options' dtypes) and dbias float32 "
            "[V] (when the plan has a bias) from dlogp float32 [N] and dentropy float32 [N] or None (GIL released). "

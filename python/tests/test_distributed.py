@@ -1,0 +1,224 @@
+"""grpo over torch.distributed (issue 46): vocabulary- and data-parallel steps equal the single process's.
+
+Each test spawns 2 or 4 processes (torch.multiprocessing, gloo on
+loopback); every rank runs the step on its part (a contiguous shard of W's
+rows and the bias, every hidden row: vocab_group; its own sequences and all
+of W: data_group; both: a 2 x 2 grid) and saves what it got; the parent
+compares them with one process's call on the whole inputs. The C++ step sums
+every floating-point value across ranks itself, in rank order; what is
+bitwise and what is not is stated per quantity below.
+"""
+
+import datetime
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import grpo
+import grpo.torch as gt
+from reference import make_case
+
+B, T, H, V = 4, 6, 32, 96
+TOKEN_BLOCK = 8  # several token blocks: the per-block exchanges run more than once
+VOCAB_TILE = 16  # shards on tile boundaries merge the tiles' statistics in the single process's order
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _case(dtype):
+    return make_case(seed=71, dtype=dtype, b=B, t=T, h=H, v=V, loss_type="grpo", beta=0.04)
+
+
+def _call(case, hidden, weight, bias, ids, mask, adv, old, ref, **kw):
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    b = bias.clone().requires_grad_()
+    out = gt.lm_head_grpo_loss(x, w, ids, mask, adv, bias=b, old_logp=old, ref_logp=ref, beta=0.04,
+                               return_entropy=True, token_block=TOKEN_BLOCK, vocab_tile=VOCAB_TILE, num_threads=1, **kw)
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "logp": out.per_token_logps, "entropy": out.entropy, "kl": out.kl,
+            "metrics": out.metrics_tensor, "dhidden": x.grad, "dweight": w.grad, "dbias": b.grad}
+
+
+def _worker(rank, size, port, scenario, dtype, shards, out_dir):
+    import torch.distributed as dist
+
+    # A bounded timeout: a rank left waiting in a collective fails the test instead of hanging it.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    try:
+        case = _case(dtype)
+        vocab = data = None
+        v_rank, d_rank = rank, 0
+        if scenario == "grid":  # ranks (d, v) = (rank // 2, rank % 2)
+            d_rank, v_rank = divmod(rank, 2)
+            vocab_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            vocab, data = vocab_groups[d_rank], data_groups[v_rank]
+        elif scenario == "vocab":
+            vocab = dist.group.WORLD
+        else:
+            data, d_rank, v_rank = dist.group.WORLD, rank, 0
+        rows = slice(None)
+        if data is not None:
+            per = B // (2 if scenario == "grid" else size)
+            rows = slice(d_rank * per, (d_rank + 1) * per)
+        cols = slice(None)
+        if vocab is not None:
+            cols = slice(shards[v_rank], shards[v_rank + 1])
+        kw = {"vocab_group": vocab, "data_group": data}
+        if scenario == "refuse":
+            # Data-parallel, the last rank's last row has a k3 KL beyond float32: met inside the schedule, after
+            # earlier token blocks ran, and exchanged by the C++ step at its end.
+            rows = slice(rank * (B // size), (rank + 1) * (B // size))
+            ref = case.ref_logp[rows].clone()
+            if rank == size - 1:
+                ref[-1, -1] = 120.0
+            try:
+                _call(case, case.hidden[rows], case.weight, case.bias, case.ids[rows], case.mask[rows],
+                      case.advantages[rows], case.old_logp[rows], ref, data_group=dist.group.WORLD)
+            except grpo.Error as error:
+                torch.save({"refused": str(error), "argument": error.argument},
+                           os.path.join(out_dir, f"{rank}.pt"))
+            return
+        if scenario == "refuse_python":
+            hidden = case.hidden if rank != 0 else case.hidden.double()  # refused by the Python checks on rank 0
+            try:
+                _call(case, hidden, case.weight[cols], case.bias[cols], case.ids, case.mask, case.advantages,
+                      case.old_logp, case.ref_logp, vocab_group=dist.group.WORLD)
+            except (grpo.Error, TypeError) as error:
+                torch.save({"refused": str(error), "argument": getattr(error, "argument", None)},
+                           os.path.join(out_dir, f"{rank}.pt"))
+            return
+        if scenario == "dropin":  # Liger's module, dapo: the normalizer is the global count
+            module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="dapo", num_threads=1, data_group=data)
+            x = case.hidden[rows].clone().requires_grad_()
+            w = case.weight.clone().requires_grad_()
+            loss, metrics = module(x, w, case.ids[rows], case.mask[rows], case.advantages[rows],
+                                   ref_per_token_logps=case.ref_logp[rows], old_per_token_logps=case.old_logp[rows],
+                                   num_items_in_batch=case.mask.sum())
+            loss.backward()
+            torch.save({"loss": loss.detach(), "metrics": torch.stack(metrics), "dhidden": x.grad, "dweight": w.grad,
+                        "rows": (rows.start, rows.stop)}, os.path.join(out_dir, f"{rank}.pt"))
+            return
+        got = _call(case, case.hidden[rows], case.weight[cols], case.bias[cols], case.ids[rows], case.mask[rows],
+                    case.advantages[rows], case.old_logp[rows], case.ref_logp[rows], **kw)
+        got.update(rows=(rows.start, rows.stop), cols=(cols.start, cols.stop))
+        torch.save(got, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.barrier()  # no rank tears its connections down while another still receives
+        dist.destroy_process_group()
+
+
+def _spawn(size, scenario, dtype, shards=None):
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(size, _free_port(), scenario, dtype, shards, out_dir), nprocs=size, join=True)
+        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+
+
+def _single(dtype):
+    case = _case(dtype)
+    return _call(case, case.hidden, case.weight, case.bias, case.ids, case.mask, case.advantages, case.old_logp,
+                 case.ref_logp)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _close(got, want, dtype, what):
+    """Within float32 roundings of sums taken in another order (a loss with cancelling terms: 1e-5; bf16 values:
+    within a bf16 rounding)."""
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 or got.dtype == torch.float32 else 1e-2), what
+
+
+@DTYPES
+@pytest.mark.parametrize("shards", [(0, 48, 96), (0, 32, 96), (0, 40, 96)], ids=["even", "uneven", "unaligned"])
+def test_vocab_parallel_equals_one_process(dtype, shards):
+    """Shards on tile boundaries: loss, per-token outputs, metrics and each rank's dW / dbias rows bitwise the
+    single process's (the same per-tile GEMMs, statistics merged in the same tile order); dhidden, the shards'
+    partials summed in rank order, within float32 roundings of the one-process sum. A shard boundary inside a
+    tile (unaligned) changes the tiles, so everything is within roundings there."""
+    one = _single(dtype)
+    aligned = all(bound % VOCAB_TILE == 0 for bound in shards)
+    for rank, got in enumerate(_spawn(2, "vocab", dtype, list(shards))):
+        c0, c1 = got["cols"]
+        assert got["dweight"].dtype == dtype, rank
+        pairs = [(got[k], one[k], k) for k in ("loss", "logp", "entropy", "kl", "metrics")]
+        pairs += [(got["dweight"], one["dweight"][c0:c1], "dweight"), (got["dbias"], one["dbias"][c0:c1], "dbias")]
+        for a, b, what in pairs:
+            if aligned:
+                assert torch.equal(a, b), (rank, what)
+            else:
+                _close(a, b, dtype, (rank, what))
+        _close(got["dhidden"], one["dhidden"], dtype, (rank, "dhidden"))
+
+
+@DTYPES
+def test_data_parallel_equals_one_process(dtype):
+    """Each rank's rows: per-token outputs bitwise; the loss, metrics, dhidden rows (other GEMM row counts) and
+    dW / dbias (per-rank sums, then a rank-order sum) within float32 roundings of the one-process values."""
+    one = _single(dtype)
+    for rank, got in enumerate(_spawn(2, "data", dtype)):
+        r0, r1 = got["rows"]
+        for key in ("logp", "entropy", "kl"):
+            assert torch.equal(got[key], one[key][r0:r1]), (rank, key)
+        _close(got["dhidden"], one["dhidden"][r0:r1], dtype, (rank, "dhidden"))
+        torch.testing.assert_close(got["loss"], one["loss"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["metrics"], one["metrics"], rtol=1e-6, atol=1e-7)
+        _close(got["dweight"], one["dweight"], dtype, (rank, "dweight"))
+        _close(got["dbias"], one["dbias"], dtype, (rank, "dbias"))
+
+
+@DTYPES
+def test_grid_two_by_two_equals_one_process(dtype):
+    one = _single(dtype)
+    shards = [0, 48, 96]
+    for rank, got in enumerate(_spawn(4, "grid", dtype, shards)):
+        r0, r1 = got["rows"]
+        c0, c1 = got["cols"]
+        for key in ("logp", "entropy", "kl"):
+            assert torch.equal(got[key], one[key][r0:r1]), (rank, key)
+        torch.testing.assert_close(got["loss"], one["loss"], rtol=1e-6, atol=1e-7)
+        _close(got["dweight"], one["dweight"][c0:c1], dtype, (rank, "dweight"))
+        _close(got["dhidden"], one["dhidden"][r0:r1], dtype, (rank, "dhidden"))
+
+
+def test_liger_drop_in_data_parallel_equals_one_process():
+    case = _case(torch.float32)
+    module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="dapo", num_threads=1)
+    x = case.hidden.clone().requires_grad_()
+    w = case.weight.clone().requires_grad_()
+    loss, metrics = module(x, w, case.ids, case.mask, case.advantages, ref_per_token_logps=case.ref_logp,
+                           old_per_token_logps=case.old_logp, num_items_in_batch=case.mask.sum())
+    loss.backward()
+    for rank, got in enumerate(_spawn(2, "dropin", torch.float32)):
+        r0, r1 = got["rows"]
+        torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got["metrics"], torch.stack(metrics), rtol=1e-5, atol=1e-7)
+        _close(got["dhidden"], x.grad[r0:r1], torch.float32, (rank, "dhidden"))
+        _close(got["dweight"], w.grad, torch.float32, (rank, "dweight"))
+
+
+def test_a_refusal_on_one_rank_reaches_every_rank():
+    """A k3 KL beyond float32 on the last rank's last row (met inside the schedule) and a hidden of the wrong dtype on
+    rank 0 only (grpo.torch's own check, before any collective): every rank raises, none waits."""
+    results = _spawn(2, "refuse", torch.float32)
+    assert all("refused" in r for r in results)
+    assert all(r["argument"] == "ref_logp" for r in results), results
+    results = _spawn(2, "refuse_python", torch.float32)
+    assert all("refused" in r for r in results)
+    assert results[0]["argument"] == "hidden" and "rank 0" in results[1]["refused"]
