@@ -17,6 +17,12 @@ other method's to the fused C++ step (cpp):
   liger       Liger-Kernel 0.8.5's LigerFusedLinearGRPOLoss (compiled=False)
   trl_head    TRL 1.16's chunked log-prob head (ChunkedLogProbFunction) + the
               loss in torch
+  grpo_trl    TRL 1.16's GRPOTrainer._compute_loss patched by
+              grpo.integrations.trl.patch_grpo_trainer (the policy's head and
+              TRL's loss in one fused call), on a Qwen2 of the shape with no
+              decoder layer (embedding frozen, final norm, lm_head = the
+              workload's W): hidden = norm(embedding(ids)), the workload's
+              loss options as GRPOConfig fields
   grpo_ce     grpo.torch.linear_cross_entropy, reduction="sum" (cross entropy
               over every token: the workload's loss terms do not apply; its
               ratio is to the fused C++ step, the same three GEMM passes)
@@ -73,7 +79,7 @@ import sys
 import tempfile
 import time
 
-METHODS = ("grpo_loss", "grpo_dropin", "grpo_head", "eager", "liger", "trl_head", "grpo_ce", "eager_ce")
+METHODS = ("grpo_loss", "grpo_dropin", "grpo_head", "eager", "liger", "trl_head", "grpo_trl", "grpo_ce", "eager_ce")
 SHAPES = {"quick": (1, 512, 4096, 151936), "headline": (1, 8192, 4096, 151936)}
 LOGIT_STD, OLD_NOISE, REF_NOISE = 3.0, 0.3, 0.1
 EPS = 0.2
@@ -210,6 +216,74 @@ def make_inputs(b: int, t: int, h: int, v: int, dtype_name: str, workload: str, 
                 old=old, ref=ref, loss_type=loss_type, beta=beta)
 
 
+def _trl_step(weight, ids, mask, adv, off_policy: bool, loss_type: str, beta: float):
+    """grpo_trl: a patched GRPOTrainer's _compute_loss on a layerless Qwen2 whose lm_head is `weight`.
+
+    The trainer's backbone is its embedding (frozen: no [V, H] gradient of its
+    own) and final norm, so the step is TRL's head and loss, what the patch
+    replaces. old / ref log-probs keep the workload's noise around the
+    model's own log-probs."""
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    import grpo.torch as gt
+    from grpo.integrations.trl import patch_grpo_trainer
+
+    b, t = ids.shape
+    v, h = weight.shape
+    config = Qwen2Config(vocab_size=v, hidden_size=h, intermediate_size=h, num_hidden_layers=0, num_attention_heads=32,
+                         num_key_value_heads=8, max_position_embeddings=t + 1, tie_word_embeddings=False,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model = model.to_empty(device="cpu").to(weight.dtype)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # its buffers, made on meta above
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        model.model.embed_tokens.weight.copy_(torch.randn(v, h, generator=g))
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(weight)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    words = ["<pad>", "<eos>", "<unk>", "w"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo_bench_trl_"), use_cpu=True, report_to="none",
+                      per_device_train_batch_size=2, num_generations=2, max_completion_length=t, beta=beta,
+                      loss_type=loss_type, epsilon=EPS, disable_tqdm=True, bf16=False)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["w"] * b}), processing_class=tokenizer)
+    patch_grpo_trainer(trainer)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch per step here
+    model = trainer.model
+    model.train()
+    prompt = torch.ones(b, 1, dtype=ids.dtype)
+    with torch.no_grad():  # the model's own log-probs: the workload's old / ref noise goes around them
+        hid = model.model(input_ids=torch.cat([prompt, ids], 1)).last_hidden_state[:, :-1]
+        logp, _ = gt.fused_log_probs(hid, model.lm_head.weight, None, ids)
+    g = torch.Generator().manual_seed(2)
+    inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones(b, 1, dtype=torch.long), "completion_ids": ids,
+              "completion_mask": mask.long(), "advantages": adv,
+              "num_items_in_batch": mask.sum()}
+    if off_policy:
+        inputs["old_per_token_logps"] = logp + OLD_NOISE * torch.randn(b, t, generator=g)
+    if beta:
+        inputs["ref_per_token_logps"] = logp + REF_NOISE * torch.randn(b, t, generator=g)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad = None
+        return trainer._compute_loss(model, inputs)
+
+    return step
+
+
 def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps: int, threads: int,
             workload: str) -> dict:
     import torch
@@ -253,6 +327,10 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
                                        num_items_in_batch=num_items if loss_type == "dapo" else None)
             kernel.append(out.stats)
             return out.loss
+    elif method == "grpo_trl":
+        step = _trl_step(weight.detach(), ids, mask, adv, old is not None, loss_type, beta)
+        del hidden, weight  # the trainer's model holds its own copy of W
+        hidden = weight = None
     elif method in ("grpo_ce", "eager_ce"):
         # Cross entropy, the sum of -logp over every token (the workload's loss terms do not apply):
         # grpo's fused call against torch's F.linear_cross_entropy without options (logits materialized).
@@ -280,21 +358,30 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
 
     base_kib = _reset_peak()
     times, kernel_s, stats = [], [], None
-    for i in range(steps + 1):
-        hidden.grad = weight.grad = None
-        kernel.clear()
-        start = time.perf_counter()
-        loss = step()
-        loss.backward()
-        elapsed = time.perf_counter() - start
-        if i > 0:  # the first step is a warm-up (plans, oneDNN kernels, allocator)
-            times.append(elapsed)
-            if kernel:  # grpo_loss: one call; grpo_head: its forward and its backward
-                kernel_s.append(sum(s["kernel_s"] for s in kernel))
-                stats = dict(kernel[-1], executed_flops=sum(s["executed_flops"] for s in kernel))
+    import warnings
+
+    # grpo_trl: a fallback to TRL's own path would say so in a warning; the result lists grpo's warnings.
+    with warnings.catch_warnings(record=True) as seen_warnings:
+        warnings.simplefilter("always")
+        for i in range(steps + 1):
+            if hidden is not None:
+                hidden.grad = weight.grad = None
+            kernel.clear()
+            start = time.perf_counter()
+            loss = step()
+            loss.backward()
+            elapsed = time.perf_counter() - start
+            if i > 0:  # the first step is a warm-up (plans, oneDNN kernels, allocator)
+                times.append(elapsed)
+                if kernel:  # grpo_loss: one call; grpo_head: its forward and its backward
+                    kernel_s.append(sum(s["kernel_s"] for s in kernel))
+                    stats = dict(kernel[-1], executed_flops=sum(s["executed_flops"] for s in kernel))
+    grpo_warnings = sorted({str(w.message) for w in seen_warnings if str(w.message).startswith("grpo")})
     result = {"method": method, "B": b, "T": t, "H": h, "V": v, "dtype": dtype_name, "threads": threads,
               "workload": workload, "step_s": statistics.median(times), "steps": steps,
               "loss": float(loss.detach()), "peak_rss_mib": _rss_kib("VmHWM") / 1024, "base_rss_mib": base_kib / 1024}
+    if grpo_warnings:
+        result["warnings"] = grpo_warnings
     if kernel_s:
         result["kernel_s"] = statistics.median(kernel_s)
         result["active_rows"] = stats["active_rows"]
@@ -382,8 +469,9 @@ def _line(r: dict, cpp: dict | None) -> str:
     kernel = f"{r['kernel_s']:9.3f}" if "kernel_s" in r else "        -"
     active = str(r.get("active_rows", "-"))
     gflop = f"{r['executed_gflop']:9.1f}" if "executed_gflop" in r else "        -"
+    warned = f"  warned: {'; '.join(r['warnings'])}" if r.get("warnings") else ""
     return (f"  {r['method']:12s} {r['step_s']:9.3f} {ratio} {kernel} {r['peak_rise_mib']:10.1f} "
-            f"{active:>7s} {gflop} {r['loss']:12.6g}")
+            f"{active:>7s} {gflop} {r['loss']:12.6g}{warned}")
 
 
 def markdown_table(results: list, cpu: str, threads: int, workload: str, dtype: str) -> str:

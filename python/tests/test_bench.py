@@ -86,3 +86,13 @@ def test_bench_cross_entropy_rows(tmp_path):
     assert ours["step_s"] > 0 and eager["step_s"] > 0
     assert abs(ours["loss"] - eager["loss"]) < 1e-2 * abs(eager["loss"])  # bf16 logits on torch's side
 
+
+
+def test_bench_trl_row_takes_the_fused_path(tmp_path):
+    """grpo_trl: a patched GRPOTrainer's loss; no grpo warning (a fallback to TRL's path would warn), the loss
+    of the workload's options on the model's own log-probs (finite: old = logp + noise, grpo loss)."""
+    data, stdout = run_bench(tmp_path, "--methods", "grpo_trl", "--microbench", "none")
+    (row,) = data["results"]
+    assert row["method"] == "grpo_trl" and "warnings" not in row, row
+    assert row["step_s"] > 0 and row["peak_rss_mib"] >= row["base_rss_mib"] > 0
+    assert abs(row["loss"]) < 10
