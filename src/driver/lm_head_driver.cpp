@@ -8,7 +8,6 @@
 // sequence-level importance sampling has sequences that span blocks.
 #include <cstring>
 
-#include "api/validate.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/lm_head_step.hpp"
 #include "driver/loss_accumulator.hpp"

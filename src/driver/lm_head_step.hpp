@@ -29,6 +29,7 @@
 #include "driver/parallel.hpp"
 #include "driver/row_math.hpp"
 #include "driver/step_exchange.hpp"
+#include "driver/tail_basis.hpp"
 
 namespace grpo::detail {
 
@@ -47,119 +48,6 @@ class PhaseClock {
  private:
   std::atomic<std::int64_t> ns_{0};
 };
-
-// The tail correction's random signs: +-1 from (column, direction), a fixed
-// hash (the same in every call and on every machine); direction 0 is all +1
-// (the plain sum, the direction a trained head's rows share most).
-inline float tail_sign(std::int64_t column, std::int64_t direction) {
-  if (direction == 0) return 1.0F;
-  std::uint64_t x = static_cast<std::uint64_t>(column) * 0x9E3779B97F4A7C15ULL +
-                    static_cast<std::uint64_t>(direction) * 0xBF58476D1CE4E5B9ULL;
-  x ^= x >> 31;
-  x *= 0x94D049BB133111EBULL;
-  x ^= x >> 29;
-  return (x >> 63) != 0 ? -1.0F : 1.0F;
-}
-
-// Rows [k, kc) of y [kc, n] (row stride ld): the guard's probes before
-// Gram-Schmidt, random signs from tail_sign's hash (directions past any the
-// sketches use).
-inline void fill_probes(float* y, std::int64_t ld, std::int64_t k, std::int64_t kc, std::int64_t n) {
-  for (std::int64_t r = k; r < kc; ++r) {
-    for (std::int64_t c = 0; c < n; ++c) y[r * ld + c] = tail_sign(c, 1000 + r);
-  }
-}
-
-// An orthonormal basis of the span of rows y [rows, n] (row stride ld_y):
-// modified Gram-Schmidt in double, twice (a row keeping less than 1e-6 of its
-// norm becomes zero), rounded to `type` into basis [rows, n] (row stride
-// ld_basis); and dual [k, n] = (Bb Bb^T)^-1 Bb of the first k <= kTailRank
-// rounded rows Bb, so x -> (x Bb^T) dual is the orthogonal projection onto
-// their span even though rounding left them not quite orthonormal. Rows past
-// k (the guard's probes) come out orthogonal to the first k. work: rows (n +
-// rows) doubles.
-inline void tail_basis(const float* y, std::int64_t ld_y, std::int64_t rows, std::int64_t k, std::int64_t n,
-                       double* work, std::byte* basis, std::int64_t ld_basis, DType type, float* dual) {
-  double* q = work;
-  double* m = work + rows * n;
-  const auto dot = [&](const double* a, const double* b) {
-    double d = 0.0;
-    for (std::int64_t c = 0; c < n; ++c) d += a[c] * b[c];
-    return d;
-  };
-  for (std::int64_t r = 0; r < rows; ++r) {
-    double* qr = q + r * n;
-    for (std::int64_t c = 0; c < n; ++c) qr[c] = y[r * ld_y + c];
-    const double norm0 = std::sqrt(dot(qr, qr));
-    for (int pass = 0; pass < 2; ++pass) {
-      for (std::int64_t t = 0; t < r; ++t) {
-        const double d = dot(q + t * n, qr);
-        for (std::int64_t c = 0; c < n; ++c) qr[c] -= d * q[t * n + c];
-      }
-    }
-    const double norm = std::sqrt(dot(qr, qr));
-    const double scale = norm0 > 0.0 && norm > 1e-6 * norm0 ? 1.0 / norm : 0.0;
-    for (std::int64_t c = 0; c < n; ++c) {
-      // The rounded value, kept in q for the Gram matrix below.
-      if (type == DType::bf16) {
-        const std::uint16_t b = kernels::float_to_bf16(static_cast<float>(qr[c] * scale));
-        reinterpret_cast<std::uint16_t*>(basis)[r * ld_basis + c] = b;
-        qr[c] = kernels::bf16_to_float(b);
-      } else {
-        const auto f = static_cast<float>(qr[c] * scale);
-        reinterpret_cast<float*>(basis)[r * ld_basis + c] = f;
-        qr[c] = f;
-      }
-    }
-  }
-  // M = Bb Bb^T of the first k rows (1 on the diagonal of a zero row: its
-  // dual row stays zero), Cholesky M = L L^T in place.
-  for (std::int64_t r = 0; r < k; ++r) {
-    for (std::int64_t t = 0; t <= r; ++t) m[r * k + t] = dot(q + r * n, q + t * n);
-    if (m[r * k + r] == 0.0) m[r * k + r] = 1.0;
-  }
-  for (std::int64_t r = 0; r < k; ++r) {
-    for (std::int64_t t = 0; t <= r; ++t) {
-      double v = m[r * k + t];
-      for (std::int64_t x = 0; x < t; ++x) v -= m[r * k + x] * m[t * k + x];
-      m[r * k + t] = r == t ? std::sqrt(v) : v / m[t * k + t];
-    }
-  }
-  // dual = M^-1 Bb, column by column: L z = b, L^T x = z.
-  for (std::int64_t c = 0; c < n; ++c) {
-    double z[kTailRank];
-    for (std::int64_t r = 0; r < k; ++r) {
-      double v = q[r * n + c];
-      for (std::int64_t x = 0; x < r; ++x) v -= m[r * k + x] * z[x];
-      z[r] = v / m[r * k + r];
-    }
-    for (std::int64_t r = k - 1; r >= 0; --r) {
-      double v = z[r];
-      for (std::int64_t x = r + 1; x < k; ++x) v -= m[x * k + r] * z[x];
-      z[r] = v / m[r * k + r];
-    }
-    for (std::int64_t r = 0; r < k; ++r) dual[r * n + c] = static_cast<float>(z[r]);
-  }
-}
-
-// A value of a tail operand in dlogits dtype.
-inline float tail_load(const std::byte* base, std::int64_t i, DType type) {
-  return type == DType::bf16 ? kernels::bf16_to_float(reinterpret_cast<const std::uint16_t*>(base)[i])
-                             : reinterpret_cast<const float*>(base)[i];
-}
-// v stored at i in dlogits dtype (rounded to bf16 there).
-inline void tail_store(std::byte* base, std::int64_t i, float v, DType type) {
-  if (type == DType::bf16) {
-    reinterpret_cast<std::uint16_t*>(base)[i] = kernels::float_to_bf16(v);
-  } else {
-    reinterpret_cast<float*>(base)[i] = v;
-  }
-}
-// v as (hi, lo) at i and i + offset: bf16(v) and bf16(v - hi), or v and 0 in f32.
-inline void tail_store_pair(std::byte* base, std::int64_t i, std::int64_t offset, float v, DType type) {
-  tail_store(base, i, v, type);
-  tail_store(base, i + offset, v - tail_load(base, i, type), type);
-}
 
 struct LmHeadStep {
   const LmHeadPlanData& p;
