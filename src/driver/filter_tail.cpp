@@ -16,23 +16,23 @@
 namespace grpo::detail {
 
 void FilteredBackward::prepare() {
-  if (p.tail_rank == 0) return;
-  const std::int64_t k = p.tail_rank;
+  if (f_.tail_rank == 0) return;
+  const std::int64_t k = f_.tail_rank;
   const std::int64_t vt = p.schedule.vocab_tile;
   const std::int64_t vocab = p.shape.vocab;
   const std::int64_t hidden = p.shape.hidden;
   const DType dl = p.dlogits_dtype;
-  const TailRegions& t = ws.tail;
+  const TailRegions& t = fws_.tail;
   tail_used_ = false;
   hidden_basis_ready_ = false;
   // Omega [kTailRows, V / tail_stride] in the block buffer (rows past k
   // zero) against every tail_stride-th row of W: the sketch of a sample of
   // W's rows (their shared directions are every row's).
-  const std::int64_t sampled = (vocab + p.tail_stride - 1) / p.tail_stride;
+  const std::int64_t sampled = (vocab + f_.tail_stride - 1) / f_.tail_stride;
   for_each_item(kTailRows, p.schedule.slots, [&](std::int64_t r, int /*slot*/) {
     std::byte* row = ws.block.data() + static_cast<std::size_t>(r * sampled) * dl_size;
     for (std::int64_t m = 0; m < sampled; ++m) {
-      const float sgn = r < k ? tail_sign(m * p.tail_stride, r) : 0.0F;
+      const float sgn = r < k ? tail_sign(m * f_.tail_stride, r) : 0.0F;
       if (dl == DType::bf16) {
         reinterpret_cast<std::uint16_t*>(row)[m] = kernels::float_to_bf16(sgn);
       } else {
@@ -42,7 +42,7 @@ void FilteredBackward::prepare() {
   });
   for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
     const std::int64_t h0 = chunk * p.hidden_chunk;
-    bindings.at(*p.tail_sketch.pick(chunk == p.hidden_chunks - 1), slot)
+    bindings.at(*f_.tail_sketch.pick(chunk == p.hidden_chunks - 1), slot)
         .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
   });
   // B_w and the guard's probes as hidden rows [kTailRows, hidden_ld] in
@@ -56,12 +56,12 @@ void FilteredBackward::prepare() {
     const std::int64_t c0 = j * vt;
     const std::int64_t cols = std::min(vt, vocab - c0);
     float* tile = slot_tile(slot);  // [kTailRows, cols]
-    bindings.at(*p.tail_project.pick(j == p.tiles - 1), slot)
+    bindings.at(*f_.tail_project.pick(j == p.tiles - 1), slot)
         .run(ws.stage.data(), weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
     for (std::int64_t c = 0; c < cols; ++c) {
       for (std::int64_t r = 0; r < kc; ++r) tail_store(t.coord, (c0 + c) * kc + r, tile[r * cols + c], dl);
     }
-    if (p.filter_guard) column_norms(c0, cols, t.norm_w + c0);
+    if (f_.guard) column_norms(c0, cols, t.norm_w + c0);
   });
   exact_dweight_error_ = 0.0;
   if (!p.options.frozen_weight) {
@@ -73,11 +73,11 @@ void FilteredBackward::prepare() {
 
 void FilteredBackward::finish() {
   if (!tail_used_ || p.options.frozen_weight) return;
-  const std::int64_t k = p.tail_rank;
+  const std::int64_t k = f_.tail_rank;
   const std::int64_t vt = p.schedule.vocab_tile;
   const std::int64_t vocab = p.shape.vocab;
   const DType dl = p.dlogits_dtype;
-  const TailRegions& t = ws.tail;
+  const TailRegions& t = fws_.tail;
   const DweightTile dw_tile{p.shape};
   const std::size_t dw_size = size_of(p.options.dweight_dtype);
   for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
@@ -104,7 +104,7 @@ void FilteredBackward::finish() {
     auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * dw_size;
     const bool vm = vocab_major;
     dweight_clock.time([&] {
-      bindings.at(*p.tail_apply.pick(j == p.tiles - 1), slot)
+      bindings.at(*f_.tail_apply.pick(j == p.tiles - 1), slot)
           .run(vm ? static_cast<const void*>(c_rows) : t.apply_b, vm ? static_cast<const void*>(t.apply_b) : c_rows, dw,
                nullptr, slot_scratch(slot), nullptr);
     });
@@ -112,7 +112,7 @@ void FilteredBackward::finish() {
 }
 
 void FilteredBackward::tail_block(std::int64_t padded, std::int64_t na, bool dweight) {
-  const std::int64_t k = p.tail_rank;
+  const std::int64_t k = f_.tail_rank;
   constexpr std::int64_t kc = kTailCoords;
   constexpr std::int64_t pw = kTailPairProbes;
   const std::int64_t vt = p.schedule.vocab_tile;
@@ -120,7 +120,7 @@ void FilteredBackward::tail_block(std::int64_t padded, std::int64_t na, bool dwe
   const std::int64_t hidden = p.shape.hidden;
   const std::int64_t rows = p.block_rows_alloc;
   const DType dl = p.dlogits_dtype;
-  const TailRegions& t = ws.tail;
+  const TailRegions& t = fws_.tail;
   const std::size_t rung = p.row_ladder.index_of(padded);
   tail_used_ = true;
   if (dweight) {
@@ -152,7 +152,7 @@ void FilteredBackward::tail_block(std::int64_t padded, std::int64_t na, bool dwe
       hidden_basis_ready_ = true;
     }
     dweight_clock.time([&] {
-      bindings.at(*p.tail_hidden[rung], 0)
+      bindings.at(*f_.tail_hidden[rung], 0)
           .run(ws.hidden_act.data(), t.basis_h, t.hidden_f, nullptr, slot_scratch(0), nullptr);
       // [hi, lo] of the basis coordinates, then the probes' (an estimate: one rounding is enough).
       for (std::int64_t i = 0; i < padded; ++i) {
@@ -168,14 +168,14 @@ void FilteredBackward::tail_block(std::int64_t padded, std::int64_t na, bool dwe
     const std::byte* g = block_at(0, c0, dl_size);
     float* part = t.partial + j * rows * kc;  // the tile's partial sums [padded, kc]
     dhidden_clock.time([&] {
-      bindings.at(*p.tail_dhidden[rung].pick(last), slot)
+      bindings.at(*f_.tail_dhidden[rung].pick(last), slot)
           .run(g, t.coord + static_cast<std::size_t>(c0 * kc) * dl_size, part, nullptr, slot_scratch(slot), nullptr);
       tile_kept_terms(j, slot, na, 1);
     });
     if (!dweight) return;
     dweight_clock.time([&] {
       float* coords = slot_tile(slot);  // [cols, pw]
-      bindings.at(*p.tail_dweight[rung].pick(last), slot)
+      bindings.at(*f_.tail_dweight[rung].pick(last), slot)
           .run(g, t.hidden_pair, coords, nullptr, slot_scratch(slot), nullptr);
       // Every column's, into pending: commit_tail_dweight adds the left-out ones once the guard holds.
       for (std::int64_t c = 0; c < cols; ++c) {
@@ -195,8 +195,8 @@ void FilteredBackward::tile_kept_terms(std::int64_t j, int slot, std::int64_t na
   const std::int64_t c0 = j * vt;
   const std::int64_t cols = std::min(vt, vocab - c0);
   const DType dl = p.dlogits_dtype;
-  const TailRegions& t = ws.tail;
-  const std::uint8_t* mark = ws.kept.mark.data();
+  const TailRegions& t = fws_.tail;
+  const std::uint8_t* mark = fws_.kept.mark.data();
   const std::byte* g = block_at(0, c0, dl_size);
   float* part = t.partial + j * p.block_rows_alloc * kc;
   float* a_kept = slot_tile(slot) + vt * kTailPairProbes;        // [n, kc]
@@ -219,7 +219,7 @@ void FilteredBackward::tile_kept_terms(std::int64_t j, int slot, std::int64_t na
 
 void FilteredBackward::sum_tail_partials(std::int64_t na) const {
   constexpr std::int64_t kc = kTailCoords;
-  const TailRegions& t = ws.tail;
+  const TailRegions& t = fws_.tail;
   const std::int64_t rows = p.block_rows_alloc;
   for (std::int64_t i = 0; i < na; ++i) {
     for (std::int64_t r = 0; r < kc; ++r) {
@@ -233,10 +233,10 @@ void FilteredBackward::sum_tail_partials(std::int64_t na) const {
 std::int64_t FilteredBackward::keep_at_rung(std::int64_t na, int rung) {
   const std::int64_t vt = p.schedule.vocab_tile;
   const std::int64_t vocab = p.shape.vocab;
-  const float factor = std::ldexp(p.grad_filter, -2 * rung);
+  const float factor = std::ldexp(f_.eps, -2 * rung);
   const auto tag = static_cast<std::uint8_t>(rung + 1);
-  const TailRegions& t = ws.tail;
-  std::uint8_t* mark = ws.kept.mark.data();
+  const TailRegions& t = fws_.tail;
+  std::uint8_t* mark = fws_.kept.mark.data();
   for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) {
     dlogits_clock.time([&] {
       const std::int64_t c0 = j * vt;
@@ -252,7 +252,7 @@ std::int64_t FilteredBackward::keep_at_rung(std::int64_t na, int rung) {
   });
   std::int64_t kept = 0;
   for (std::int64_t v = 0; v < vocab; ++v) {
-    if (mark[v] != 0) ws.kept.column[kept++] = static_cast<std::int32_t>(v);
+    if (mark[v] != 0) fws_.kept.column[kept++] = static_cast<std::int32_t>(v);
   }
   return kept;
 }
@@ -265,11 +265,11 @@ void FilteredBackward::tail_kept_terms(std::int64_t na, int rung) {
 }
 
 void FilteredBackward::commit_tail_dweight() {
-  const std::int64_t k = p.tail_rank;
+  const std::int64_t k = f_.tail_rank;
   constexpr std::int64_t kc = kTailCoords;
   const std::int64_t vt = p.schedule.vocab_tile;
-  const TailRegions& t = ws.tail;
-  const std::uint8_t* mark = ws.kept.mark.data();
+  const TailRegions& t = fws_.tail;
+  const std::uint8_t* mark = fws_.kept.mark.data();
   for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int /*slot*/) {
     for (std::int64_t v = j * vt; v < std::min(p.shape.vocab, (j + 1) * vt); ++v) {
       if (mark[v] != 0) continue;
@@ -282,7 +282,7 @@ void FilteredBackward::commit_tail_dweight() {
 }
 
 double FilteredBackward::block_exact_errors(std::int64_t na, std::int64_t dense, bool dweight) {
-  const TailRegions& t = ws.tail;
+  const TailRegions& t = fws_.tail;
   double exact = 0.0, exact_w = 0.0;
   std::int64_t x = 0;  // dense rows are listed in order (dense_rows)
   for (std::int64_t i = 0; i < na; ++i) {
@@ -311,10 +311,10 @@ double FilteredBackward::block_exact_errors(std::int64_t na, std::int64_t dense,
 }
 
 bool FilteredBackward::guard_holds(std::int64_t na, std::int64_t dense, bool dweight, double exact_dhidden) const {
-  const std::int64_t k = p.tail_rank;
+  const std::int64_t k = f_.tail_rank;
   constexpr std::int64_t kc = kTailCoords;
   constexpr std::int64_t m = kc - kTailRank;
-  const TailRegions& t = ws.tail;
+  const TailRegions& t = fws_.tail;
   // Past H - k probes the complement of the basis is spanned (a small H):
   // the probes' sum is then the norm itself.
   const std::int64_t off = std::max<std::int64_t>(p.shape.hidden - k, 1);
@@ -331,7 +331,7 @@ bool FilteredBackward::guard_holds(std::int64_t na, std::int64_t dense, bool dwe
   }
   if (left * off_basis > limit * exact_dhidden) return false;
   if (!dweight) return true;
-  const std::uint8_t* mark = ws.kept.mark.data();
+  const std::uint8_t* mark = fws_.kept.mark.data();
   double left_w = 0.0;
   for (std::int64_t v = 0; v < p.shape.vocab; ++v) {
     const float* sum = t.probe_w + v * m;
@@ -394,17 +394,17 @@ void FilteredBackward::guard_row_errors(std::int64_t i, std::int64_t j, const fl
   for (std::int64_t c = 0; c < cols; ++c) {
     if (!(std::fabs(g[c]) >= threshold)) continue;
     const float d2 = g[c] * g[c] * kMeanSquare;
-    eh += d2 * ws.tail.norm_w[c0 + c];
+    eh += d2 * fws_.tail.norm_w[c0 + c];
     ew += d2;
   }
-  ws.tail.err_h[i * p.tiles + j] = eh;
-  ws.tail.err_w[i * p.tiles + j] = ew;
+  fws_.tail.err_h[i * p.tiles + j] = eh;
+  fws_.tail.err_w[i * p.tiles + j] = ew;
 }
 
 void FilteredBackward::tail_dhidden(std::int64_t na) {
-  const std::int64_t k = p.tail_rank;
+  const std::int64_t k = f_.tail_rank;
   const std::int64_t hidden = p.shape.hidden;
-  const TailRegions& t = ws.tail;
+  const TailRegions& t = fws_.tail;
   constexpr std::int64_t kRows = 32;
   for_each_item((na + kRows - 1) / kRows, p.schedule.slots, [&](std::int64_t chunk, int /*slot*/) {
     dhidden_clock.time([&] {

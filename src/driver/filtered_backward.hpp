@@ -1,6 +1,5 @@
 // The filtered backward (LmHeadOptions::grad_filter; docs/filtered_backward.md),
-// the backward strategy a plan with a filter chose (LmHeadPlanData::kept_cap >
-// 0). Per token block:
+// the backward strategy a plan with a filter chose (LmHeadPlanData::filter). Per token block:
 //   dlogits    the tiles write dlogits as the dense backward does and mark
 //              the kept columns (an entry at or above eps times its row's
 //              coefficient scale); with bf16 dlogits the kept entries'
@@ -21,6 +20,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "driver/filter_plan.hpp"
 #include "driver/lm_head_backward.hpp"
 #include "driver/step_state.hpp"
 
@@ -28,7 +28,8 @@ namespace grpo::detail {
 
 class FilteredBackward : public StepPart {
  public:
-  FilteredBackward(StepState& s, DenseBackward& dense) : StepPart(s), dense_(dense) {}
+  FilteredBackward(StepState& s, DenseBackward& dense)
+      : StepPart(s), f_(*s.plan.filter), fws_(s.workspace, s.plan.layout), dense_(dense) {}
 
   // The block's gradients: filtered, or through the dense GEMMs.
   void block(const BackwardBlock& b, bool* dweight_written);
@@ -117,7 +118,7 @@ class FilteredBackward : public StepPart {
   // tail.dense, the dense_dhidden GEMMs into tail.dense_out; block() copies
   // them over the rows' filtered dhidden.
   void dense_dhidden(std::int64_t dense);
-  std::int64_t kept_groups(std::int64_t kept) const { return (kept + p.kept_tile - 1) / p.kept_tile; }
+  std::int64_t kept_groups(std::int64_t kept) const { return (kept + f_.kept_tile - 1) / f_.kept_tile; }
   // The filtered backward of a block whose kept columns (kept.column[0,
   // kept)) fit in kept_cap: the block buffer's dlogits [padded, V] compacted in
   // place to [padded, kept_cap] (the kept columns, then zeros up to a whole
@@ -129,6 +130,8 @@ class FilteredBackward : public StepPart {
   void backward_kept(std::int64_t padded, std::int64_t na, std::int64_t kept, bool dweight,
                      const bool* dweight_written);
 
+  const FilterPlan& f_;
+  FilterRegions fws_;  // the filter's regions of the call's workspace
   DenseBackward& dense_;
   // Whether a row of the block had more remainders than kept_lo holds;
   // whether a block ran filtered (the tail's dW coordinates need applying)

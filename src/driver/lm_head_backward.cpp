@@ -10,11 +10,49 @@
 
 namespace grpo::detail {
 
+kernels::GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std::int64_t cols) {
+  kernels::GemmSpec g;
+  g.a = {dl_dtype, k, s.vocab, s.vocab, 1};
+  g.b = s.layout == WeightLayout::vocab_major ? kernels::GemmOperand{s.dtype, s.vocab, cols, s.weight_ld, 1}
+                                              : kernels::GemmOperand{s.dtype, s.vocab, cols, 1, s.weight_ld};
+  g.c = {DType::f32, k, cols, s.hidden, 1};
+  return g;
+}
+
+void create_dense_backward_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* packed) {
+  const LmHeadShape& s = p.shape;
+  const std::int64_t vt = p.schedule.vocab_tile;
+  const std::int64_t last_tile = s.vocab - (p.tiles - 1) * vt;
+  const std::int64_t last_chunk = s.hidden - (p.hidden_chunks - 1) * p.hidden_chunk;
+  const std::int64_t chunk = std::min(p.hidden_chunk, s.hidden);
+  const DweightTile dw_tile{s};
+  DenseBackwardPlan& b = p.backward;
+  for (const std::int64_t k : p.row_ladder.entries()) {
+    auto& dw = b.dweight.emplace_back();
+    for (int acc = 0; acc < 2 && !p.options.frozen_weight; ++acc) {
+      dw.full[acc] = make.make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
+      dw.last[acc] = make.make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
+    }
+    if (!p.options.frozen_weight) *packed = std::max(*packed, dw.full[0]->shared_packed_bytes());
+    auto& dh = b.dhidden.emplace_back();
+    dh.full = make.make(dhidden_spec(s, p.dlogits_dtype, k, chunk));
+    dh.last = make.make(dhidden_spec(s, p.dlogits_dtype, k, last_chunk));
+  }
+}
+
+void book_dense_backward(const LmHeadPlanData& p, WorkspaceRegistry& w) {
+  const LmHeadShape& s = p.shape;
+  const bool backward = !p.options.forward_only;
+  // The active rows' hidden rows (the stride the forward GEMM reads) and their f32 dhidden.
+  w.book(Region::hidden_act, backward ? static_cast<std::size_t>(s.hidden_ld) * size_of(s.dtype) : 0);
+  w.book(Region::dhidden_act, backward ? static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
+}
+
 void DenseBackward::block(const BackwardBlock& b, bool* dweight_written) {
   const bool dweight = !p.options.frozen_weight;
   const bool accumulate = *dweight_written;
   const void* packed_act = nullptr;
-  if (dweight) packed_act = pack_active_rows(*p.dweight[p.row_ladder.index_of(b.padded)].full[0]);
+  if (dweight) packed_act = pack_active_rows(*p.backward.dweight[p.row_ladder.index_of(b.padded)].full[0]);
   const kernels::Elem dl_type = elem_of(p.dlogits_dtype);
   for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
     dlogits_clock.time([&] {
@@ -64,7 +102,8 @@ const void* DenseBackward::pack_active_rows(const kernels::Gemm& gemm) const {
 void DenseBackward::tile_dweight(std::int64_t j, int slot, std::int64_t padded, bool accumulate,
                                  const void* packed_act) {
   const std::int64_t c0 = j * p.schedule.vocab_tile;
-  const kernels::Gemm& gemm = *p.dweight[p.row_ladder.index_of(padded)].pick(j == p.tiles - 1)[accumulate ? 1 : 0];
+  const kernels::Gemm& gemm =
+      *p.backward.dweight[p.row_ladder.index_of(padded)].pick(j == p.tiles - 1)[accumulate ? 1 : 0];
   const DweightTile dw_tile{p.shape};
   auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * size_of(p.options.dweight_dtype);
   const std::array<const void*, 2> ab = dw_tile.operands(block_at(0, c0, dl_size), ws.hidden_act.data());
@@ -72,7 +111,7 @@ void DenseBackward::tile_dweight(std::int64_t j, int slot, std::int64_t padded, 
 }
 
 void DenseBackward::dhidden(std::int64_t padded) {
-  const auto& dhidden_gemms = p.dhidden[p.row_ladder.index_of(padded)];
+  const auto& dhidden_gemms = p.backward.dhidden[p.row_ladder.index_of(padded)];
   for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
     const std::int64_t h0 = chunk * p.hidden_chunk;
     const kernels::Gemm& gemm = *dhidden_gemms.pick(chunk == p.hidden_chunks - 1);

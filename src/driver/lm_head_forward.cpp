@@ -8,6 +8,61 @@
 
 namespace grpo::detail {
 
+kernels::GemmSpec forward_spec(const LmHeadShape& s, std::int64_t rows, std::int64_t cols, std::int64_t tile_ld) {
+  kernels::GemmSpec g;
+  g.a = {s.dtype, rows, s.hidden, s.hidden_ld, 1};
+  g.b = s.layout == WeightLayout::vocab_major ? kernels::GemmOperand{s.dtype, s.hidden, cols, 1, s.weight_ld}
+                                              : kernels::GemmOperand{s.dtype, s.hidden, cols, s.weight_ld, 1};
+  g.c = {DType::f32, rows, cols, tile_ld, 1};
+  g.has_bias = s.has_bias;
+  g.bias_dtype = s.bias_dtype;
+  g.shared = kernels::SharedOperand::a;  // the block's hidden rows, for every vocab tile
+  return g;
+}
+
+void create_forward_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* packed) {
+  const LmHeadShape& s = p.shape;
+  const std::int64_t vt = p.schedule.vocab_tile;
+  const std::int64_t last_tile = s.vocab - (p.tiles - 1) * vt;
+  ForwardPlan& f = p.forward;
+  f.gemms.full = make.make(forward_spec(s, p.forward_rows, vt, vt));
+  f.gemms.last = make.make(forward_spec(s, p.forward_rows, last_tile, last_tile));
+  // Full and last tiles pack the shared hidden rows alike (only W's side differs).
+  *packed = std::max(
+      *packed, static_cast<std::size_t>(p.block_rows_alloc / p.forward_rows) * f.gemms.full->shared_packed_bytes());
+  // A shorter last block, when the block's forward calls are ours (rows
+  // independent of M): GEMMs of its own, as many calls as a block's at most,
+  // so it computes its rows (rounded up to kRowQuantum), not the block's
+  // (T = 8192 in 640-row blocks: 512 rows, not 640, in the last).
+  const std::int64_t block = p.schedule.token_block;
+  const std::int64_t tail_rows = round_up(p.rows - (p.rows - 1) / block * block, kRowQuantum);
+  if (tail_rows < p.block_rows_alloc && f.gemms.full->traits().m_independent) {
+    const std::int64_t calls = calls_of(tail_rows, p.forward_rows);
+    f.tail_block = tail_rows;
+    f.tail_rows = rows_per_call(tail_rows, p.forward_rows);
+    f.tail.full = make.make(forward_spec(s, f.tail_rows, vt, vt));
+    f.tail.last = make.make(forward_spec(s, f.tail_rows, last_tile, last_tile));
+    *packed = std::max(*packed, static_cast<std::size_t>(calls) * f.tail.full->shared_packed_bytes());
+  }
+}
+
+void book_forward(const LmHeadPlanData& p, bool packed_estimate, WorkspaceRegistry& w) {
+  const LmHeadShape& s = p.shape;
+  const std::size_t in_size = size_of(s.dtype);
+  const std::size_t store_bytes = p.store_type == kernels::Elem::f32 ? 4 : 2;
+  // The block buffer keeps the logits for the backward only (whose dlogits it then holds).
+  w.book(Region::block, p.options.forward_only ? 0 : static_cast<std::size_t>(s.vocab) * store_bytes);
+  w.book(Region::stage, 0, static_cast<std::size_t>(p.forward_rows * s.hidden_ld) * in_size);
+  w.book(Region::tile_stats, static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats));
+  w.book(Region::row_arrays, RowArrays::kBytesPerRow);
+  // The hidden rows as the backend packs them, for the forward's chunks and the backward's active rows.
+  if (packed_estimate) {
+    w.book(Region::packed_hidden, s.dtype == DType::bf16 ? static_cast<std::size_t>(s.hidden) * 2 : 0);
+  } else {
+    w.book(Region::packed_hidden, 0, p.packed_hidden_bytes);
+  }
+}
+
 template <class ChunkSource, class RowOf>
 void ForwardPass::compute_rows(std::int64_t nb, bool keep, const FullAndLast<std::unique_ptr<kernels::Gemm>>& gemms,
                                std::int64_t fr, ChunkSource&& chunk_source, RowOf&& row_of) {
@@ -82,8 +137,8 @@ void ForwardPass::compute_rows(std::int64_t nb, bool keep, const FullAndLast<std
 }
 
 void ForwardPass::block(std::int64_t b0, std::int64_t nb, bool keep) {
-  const bool tail = p.forward_tail.full != nullptr && nb <= p.forward_tail_block;
-  const std::int64_t fr = tail ? p.forward_tail_rows : p.forward_rows;
+  const bool tail = p.forward.tail.full != nullptr && nb <= p.forward.tail_block;
+  const std::int64_t fr = tail ? p.forward.tail_rows : p.forward_rows;
   const std::int64_t chunks = (nb + fr - 1) / fr;
   const std::int64_t partial = nb - (chunks - 1) * fr;  // rows of the last chunk
   const bool staged = partial != fr;
@@ -93,7 +148,7 @@ void ForwardPass::block(std::int64_t b0, std::int64_t nb, bool keep) {
     std::memset(ws.stage.data() + used, 0, static_cast<std::size_t>(fr) * act_row_bytes - used);
   }
   compute_rows(
-      nb, keep, tail ? p.forward_tail : p.forward, fr,
+      nb, keep, tail ? p.forward.tail : p.forward.gemms, fr,
       [&](std::int64_t c) -> const void* {
         return c == chunks - 1 && staged ? ws.stage.data() : static_cast<const void*>(hidden_row(b0 + c * fr));
       },
@@ -102,7 +157,7 @@ void ForwardPass::block(std::int64_t b0, std::int64_t nb, bool keep) {
 
 void ForwardPass::gathered(std::int64_t b0, std::int64_t na) {
   compute_rows(
-      na, true, p.forward, p.forward_rows,
+      na, true, p.forward.gemms, p.forward_rows,
       [&](std::int64_t c) -> const void* {
         return ws.hidden_act.data() + static_cast<std::size_t>(c * p.forward_rows) * act_row_bytes;
       },

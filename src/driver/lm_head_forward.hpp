@@ -19,7 +19,7 @@ class ForwardPass : public StepPart {
 
   // Logits, statistics, LSE, logp and entropy of rows [b0, b0 + nb). Every
   // logits GEMM call has exactly forward_rows rows (see kForwardRows), or
-  // forward_tail_rows for the shorter last block that has its own GEMMs: a
+  // ForwardPlan::tail_rows for the shorter last block that has its own GEMMs: a
   // partial last chunk is copied to the stage buffer and zero-padded.
   void block(std::int64_t b0, std::int64_t nb, bool keep);
 

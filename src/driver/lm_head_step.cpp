@@ -10,10 +10,10 @@ StepState::StepState(const LmHeadPlanData& plan, const LmHeadInputs& inputs, con
     : plan(plan),
       inputs(inputs),
       outputs(outputs),
+      workspace(workspace),
       leased(plan.bindings.acquire()),
       logit_transform(plan.config),
-      regions(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus, plan.shape.vocab,
-              plan.tiles, tail_dims(plan)),
+      regions(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus),
       step_exchange(call_exchange) {}
 
 StepPart::StepPart(StepState& s)
@@ -42,7 +42,7 @@ LmHeadStep::LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, c
       StepPart(static_cast<StepState&>(*this)),
       forward_(*this),
       dense_(*this) {
-  if (plan.kept_cap > 0) filter_.emplace(*this, dense_);
+  if (plan.filter) filter_.emplace(*this, dense_);
 }
 
 LmHeadStepStats LmHeadStep::step_stats() const {

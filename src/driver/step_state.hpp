@@ -36,6 +36,7 @@ struct StepState {
   const LmHeadPlanData& plan;
   const LmHeadInputs& inputs;
   const LmHeadOutputs& outputs;
+  std::byte* workspace;
   BindingPool::Lease leased;
   LogitTransform logit_transform;
   StepRegions regions;          // the workspace, as book_workspace (lm_head_schedule.cpp) booked it

@@ -3,7 +3,7 @@
 
 #include <cmath>
 
-#include "driver/lm_head_plan.hpp"
+#include "driver/filter_plan.hpp"
 
 namespace grpo::detail {
 
