@@ -2,6 +2,7 @@
 #include "driver/lm_head_forward.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "driver/parallel.hpp"
@@ -54,7 +55,10 @@ void book_forward(const LmHeadPlanData& p, bool packed_estimate, WorkspaceRegist
   w.book(Region::block, p.options.forward_only ? 0 : static_cast<std::size_t>(s.vocab) * store_bytes);
   w.book(Region::stage, 0, static_cast<std::size_t>(p.forward_rows * s.hidden_ld) * in_size);
   w.book(Region::tile_stats, static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats));
-  w.book(Region::row_arrays, RowArrays::kBytesPerRow);
+  std::array<WorkspacePiece, RowArrays::kFloatArrays + 1> rows{};
+  for (WorkspacePiece& piece : rows) piece = {sizeof(float), 0, 1};
+  rows.back().per_row = sizeof(std::int64_t);  // active
+  w.book_pieces(Region::row_arrays, rows);
   // The hidden rows as the backend packs them, for the forward's chunks and the backward's active rows.
   if (packed_estimate) {
     w.book(Region::packed_hidden, s.dtype == DType::bf16 ? static_cast<std::size_t>(s.hidden) * 2 : 0);

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "driver/filter_plan.hpp"
 #include "driver/lm_head_plan.hpp"
@@ -44,7 +45,10 @@ WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) 
   book_forward(p, packed_estimate, w);
   book_dense_backward(p, w);
   if (p.filter) book_filter(p, w);
-  w.book(Region::batch_arrays, 0, p.two_pass ? BatchArrays::arrays(p.entropy_bonus) * rows * sizeof(float) : 0);
+  if (p.two_pass) {
+    const std::vector<WorkspacePiece> batch(BatchArrays::arrays(p.entropy_bonus), {0, rows * sizeof(float), 1});
+    w.book_pieces(Region::batch_arrays, batch);
+  }
   w.book(Region::entropy_coef, p.entropy_bonus ? sizeof(float) : 0);
   w.book(Region::quantile, 0, needs_all_rows(p.config) ? rows * sizeof(float) : 0);
   w.book(Region::exchange, p.scale_out ? p.scale_out->bytes_per_row() : 0,

@@ -13,7 +13,7 @@ StepState::StepState(const LmHeadPlanData& plan, const LmHeadInputs& inputs, con
       workspace(workspace),
       leased(plan.bindings.acquire()),
       logit_transform(plan.config),
-      regions(workspace, plan.layout, plan.block_rows_alloc, plan.rows, plan.entropy_bonus),
+      regions(workspace, plan.layout),
       step_exchange(call_exchange) {}
 
 StepPart::StepPart(StepState& s)

@@ -52,17 +52,19 @@ inline constexpr std::size_t kRegionCount = static_cast<std::size_t>(Region::cou
 inline constexpr std::size_t kRowRegions =
     10;  // block .. dhidden_act, packed_hidden, entropy_coef, exchange, kept_lo, tail
 
-// Per block row: the chosen logit, LSE, logp, entropy, coefficient, KL term
-// (floats), and the index of the row's place among the active rows.
+// Per block row (Region::row_arrays, packed pieces in this order): the chosen
+// logit, LSE, logp, entropy, coefficient, KL term (floats), and the index of
+// the row's place among the active rows.
 struct RowArrays {
-  static constexpr std::size_t kBytesPerRow = 6 * sizeof(float) + sizeof(std::int64_t);
+  static constexpr std::size_t kFloatArrays = 6;
   std::span<float> target, lse, logp, entropy, coef, kl;
   std::span<std::int64_t> active;
 };
 
-// Per batch row, for the two-pass schedule (LmHeadPlanData::two_pass): the
-// first pass's logp, entropy and KL terms of every row, and the coefficients
-// (dLoss/dlogp; dLoss/dEnt with an entropy bonus) the second pass reads.
+// Per batch row, for the two-pass schedule (LmHeadPlanData::two_pass;
+// Region::batch_arrays, packed pieces in this order): the first pass's logp,
+// entropy and KL terms of every row, and the coefficients (dLoss/dlogp;
+// dLoss/dEnt with an entropy bonus) the second pass reads.
 struct BatchArrays {
   static std::size_t arrays(bool entropy_bonus) { return entropy_bonus ? 5 : 4; }
   std::span<float> coef, entropy, logp, kl;
@@ -191,10 +193,8 @@ struct StepRegions {
   std::span<std::byte> exchange;
   std::byte* slots = nullptr;
 
-  // block_rows: rows per block (block_rows_alloc); batch_rows: N. The
-  // filtered backward's regions are its own views (FilterRegions).
-  StepRegions(std::byte* ws, const WorkspaceLayout& l, std::int64_t block_rows, std::int64_t batch_rows,
-              bool entropy_bonus) {
+  // The filtered backward's regions are its own views (FilterRegions).
+  StepRegions(std::byte* ws, const WorkspaceLayout& l) {
     const auto bytes = [&](Region r) {
       return std::span<std::byte>(ws + l.at(r), l.bytes[static_cast<std::size_t>(r)]);
     };
@@ -206,24 +206,17 @@ struct StepRegions {
     stage = bytes(Region::stage);
     tile_stats = {reinterpret_cast<kernels::RowStats*>(ws + l.at(Region::tile_stats)),
                   l.bytes[static_cast<std::size_t>(Region::tile_stats)] / sizeof(kernels::RowStats)};
-    const auto n = static_cast<std::size_t>(block_rows);
-    auto* row = reinterpret_cast<float*>(ws + l.at(Region::row_arrays));
+    std::size_t i = 0;
     for (std::span<float>* a : {&rows.target, &rows.lse, &rows.logp, &rows.entropy, &rows.coef, &rows.kl}) {
-      *a = {row, n};
-      row += n;
+      *a = l.piece<float>(ws, Region::row_arrays, i++);
     }
-    rows.active = {reinterpret_cast<std::int64_t*>(row), n};
+    rows.active = l.piece<std::int64_t>(ws, Region::row_arrays, i);
     hidden_act = bytes(Region::hidden_act);
     dhidden_act = floats(Region::dhidden_act);
     packed_hidden = bytes(Region::packed_hidden);
-    const std::span<float> all = floats(Region::batch_arrays);
-    if (!all.empty()) {
-      const auto m = static_cast<std::size_t>(batch_rows);
-      batch.coef = all.subspan(0, m);
-      batch.entropy = all.subspan(m, m);
-      batch.logp = all.subspan(2 * m, m);
-      batch.kl = all.subspan(3 * m, m);
-      if (entropy_bonus) batch.entropy_coef = all.subspan(4 * m, m);
+    i = 0;
+    for (std::span<float>* a : {&batch.coef, &batch.entropy, &batch.logp, &batch.kl, &batch.entropy_coef}) {
+      *a = l.piece<float>(ws, Region::batch_arrays, i++);
     }
     entropy_coef = floats(Region::entropy_coef);
     quantile = floats(Region::quantile);
