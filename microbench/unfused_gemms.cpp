@@ -3,8 +3,8 @@
 #include <chrono>
 #include <cstring>
 
-#include "api/buffer.hpp"
 #include "baseline/unfused_lm_head.hpp"
+#include "driver/buffer.hpp"
 
 namespace grpo::bench {
 namespace {

@@ -120,8 +120,8 @@ TEST(PlanMemory, PlanLadderCoversItsBlock) {
     const auto p = detail::build_lm_head_plan(detail::resolve_lds(tiny_head(70000, dtype)), LossConfig{}, {});
     const RowLadder& ladder = p->row_ladder;
     ASSERT_EQ(ladder.entries().back(), p->block_rows_alloc);
-    ASSERT_EQ(p->dweight.size(), ladder.entries().size());
-    ASSERT_EQ(p->dhidden.size(), ladder.entries().size());
+    ASSERT_EQ(p->backward.dweight.size(), ladder.entries().size());
+    ASSERT_EQ(p->backward.dhidden.size(), ladder.entries().size());
     EXPECT_EQ(p->schedule.gemm_count, p->gemms.size());
     for (std::int64_t r = 1; r <= p->schedule.token_block; ++r) {
       ASSERT_GE(ladder.padded(r), r);

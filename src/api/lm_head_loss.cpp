@@ -9,10 +9,10 @@
 #include <string>
 #include <utility>
 
-#include "api/buffer.hpp"
 #include "api/lm_head_validate.hpp"
 #include "api/scale_out_plan.hpp"
 #include "api/validate.hpp"
+#include "driver/buffer.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"

@@ -14,6 +14,7 @@
 
 #include "api/scale_out_plan.hpp"
 #include "api/validate.hpp"
+#include "driver/filter_plan.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/parallel.hpp"
 #include "kernels/stage_kernels.hpp"
@@ -227,35 +228,36 @@ std::string describe_threads(const LmHeadPlanData& plan) {
 }
 
 std::string describe_gemms(const LmHeadPlanData& plan) {
-  std::string s = std::string(" gemm=forward:") + plan.forward.full->implementation();
-  if (!plan.dhidden.empty()) {
-    if (!plan.options.frozen_weight) s += std::string(",dweight:") + plan.dweight.back().full[0]->implementation();
-    s += std::string(",dhidden:") + plan.dhidden.back().full->implementation();
+  std::string s = std::string(" gemm=forward:") + plan.forward.gemms.full->implementation();
+  if (!plan.backward.dhidden.empty()) {
+    if (!plan.options.frozen_weight)
+      s += std::string(",dweight:") + plan.backward.dweight.back().full[0]->implementation();
+    s += std::string(",dhidden:") + plan.backward.dhidden.back().full->implementation();
   }
   // The plan's own memory beside the workspace (LmHeadSchedule::plan_bytes: measured, an estimate).
   s +=
       " plan=" + std::to_string(plan.schedule.plan_bytes) + "B (" + std::to_string(plan.schedule.gemm_count) + " gemms";
-  if (!plan.dhidden.empty()) {
+  if (!plan.backward.dhidden.empty()) {
     s += "; backward rows padded to " + std::to_string(plan.row_ladder.entries().size()) + " sizes up to " +
          std::to_string(plan.row_ladder.entries().back());
   }
   s += ")";
-  if (plan.kept_cap > 0) {
+  if (plan.filter) {
+    const FilterPlan& f = *plan.filter;
     // grad_filter=2^-12 for a power of two, else the threshold as given.
     int e = 0;
-    const float m = std::frexp(plan.grad_filter, &e);
-    s += " grad_filter=" + (m == 0.5F ? "2^" + std::to_string(e - 1) : std::to_string(plan.grad_filter)) +
-         " (per token block, the kept vocab columns in groups of " + std::to_string(plan.kept_tile) + ", up to " +
-         std::to_string(plan.kept_cap) + " of " + std::to_string(plan.shape.vocab) + "; the rest back in rank " +
-         std::to_string(plan.tail_rank) +
-         (plan.kept_lo_cap > 0
-              ? ", the kept entries' bf16 remainders, up to " + std::to_string(plan.kept_lo_cap) + " per row"
-              : std::string()) +
-         (plan.filter_guard ? "; guarded: a block whose left-out part outweighs " +
-                                  std::to_string(static_cast<int>(kGuardRatio * 100.0)) +
-                                  "% of the exact step's error tries eps / 4^r, r < " + std::to_string(kFilterRungs) +
-                                  ", then runs exact"
+    const float m = std::frexp(f.eps, &e);
+    s += " grad_filter=" + (m == 0.5F ? "2^" + std::to_string(e - 1) : std::to_string(f.eps)) +
+         " (per token block, the kept vocab columns in groups of " + std::to_string(f.kept_tile) + ", up to " +
+         std::to_string(f.kept_cap) + " of " + std::to_string(plan.shape.vocab) + "; the rest back in rank " +
+         std::to_string(f.tail_rank) +
+         (f.kept_lo_cap > 0 ? ", the kept entries' bf16 remainders, up to " + std::to_string(f.kept_lo_cap) + " per row"
                             : std::string()) +
+         (f.guard ? "; guarded: a block whose left-out part outweighs " +
+                        std::to_string(static_cast<int>(kGuardRatio * 100.0)) +
+                        "% of the exact step's error tries eps / 4^r, r < " + std::to_string(kFilterRungs) +
+                        ", then runs exact"
+                  : std::string()) +
          ")";
   }
   return s;

@@ -7,8 +7,8 @@
 #include <string>
 #include <utility>
 
-#include "api/buffer.hpp"
 #include "api/validate.hpp"
+#include "driver/buffer.hpp"
 #include "grpo/lm_head_loss.hpp"
 
 namespace grpo::detail {

@@ -4,11 +4,11 @@
 #include <memory>
 #include <utility>
 
-#include "api/buffer.hpp"
 #include "api/lm_head_validate.hpp"
 #include "api/scale_out_plan.hpp"
 #include "api/validate.hpp"
 #include "baseline/unfused_logits.hpp"
+#include "driver/buffer.hpp"
 #include "driver/parallel.hpp"
 #include "kernels/stage_kernels.hpp"
 

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <memory>
 
-#include "api/buffer.hpp"
 #include "api/logits_validate.hpp"
 #include "api/validate.hpp"
+#include "driver/buffer.hpp"
 #include "driver/logits_driver.hpp"
 #include "driver/parallel.hpp"
 #include "driver/row_math.hpp"

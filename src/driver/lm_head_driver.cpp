@@ -8,7 +8,6 @@
 // sequence-level importance sampling has sequences that span blocks.
 #include <cstring>
 
-#include "api/validate.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/lm_head_step.hpp"
 #include "driver/loss_accumulator.hpp"
@@ -20,7 +19,7 @@ namespace {
 void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* workspace,
                 double max_abs_coef, const GlobalCounts& counts, StepExchange& exchange) {
   LmHeadStep step(p, inputs, outputs, workspace, exchange);
-  const RowArrays& row = step.ws.rows;
+  const RowArrays& row = step.regions.rows;
   const bool backward = !p.options.forward_only;
   const std::int64_t nb = p.schedule.token_block;
   LossAccumulator acc(p.config, p.shape.batch, p.shape.seq_len, inputs.batch, max_abs_coef);
@@ -42,7 +41,7 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
   };
 
   // dLoss/dEnt per block row (entropy bonus only).
-  float* const block_entropy_coef = step.ws.entropy_coef.empty() ? nullptr : step.ws.entropy_coef.data();
+  float* const block_entropy_coef = step.regions.entropy_coef.empty() ? nullptr : step.regions.entropy_coef.data();
   if (!p.two_pass) {
     // A block's outputs are written only after its coefficients read every
     // per-token input of its rows (logp may be the very array old_logp is).
@@ -50,7 +49,7 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
       const std::int64_t rows = std::min(nb, p.rows - b0);
       step.forward(b0, rows, backward);
       // A top-entropy mask here means one block holds every row (see the schedule).
-      if (needs_all_rows(p.config)) acc.set_entropy_threshold(row.entropy.data(), step.ws.quantile.data());
+      if (needs_all_rows(p.config)) acc.set_entropy_threshold(row.entropy.data(), step.regions.quantile.data());
       try {
         acc.add_rows(b0, b0 + rows, row.logp.data(), row.entropy.data(), row.coef.data(), row.kl.data(),
                      block_entropy_coef);
@@ -69,7 +68,7 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
     // pass for every logp and entropy, then the coefficients, then (with gradients) the
     // logits again, block by block, and the backward. Nothing is written
     // before the coefficients have read every per-token input.
-    const BatchArrays& all = step.ws.batch;
+    const BatchArrays& all = step.regions.batch;
     float* const entropy_coef_all = all.entropy_coef.empty() ? nullptr : all.entropy_coef.data();
     for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
       const std::int64_t rows = std::min(nb, p.rows - b0);
@@ -77,7 +76,7 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
       std::memcpy(all.logp.data() + b0, row.logp.data(), static_cast<std::size_t>(rows) * sizeof(float));
       std::memcpy(all.entropy.data() + b0, row.entropy.data(), static_cast<std::size_t>(rows) * sizeof(float));
     }
-    if (needs_all_rows(p.config)) acc.set_entropy_threshold(all.entropy.data(), step.ws.quantile.data());
+    if (needs_all_rows(p.config)) acc.set_entropy_threshold(all.entropy.data(), step.regions.quantile.data());
     acc.add_rows(0, p.rows, all.logp.data(), all.entropy.data(), all.coef.data(), all.kl.data(), entropy_coef_all);
     step.write_token_outputs(0, p.rows, all.logp.data(), all.entropy.data(), all.kl.data());
     for (std::int64_t b0 = 0; backward && b0 < p.rows; b0 += nb) {

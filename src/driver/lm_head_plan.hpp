@@ -51,7 +51,7 @@ inline constexpr std::int64_t kDefaultVocabTile = 2048;
 // has exactly forward_rows rows (a partial chunk is staged and zero-padded),
 // and forward_rows depends on the shape, options and budget, never on N.
 // (A backend whose rows do not depend on M takes a shorter last block in
-// calls of its own rows: LmHeadPlanData::forward_tail.)
+// calls of its own rows: ForwardPlan::tail.)
 // 160 = 5 x kRowQuantum: single-thread bf16 AMX brgemm with K = 4096 over a
 // 2048-column tile measured 348 / 508 / 622 / 665 / 588 GFLOP/s at M = 32 / 64 /
 // 128 / 160 / 640, and f32 83 / 150 / 165 / 175 / 176.
@@ -63,73 +63,6 @@ inline constexpr std::int64_t kForwardRows = 160;
 // slots of our AMX backend at the headline (a 640-row logits tile and the
 // GEMMs' packing scratch, 22 MiB each) fit in it at a 256 MiB budget.
 inline constexpr std::size_t kSlotBudgetDivisor = 6;
-// The filtered backward (LmHeadOptions::grad_filter) runs its GEMMs over a
-// block's kept vocabulary columns in groups of this many (the last one
-// zero-padded): dW of one group is a [kKeptTile, H] f32 slot buffer, then
-// added into the kept rows of dW.
-inline constexpr std::int64_t kKeptTile = 256;
-// The filtered backward gives the left-out entries back in a subspace of
-// this many directions (LmHeadStep's tail correction): dhidden in a basis of
-// W's rows, dW in a basis of the block's hidden rows. The left-out entries
-// of a trained model's logits are each tiny but many (~150k per row at Qwen's
-// vocabulary), and their sum points along the few directions most rows of W
-// share; 8 directions, the first their plain sum, take that coherent part.
-inline constexpr std::int64_t kTailRank = 8;
-// Remainders a block row may carry (its entries at or above the filter's
-// threshold: ~12-96 per row on the trained-like inputs, 16 on the A/B head).
-inline constexpr std::int64_t kKeptRemainders = 512;
-// Columns of the tail GEMM operands that carry a rank-k value split in two
-// bf16 halves (hi, lo), and of the dW apply GEMM's [hi, hi, lo] x [hi; lo; hi]
-// (padded to the AMX tile's 32 rows of K).
-inline constexpr std::int64_t kTailPair = 2 * kTailRank;
-inline constexpr std::int64_t kTailApplyLd = 32;
-// The basis of W's rows is sketched from every kTailSketchStride-th row (of
-// a vocab-major W; every row of a hidden-major one, whose sampled rows would
-// be columns two strides apart, which oneDNN's memory descriptors refuse), in
-// GEMMs of kTailRows rows (>= kTailRank + kTailProbes; two AMX tiles of 16).
-inline constexpr std::int64_t kTailSketchStride = 8;
-inline constexpr std::int64_t kTailRows = 32;
-// The guard of grad_filter = auto (LmHeadStep::guard_holds): beside the
-// basis, kTailProbes random directions orthogonal to it ride in the same
-// tail GEMMs; a left-out sum's coordinates along them estimate the norm of
-// what the correction leaves (E sum_j (q_j x)^2 = m |x|^2 / (H - k) for x off
-// the basis). A block runs filtered only while that estimate is within
-// kGuardRatio of the exact step's own error there (its bf16 roundings of the
-// kept entries), for dhidden per block and for dW summed over the call's
-// blocks so far; else it tries a lower threshold (kFilterRungs) or runs the
-// exact GEMMs. Measured over the head families of
-// python/grpo/head_families.py (docs/filtered_backward.md): both estimates
-// within 0.84-1.33x of the errors they estimate, so 0.75 keeps the filtered
-// gradients under the exact step's error there. What the estimate can
-// miss: a left-out sum along one direction only, whose probe coordinates
-// are then a chi-square of m degrees; it passes a block at 1.2x the exact
-// error when that falls under (0.75 / 1.2)^2 = 0.39 of its mean: p = 0.073
-// with 8 probes, 0.0033 with 24 (24 + 8 = the AMX tile's 32 rows).
-inline constexpr std::int64_t kTailProbes = 24;
-inline constexpr std::int64_t kTailCoords = kTailRank + kTailProbes;      // a coordinate row: basis, then probes
-inline constexpr std::int64_t kTailPairProbes = kTailPair + kTailProbes;  // hidden rows' [hi, lo, probes]
-inline constexpr double kGuardRatio = 0.75;
-// A block the guard refuses tries lower thresholds, eps / 4^r for r = 1..5
-// (down to eps / 1024), before the exact GEMMs: what the correction leaves
-// is mostly the sum of many small entries, not a direction a basis could
-// hold. On python/grpo/head_families.py's heads at T=512 H=1024 V=151936
-// (Zen 5) three rungs let 4 of 9 run filtered, six rungs 8 of 9, at
-// 60-99% of the backward left out (docs/filtered_backward.md).
-inline constexpr int kFilterRungs = 6;
-static_assert(kTailCoords <= kTailRows, "the W projection GEMM's rows hold the basis and the probes");
-// A dense row: nearly uniform (entropy above ln V - kDenseRowEntropyGap,
-// support beyond ~V / 20 columns) with entries under the filter's threshold
-// adding up to more than kDenseRowMass of its scale (|a| + |b|, see the
-// rule). Its left-out mass is most of its gradient and points along
-// E_p[W] - mean W, which depends on the row and which no fixed basis holds
-// (measured on the A/B's real head: rows of 9-11.4 nats, 47-430x the exact
-// step's row error after the tail correction). Its dhidden is computed over
-// every column (up to kRowQuantum such rows per block, else the block runs
-// the exact GEMMs). Peaked rows whose tail is heavy (trained-like inputs up
-// to 6 nats) are left to the tail correction, which holds them.
-inline constexpr float kDenseRowMass = 0.25F;
-inline constexpr float kDenseRowEntropyGap = 3.0F;
-inline constexpr std::int64_t kDenseRows = 8;
 
 // The padded row counts a block's backward GEMMs are created for (one GEMM
 // shape per rung), in one place for the plan (create_gemms) and the step
@@ -162,6 +95,18 @@ class RowLadder {
  private:
   std::vector<std::int64_t> rows_;
 };
+
+// v rounded up to a multiple of q.
+inline std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
+
+// `rows` (a multiple of kRowQuantum) in equal calls of at most `cap` rows
+// (0: one call): how many calls, and the rows of each (a multiple of
+// kRowQuantum; the last call's are padded when the calls do not divide them).
+inline std::int64_t calls_of(std::int64_t rows, std::int64_t cap) { return cap > 0 ? (rows + cap - 1) / cap : 1; }
+inline std::int64_t rows_per_call(std::int64_t rows, std::int64_t cap) {
+  const std::int64_t calls = calls_of(rows, cap);
+  return round_up((rows + calls - 1) / calls, kRowQuantum);
+}
 
 // A value with a "full" and a "remainder" variant (last block, last tile, last chunk).
 template <class T>
@@ -214,7 +159,40 @@ class BindingPool {
   std::vector<std::unique_ptr<Set>> free_;
 };
 
+// The forward pass's GEMMs (ForwardPass, lm_head_forward.cpp).
+struct ForwardPlan {
+  // The logits tile: [forward_rows] x [tile or last tile].
+  FullAndLast<std::unique_ptr<kernels::Gemm>> gemms;
+  // The last token block's, when it is shorter than the others and the
+  // forward calls' rows do not depend on M (ours, GemmTraits::m_independent:
+  // the same bits): [tail_rows] x [tile or last tile], in as many calls as a
+  // block's at most, for the last block's tail_block rows (rounded up to
+  // kRowQuantum). Null otherwise (the last block is zero-padded to forward_rows).
+  FullAndLast<std::unique_ptr<kernels::Gemm>> tail;
+  std::int64_t tail_rows = 0;
+  std::int64_t tail_block = 0;
+};
+
+// The dense backward's GEMMs (DenseBackward, lm_head_backward.cpp), indexed
+// by row_ladder.index_of(padded active rows).
+struct DenseBackwardPlan {
+  // dweight tile: [tile kind][overwrite=0 / accumulate=1].
+  std::vector<FullAndLast<std::array<std::unique_ptr<kernels::Gemm>, 2>>> dweight;
+  // dhidden chunk: [chunk kind].
+  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden;
+};
+
+// The filtered backward's plan (filter_plan.hpp).
+struct FilterPlan;
+
+// The plan's common core (shape, schedule, workspace layout, bindings) and
+// one plan per phase.
 struct LmHeadPlanData {
+  LmHeadPlanData();
+  ~LmHeadPlanData();
+  LmHeadPlanData(const LmHeadPlanData&) = delete;
+  LmHeadPlanData& operator=(const LmHeadPlanData&) = delete;
+
   LmHeadShape shape;
   LossConfig config;
   LmHeadOptions options;
@@ -239,72 +217,16 @@ struct LmHeadPlanData {
   // arena): schedule.slots is fewer when the budget holds fewer (describe()
   // says so).
   int threads = 1;
-  // The filtered backward (LmHeadOptions::grad_filter; LmHeadStep::backward):
-  // eps (0: off), the kept columns' GEMM group (kKeptTile, or less for a
-  // small vocabulary) and the most kept columns a block may have and still
-  // run filtered (a multiple of kept_tile, <= V: the row stride of the
-  // compacted dlogits, written in place over the block buffer).
-  float grad_filter = 0.0F;
-  std::int64_t kept_tile = 0;
-  std::int64_t kept_cap = 0;
-  // With bf16 dlogits the kept entries also carry their rounding's remainder
-  // (lo = g - bf16(g), a second bf16 GEMM pass): per block row, room for the
-  // remainders of this many entries at or above the row's threshold
-  // (Region::kept_lo, kKeptRemainders); a block with a row holding more runs
-  // the exact GEMMs. 0 with f32 dlogits (nothing to carry).
-  std::int64_t kept_lo_cap = 0;
-  // The tail correction's rank (kTailRank; 0: filter off) and the stride of
-  // the W rows its sketch samples (kTailSketchStride or 1).
-  std::int64_t tail_rank = 0;
-  std::int64_t tail_stride = 1;
-  // grad_filter = auto: a block runs filtered only where the guard's
-  // estimate of what the filter leaves out holds (kGuardRatio).
-  bool filter_guard = false;
-
   std::unique_ptr<kernels::GemmEngine> engine;
-  // Forward logits tile: [forward_rows] x [tile or last tile].
-  FullAndLast<std::unique_ptr<kernels::Gemm>> forward;
-  // The last token block's, when it is shorter than the others and the
-  // forward calls' rows do not depend on M (ours, GemmTraits::m_independent:
-  // the same bits): [forward_tail_rows] x [tile or last tile], in as many
-  // calls as a block's at most, for the last block's forward_tail_block rows
-  // (rounded up to kRowQuantum). Null otherwise (the last block is
-  // zero-padded to forward_rows).
-  FullAndLast<std::unique_ptr<kernels::Gemm>> forward_tail;
-  std::int64_t forward_tail_rows = 0;
-  std::int64_t forward_tail_block = 0;
-  // The backward GEMMs' padded rows; the vectors below are indexed by its rungs.
+  // The backward GEMMs' padded rows (both strategies' GEMMs are indexed by its rungs).
   RowLadder row_ladder;
-  // Backward, indexed by row_ladder.index_of(padded active rows).
-  // dweight tile: [tile kind][overwrite=0 / accumulate=1].
-  std::vector<FullAndLast<std::array<std::unique_ptr<kernels::Gemm>, 2>>> dweight;
-  // dhidden chunk: [chunk kind].
-  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden;
-  // The filtered backward's, indexed alike: dW of a group of kept columns
-  // into a slot's f32 [kept_tile, H] (empty with frozen_weight); dhidden
-  // chunk += kept dlogits [k, kept_tile] x the group's gathered W rows
-  // [kept_tile, chunk] (ld hidden_chunk) [chunk kind].
-  std::vector<std::unique_ptr<kernels::Gemm>> dweight_kept;
-  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> dhidden_kept;
-  // dweight_kept accumulating (the remainders' pass), with kept_lo_cap.
-  std::vector<std::unique_ptr<kernels::Gemm>> dweight_kept_lo;
-  // The tail correction's (tail_rank > 0; see LmHeadStep::tail_block), per
-  // rung: dlogits tile [k, cols] x A tile [cols, kTailRank] -> f32 [k,
-  // kTailRank]; dlogits tile^T [cols, k] x the hidden rows' coordinates [k,
-  // kTailPair] -> f32 [cols, kTailPair] (empty with frozen_weight); the active
-  // hidden rows [k, H] x the hidden basis^T [H, kTailRank] -> f32.
-  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> tail_dhidden;
-  std::vector<FullAndLast<std::unique_ptr<kernels::Gemm>>> tail_dweight;
-  std::vector<std::unique_ptr<kernels::Gemm>> tail_hidden;
-  // Per call: W's basis rows [kTailRows, H] x W tile^T -> f32 [kTailRows,
-  // cols] (A = W B^T), and dW tile += C [cols, kTailApplyLd] x D
-  // [kTailApplyLd, H] (either layout; empty with frozen_weight).
-  FullAndLast<std::unique_ptr<kernels::Gemm>> tail_project;
-  // Omega [kTailRows, V / tail_stride] x W's sampled rows [., chunk] -> f32 [kTailRows, chunk] (ld H).
-  FullAndLast<std::unique_ptr<kernels::Gemm>> tail_sketch;
-  // The dense rows' dhidden chunk: their dlogits [kDenseRows, V] x W[:, chunk] (dhidden's spec).
-  FullAndLast<std::unique_ptr<kernels::Gemm>> dense_dhidden;
-  FullAndLast<std::unique_ptr<kernels::Gemm>> tail_apply;
+  // One plan per phase, each with its own GEMMs (and workspace regions,
+  // booked by book_workspace): the forward pass, the dense backward, and the
+  // filtered backward when LmHeadOptions::grad_filter chose it (null: the
+  // dense backward runs every block).
+  ForwardPlan forward;
+  DenseBackwardPlan backward;
+  std::unique_ptr<FilterPlan> filter;
   std::size_t max_scratchpad = 0;
   // Bytes of the packed hidden rows: every forward chunk of a block, or the
   // block's active rows for dW, whichever is more (0: the backend packs nothing).
@@ -339,6 +261,34 @@ struct DweightTile {
   }
 };
 
+// Builds a plan's GEMMs (lm_head_schedule.cpp): each indexed for the plan's
+// bindings, the largest scratchpad any of them asks (with its shared operand
+// packed) kept for the slots.
+class GemmFactory {
+ public:
+  explicit GemmFactory(LmHeadPlanData& plan) : plan_(plan) {}
+  std::unique_ptr<kernels::Gemm> make(const kernels::GemmSpec& spec);
+  std::size_t max_scratchpad() const { return scratch_; }
+
+ private:
+  LmHeadPlanData& plan_;
+  std::size_t scratch_ = 0;
+};
+
+// The forward logits tile: hidden block [rows, H] x W^T tile [H, cols] -> f32
+// [rows, cols] (ld tile_ld) (lm_head_forward.cpp).
+kernels::GemmSpec forward_spec(const LmHeadShape& s, std::int64_t rows, std::int64_t cols, std::int64_t tile_ld);
+// dhidden chunk: dl [k, V] (ld V) x W[:, chunk] [V, cols] -> f32 [k, cols] (ld H) (lm_head_backward.cpp).
+kernels::GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std::int64_t cols);
+
+// Each phase's GEMMs for the plan's block (the plan's core already chosen),
+// and its regions of the step's workspace. packed: the bytes of the packed
+// hidden rows, raised to what the phase's GEMMs need.
+void create_forward_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* packed);
+void book_forward(const LmHeadPlanData& p, bool packed_estimate, WorkspaceRegistry& w);
+void create_dense_backward_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* packed);
+void book_dense_backward(const LmHeadPlanData& p, WorkspaceRegistry& w);
+
 // The token block and GEMM rows a plan chose; a plan over a vocab group is
 // rebuilt with the group's smallest (scale_out.cpp), so its per-block
 // exchanges pair up.
@@ -346,12 +296,6 @@ struct BlockChoice {
   std::int64_t token_block = 0;
   std::int64_t forward_rows = 0;
 };
-
-// The tail correction's workspace dimensions (rank 0 when it is off).
-inline TailRegions::Dims tail_dims(const LmHeadPlanData& p) {
-  return {p.shape.vocab, p.shape.hidden, p.tiles,     p.tail_rank, size_of(p.dlogits_dtype), size_of(p.shape.dtype),
-          kTailApplyLd,  kDenseRows,     kRowQuantum, kTailCoords, kTailPairProbes};
-}
 
 // The vocab tile a plan of this shape and options uses.
 inline std::int64_t plan_vocab_tile(const LmHeadShape& shape, const LmHeadOptions& options) {

@@ -10,7 +10,9 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <vector>
 
+#include "driver/filter_plan.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
@@ -26,172 +28,31 @@ using kernels::GemmSpec;
 // only grows the per-slot GEMM tile without saving passes over W worth having.
 constexpr std::int64_t kMaxForwardOnlyBlock = 1024;
 
-std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
-
-bool vocab_major(const LmHeadShape& s) { return s.layout == WeightLayout::vocab_major; }
-
-// The forward logits tile: hidden block [rows, H] x W^T tile [H, cols] -> f32 [rows, cols] (ld cols).
-GemmSpec forward_spec(const LmHeadShape& s, std::int64_t rows, std::int64_t cols, std::int64_t tile_ld) {
-  GemmSpec g;
-  g.a = {s.dtype, rows, s.hidden, s.hidden_ld, 1};
-  g.b = vocab_major(s) ? GemmOperand{s.dtype, s.hidden, cols, 1, s.weight_ld}
-                       : GemmOperand{s.dtype, s.hidden, cols, s.weight_ld, 1};
-  g.c = {DType::f32, rows, cols, tile_ld, 1};
-  g.has_bias = s.has_bias;
-  g.bias_dtype = s.bias_dtype;
-  g.shared = kernels::SharedOperand::a;  // the block's hidden rows, for every vocab tile
-  return g;
-}
-
-// dhidden chunk: dl [k, V] (ld V) x W[:, chunk] [V, cols] -> f32 [k, cols] (ld H).
-GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std::int64_t cols) {
-  GemmSpec g;
-  g.a = {dl_dtype, k, s.vocab, s.vocab, 1};
-  g.b = vocab_major(s) ? GemmOperand{s.dtype, s.vocab, cols, s.weight_ld, 1}
-                       : GemmOperand{s.dtype, s.vocab, cols, 1, s.weight_ld};
-  g.c = {DType::f32, k, cols, s.hidden, 1};
-  return g;
-}
-
-// The filtered backward's dW of one group of kept columns: the compacted
-// dlogits' columns [k, kept_tile] (ld kept_cap) transposed x the active
-// hidden rows [k, H] -> f32 [kept_tile, H] (a slot's buffer), for either
-// weight layout (the rows are added into dW's kept rows or columns after).
-GemmSpec dweight_kept_spec(const LmHeadPlanData& p, std::int64_t k) {
-  const LmHeadShape& s = p.shape;
-  GemmSpec g;
-  g.a = {p.dlogits_dtype, p.kept_tile, k, 1, p.kept_cap};
-  g.b = {s.dtype, k, s.hidden, s.hidden_ld, 1};
-  g.c = {DType::f32, p.kept_tile, s.hidden, s.hidden, 1};
-  g.shared = kernels::SharedOperand::b;  // the active hidden rows, for every group
-  return g;
-}
-
-// The filtered backward's dhidden chunk: += compacted dlogits [k, kept_tile]
-// (ld kept_cap) x the group's W rows gathered into [kept_tile, cols] (ld
-// hidden_chunk) -> f32 [k, cols] (ld H).
-GemmSpec dhidden_kept_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
-  const LmHeadShape& s = p.shape;
-  GemmSpec g;
-  g.a = {p.dlogits_dtype, k, p.kept_tile, p.kept_cap, 1};
-  g.b = {s.dtype, p.kept_tile, cols, p.hidden_chunk, 1};
-  g.c = {DType::f32, k, cols, s.hidden, 1};
-  g.accumulate = true;
-  return g;
-}
-
-// The tail correction's GEMMs (LmHeadStep::tail_block). dhidden's: the
-// block's dlogits tile [k, cols] (ld V) x A's rows [cols, kTailRank].
-GemmSpec tail_dhidden_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
-  GemmSpec g;
-  g.a = {p.dlogits_dtype, k, cols, p.shape.vocab, 1};
-  g.b = {p.dlogits_dtype, cols, kTailCoords, kTailCoords, 1};
-  g.c = {DType::f32, k, kTailCoords, kTailCoords, 1};
-  return g;
-}
-
-// dW's: the dlogits tile transposed [cols, k] x the hidden rows' coordinates
-// and probes [k, kTailPairProbes].
-GemmSpec tail_dweight_spec(const LmHeadPlanData& p, std::int64_t k, std::int64_t cols) {
-  GemmSpec g;
-  g.a = {p.dlogits_dtype, cols, k, 1, p.shape.vocab};
-  g.b = {p.dlogits_dtype, k, kTailPairProbes, kTailPairProbes, 1};
-  g.c = {DType::f32, cols, kTailPairProbes, kTailPairProbes, 1};
-  return g;
-}
-
-// The hidden rows' coordinates: active hidden rows [k, H] x the basis and probes^T [H, kTailCoords].
-GemmSpec tail_hidden_spec(const LmHeadPlanData& p, std::int64_t k) {
-  const LmHeadShape& s = p.shape;
-  GemmSpec g;
-  g.a = {s.dtype, k, s.hidden, s.hidden_ld, 1};
-  g.b = {s.dtype, s.hidden, kTailCoords, 1, s.hidden};
-  g.c = {DType::f32, k, kTailCoords, kTailCoords, 1};
-  return g;
-}
-
-// The sketch of W's basis: Omega [kTailRows, V / stride] (ld V / stride) x
-// every tail_stride-th row of W [V / stride, cols] -> f32 [kTailRows, cols] (ld H).
-GemmSpec tail_sketch_spec(const LmHeadPlanData& p, std::int64_t cols) {
-  const LmHeadShape& s = p.shape;
-  const std::int64_t sampled = (s.vocab + p.tail_stride - 1) / p.tail_stride;
-  GemmSpec g;
-  g.a = {p.dlogits_dtype, kTailRows, sampled, sampled, 1};
-  g.b = vocab_major(s) ? GemmOperand{s.dtype, sampled, cols, p.tail_stride * s.weight_ld, 1}
-                       : GemmOperand{s.dtype, sampled, cols, 1, s.weight_ld};
-  g.c = {DType::f32, kTailRows, cols, s.hidden, 1};
-  return g;
-}
-
-// dW tile of cols vocab columns += C [cols, K] (ld kTailApplyLd) x D [K, H],
-// K = kTailApplyLd for bf16 dlogits (C's [hi, hi, lo] x D's [hi; lo; hi],
-// zero-padded), kTailRank for f32.
-GemmSpec tail_apply_spec(const LmHeadPlanData& p, std::int64_t cols) {
-  const LmHeadShape& s = p.shape;
-  const std::int64_t kk = p.dlogits_dtype == DType::bf16 ? kTailApplyLd : kTailRank;
-  GemmSpec g;
-  if (vocab_major(s)) {
-    g.a = {p.dlogits_dtype, cols, kk, kTailApplyLd, 1};
-    g.b = {p.dlogits_dtype, kk, s.hidden, s.hidden, 1};
-    g.c = {p.options.dweight_dtype, cols, s.hidden, s.dweight_ld, 1};
-  } else {
-    g.a = {p.dlogits_dtype, s.hidden, kk, 1, s.hidden};
-    g.b = {p.dlogits_dtype, kk, cols, 1, kTailApplyLd};
-    g.c = {p.options.dweight_dtype, s.hidden, cols, s.dweight_ld, 1};
-  }
-  g.accumulate = true;
-  return g;
-}
-
-// The slot's GEMM tile: the forward's logits tile; under the filter also the
-// kept columns' f32 dW buffer and the gathered W rows (never at once).
+// The slot's GEMM tile: the forward's logits tile; under the filter also its
+// per-slot buffers (filter_slot_tile_bytes).
 std::size_t slot_tile_bytes(const LmHeadPlanData& p) {
-  std::size_t b = static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float);
-  if (p.kept_cap > 0) {
-    b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.shape.hidden) * sizeof(float));
-    b = std::max(b, static_cast<std::size_t>(p.kept_tile * p.hidden_chunk) * size_of(p.shape.dtype));
-    // The tail correction's W projection tile [kTailRows, tile]; its dW
-    // coordinates [tile, kTailPairProbes], the kept columns' A rows [tile,
-    // kTailCoords] and places [tile]; the remainders' row, marks and columns.
-    b = std::max(
-        b, static_cast<std::size_t>(std::max(kTailRows, kTailPairProbes + kTailCoords + 1) * p.schedule.vocab_tile) *
-               sizeof(float));
-  }
-  return b;
+  const std::size_t b = static_cast<std::size_t>(p.forward_rows * p.schedule.vocab_tile) * sizeof(float);
+  return p.filter ? std::max(b, filter_slot_tile_bytes(p)) : b;
 }
 
-std::size_t store_bytes(const LmHeadPlanData& p) { return p.store_type == kernels::Elem::f32 ? 4 : 2; }
-
-// Books every region of the step's workspace. Before the GEMMs exist
+// Books every region of the step's workspace: each phase its own, the loss
+// stage's per-batch arrays and the exchange here. Before the GEMMs exist
 // (packed_estimate), the packed hidden rows are booked as about one bf16 row
 // per block row; after, as the bytes the backend asked for.
 WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) {
-  const LmHeadShape& s = p.shape;
-  const std::size_t in_size = size_of(s.dtype);
-  const bool backward = !p.options.forward_only;
   const auto rows = static_cast<std::size_t>(p.rows);
   WorkspaceRegistry w;
-  w.book(Region::block, backward ? static_cast<std::size_t>(s.vocab) * store_bytes(p) : 0);
-  w.book(Region::stage, 0, static_cast<std::size_t>(p.forward_rows * s.hidden_ld) * in_size);
-  w.book(Region::tile_stats, static_cast<std::size_t>(p.tiles) * sizeof(kernels::RowStats));
-  w.book(Region::row_arrays, RowArrays::kBytesPerRow);
-  w.book(Region::hidden_act, backward ? static_cast<std::size_t>(s.hidden_ld) * in_size : 0);
-  w.book(Region::dhidden_act, backward ? static_cast<std::size_t>(s.hidden) * sizeof(float) : 0);
-  if (packed_estimate) {
-    w.book(Region::packed_hidden, s.dtype == DType::bf16 ? static_cast<std::size_t>(s.hidden) * 2 : 0);
-  } else {
-    w.book(Region::packed_hidden, 0, p.packed_hidden_bytes);
+  book_forward(p, packed_estimate, w);
+  book_dense_backward(p, w);
+  if (p.filter) book_filter(p, w);
+  if (p.two_pass) {
+    const std::vector<WorkspacePiece> batch(BatchArrays::arrays(p.entropy_bonus), {0, rows * sizeof(float), 1});
+    w.book_pieces(Region::batch_arrays, batch);
   }
-  w.book(Region::batch_arrays, 0, p.two_pass ? BatchArrays::arrays(p.entropy_bonus) * rows * sizeof(float) : 0);
   w.book(Region::entropy_coef, p.entropy_bonus ? sizeof(float) : 0);
   w.book(Region::quantile, 0, needs_all_rows(p.config) ? rows * sizeof(float) : 0);
   w.book(Region::exchange, p.scale_out ? p.scale_out->bytes_per_row() : 0,
          p.scale_out ? p.scale_out->fixed_bytes() : 0);
-  w.book(Region::kept_columns, 0, p.kept_cap > 0 ? KeptColumns::bytes(s.vocab, p.tiles) : 0);
-  w.book(Region::kept_lo, p.kept_lo_cap > 0 ? KeptRemainders::bytes_per_row(p.kept_lo_cap) : 0);
-  const TailRegions::Dims tail = tail_dims(p);
-  w.book(Region::tail, tail.rank > 0 ? TailRegions::per_row_bytes(tail) : 0,
-         tail.rank > 0 ? TailRegions::fixed_bytes(tail) : 0);
   w.book_slot(slot_tile_bytes(p), p.max_scratchpad);
   return w;
 }
@@ -236,142 +97,36 @@ std::size_t bytes_since(const MemorySample& before) {
   return std::max(growth(before.heap, now.heap), growth(before.anon_resident, now.anon_resident));
 }
 
-// `rows` (a multiple of kRowQuantum) in equal calls of at most `cap` rows
-// (0: one call): how many calls, and the rows of each (a multiple of
-// kRowQuantum; the last call's are padded when the calls do not divide them).
-std::int64_t calls_of(std::int64_t rows, std::int64_t cap) { return cap > 0 ? (rows + cap - 1) / cap : 1; }
-std::int64_t rows_per_call(std::int64_t rows, std::int64_t cap) {
-  const std::int64_t calls = calls_of(rows, cap);
-  return round_up((rows + calls - 1) / calls, kRowQuantum);
-}
-
-// Every GEMM of the plan, gone (before another try of the block builds its own).
-void release_gemms(LmHeadPlanData& p) {
+// Builds every phase's GEMMs for the plan's block; returns the bytes they took (bytes_since).
+std::size_t create_gemms(LmHeadPlanData& p) {
+  // Every GEMM of an earlier try of the block, gone before this one builds its own.
   p.gemms.clear();
   p.forward = {};
-  p.forward_tail = {};
-  p.forward_tail_rows = 0;
-  p.forward_tail_block = 0;
-  p.dweight.clear();
-  p.dhidden.clear();
-  p.dweight_kept.clear();
-  p.dhidden_kept.clear();
-  p.dweight_kept_lo.clear();
-  p.tail_dhidden.clear();
-  p.tail_dweight.clear();
-  p.tail_hidden.clear();
-  p.tail_project = {};
-  p.tail_sketch = {};
-  p.dense_dhidden = {};
-  p.tail_apply = {};
-}
-
-// Builds the GEMMs for the plan's block; returns the bytes they took (bytes_since).
-std::size_t create_gemms(LmHeadPlanData& p) {
-  const LmHeadShape& s = p.shape;
-  const std::int64_t vt = p.schedule.vocab_tile;
-  const std::int64_t last_tile = s.vocab - (p.tiles - 1) * vt;
-  const kernels::GemmEngine& e = *p.engine;
-  release_gemms(p);
+  p.backward = {};
+  if (p.filter) p.filter->release_gemms();
   const MemorySample before = sample_memory();
-  std::size_t scratch = 0;
-  auto make = [&](const GemmSpec& spec) {
-    auto g = std::make_unique<Gemm>(e, spec);
-    // The step runs every GEMM with a shared operand on it packed.
-    scratch = std::max(scratch, g->scratchpad_bytes_with_packed());
-    g->set_index(p.gemms.size());
-    p.gemms.push_back(g.get());
-    return g;
-  };
-  p.forward.full = make(forward_spec(s, p.forward_rows, vt, vt));
-  p.forward.last = make(forward_spec(s, p.forward_rows, last_tile, last_tile));
-  // Full and last tiles pack the shared hidden rows alike (only W's side differs).
-  std::size_t packed =
-      static_cast<std::size_t>(p.block_rows_alloc / p.forward_rows) * p.forward.full->shared_packed_bytes();
-  // A shorter last block, when the block's forward calls are ours (rows
-  // independent of M): GEMMs of its own, as many calls as a block's at most,
-  // so it computes its rows (rounded up to kRowQuantum), not the block's
-  // (T = 8192 in 640-row blocks: 512 rows, not 640, in the last).
-  const std::int64_t block = p.schedule.token_block;
-  const std::int64_t tail_rows = round_up(p.rows - (p.rows - 1) / block * block, kRowQuantum);
-  if (tail_rows < p.block_rows_alloc && p.forward.full->traits().m_independent) {
-    const std::int64_t calls = calls_of(tail_rows, p.forward_rows);
-    p.forward_tail_block = tail_rows;
-    p.forward_tail_rows = rows_per_call(tail_rows, p.forward_rows);
-    p.forward_tail.full = make(forward_spec(s, p.forward_tail_rows, vt, vt));
-    p.forward_tail.last = make(forward_spec(s, p.forward_tail_rows, last_tile, last_tile));
-    packed = std::max(packed, static_cast<std::size_t>(calls) * p.forward_tail.full->shared_packed_bytes());
-  }
+  GemmFactory make(p);
+  std::size_t packed = 0;
+  create_forward_gemms(p, make, &packed);
   p.row_ladder = RowLadder();
   if (!p.options.forward_only) {
-    const std::int64_t last_chunk = s.hidden - (p.hidden_chunks - 1) * p.hidden_chunk;
-    const std::int64_t chunk = std::min(p.hidden_chunk, s.hidden);
     // The dense rungs when every backward GEMM is one of ours (GemmTraits::
     // m_independent: ours are, oneDNN's are not), whose objects are cheap
     // (see kLadderRungsOwn); the backend does not depend on the rows.
     const auto ours = [](const GemmSpec& spec) { return kernels::gemm_traits(spec).m_independent; };
-    const DweightTile dw_tile{s};
+    const LmHeadShape& s = p.shape;
+    const std::int64_t chunk = std::min(p.hidden_chunk, s.hidden);
     bool cheap = ours(dhidden_spec(s, p.dlogits_dtype, kRowQuantum, chunk));
     if (!p.options.frozen_weight) {
-      cheap = cheap && ours(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, kRowQuantum, vt, false));
+      cheap = cheap && ours(DweightTile{s}.spec(p.dlogits_dtype, p.options.dweight_dtype, kRowQuantum,
+                                                p.schedule.vocab_tile, false));
     }
-    if (p.kept_cap > 0) {
-      cheap = cheap && ours(dhidden_kept_spec(p, kRowQuantum, chunk)) &&
-              (p.options.frozen_weight || ours(dweight_kept_spec(p, kRowQuantum)));
-    }
+    if (p.filter) cheap = cheap && filter_gemms_m_independent(p, chunk);
     p.row_ladder = RowLadder(p.block_rows_alloc, cheap ? kLadderRungsOwn : kLadderRungsOnednn);
-    for (const std::int64_t k : p.row_ladder.entries()) {
-      auto& dw = p.dweight.emplace_back();
-      for (int acc = 0; acc < 2 && !p.options.frozen_weight; ++acc) {
-        dw.full[acc] = make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
-        dw.last[acc] = make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
-      }
-      if (!p.options.frozen_weight) packed = std::max(packed, dw.full[0]->shared_packed_bytes());
-      auto& dh = p.dhidden.emplace_back();
-      dh.full = make(dhidden_spec(s, p.dlogits_dtype, k, chunk));
-      dh.last = make(dhidden_spec(s, p.dlogits_dtype, k, last_chunk));
-      if (p.kept_cap == 0) continue;
-      if (!p.options.frozen_weight) {
-        p.dweight_kept.push_back(make(dweight_kept_spec(p, k)));
-        packed = std::max(packed, p.dweight_kept.back()->shared_packed_bytes());
-      }
-      auto& dhk = p.dhidden_kept.emplace_back();
-      dhk.full = make(dhidden_kept_spec(p, k, chunk));
-      dhk.last = make(dhidden_kept_spec(p, k, last_chunk));
-      if (p.kept_lo_cap > 0 && !p.options.frozen_weight) {
-        GemmSpec lo = dweight_kept_spec(p, k);
-        lo.accumulate = true;
-        p.dweight_kept_lo.push_back(make(lo));
-      }
-      if (p.tail_rank == 0) continue;
-      auto& tdh = p.tail_dhidden.emplace_back();
-      tdh.full = make(tail_dhidden_spec(p, k, vt));
-      tdh.last = make(tail_dhidden_spec(p, k, last_tile));
-      auto& tdw = p.tail_dweight.emplace_back();
-      if (!p.options.frozen_weight) {
-        tdw.full = make(tail_dweight_spec(p, k, vt));
-        tdw.last = make(tail_dweight_spec(p, k, last_tile));
-      }
-      p.tail_hidden.push_back(make(tail_hidden_spec(p, k)));
-    }
-    if (p.tail_rank > 0) {
-      GemmSpec full = forward_spec(s, kTailRows, vt, vt);
-      GemmSpec last = forward_spec(s, kTailRows, last_tile, last_tile);
-      full.has_bias = last.has_bias = false;
-      full.shared = last.shared = kernels::SharedOperand::none;
-      p.tail_project.full = make(full);
-      p.tail_project.last = make(last);
-      p.tail_sketch.full = make(tail_sketch_spec(p, chunk));
-      p.tail_sketch.last = make(tail_sketch_spec(p, last_chunk));
-      p.dense_dhidden.full = make(dhidden_spec(s, p.dlogits_dtype, kDenseRows, chunk));
-      p.dense_dhidden.last = make(dhidden_spec(s, p.dlogits_dtype, kDenseRows, last_chunk));
-      if (!p.options.frozen_weight) {
-        p.tail_apply.full = make(tail_apply_spec(p, vt));
-        p.tail_apply.last = make(tail_apply_spec(p, last_tile));
-      }
-    }
+    create_dense_backward_gemms(p, make, &packed);
+    if (p.filter) create_filter_gemms(p, make, &packed);
   }
-  p.max_scratchpad = scratch;
+  p.max_scratchpad = make.max_scratchpad();
   p.packed_hidden_bytes = packed;
   return bytes_since(before);
 }
@@ -382,6 +137,18 @@ std::string budget_error(std::size_t budget, std::size_t need) {
 }
 
 }  // namespace
+
+LmHeadPlanData::LmHeadPlanData() = default;
+LmHeadPlanData::~LmHeadPlanData() = default;
+
+std::unique_ptr<Gemm> GemmFactory::make(const GemmSpec& spec) {
+  auto g = std::make_unique<Gemm>(*plan_.engine, spec);
+  // The step runs every GEMM with a shared operand on it packed.
+  scratch_ = std::max(scratch_, g->scratchpad_bytes_with_packed());
+  g->set_index(plan_.gemms.size());
+  plan_.gemms.push_back(g.get());
+  return g;
+}
 
 GemmSpec DweightTile::spec(DType dlogits, DType dweight, std::int64_t k, std::int64_t cols, bool accumulate) const {
   const LmHeadShape& s = shape;
@@ -442,23 +209,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->dlogits_dtype = shape.dtype;
   p->engine = std::make_unique<kernels::GemmEngine>();
   p->entropy_bonus = config.entropy_coef != 0.0F;
-  if (options.grad_filter != 0.0 && !options.forward_only) {
-    // auto: eps(weight dtype) / 32: 2^-7 / 32 for bf16, 2^-23 / 32 for f32.
-    p->grad_filter = options.grad_filter == kGradFilterAuto ? std::ldexp(1.0F, shape.dtype == DType::bf16 ? -12 : -28)
-                                                            : static_cast<float>(options.grad_filter);
-    // A block runs filtered while its kept columns fit in half of V, in
-    // groups of kKeptTile columns (fewer, a multiple of kRowQuantum, for a
-    // small vocabulary; one under 2 kRowQuantum columns is never filtered).
-    p->kept_tile = std::min(kKeptTile, shape.vocab / 2 / kRowQuantum * kRowQuantum);
-    if (p->kept_tile > 0) p->kept_cap = shape.vocab / 2 / p->kept_tile * p->kept_tile;
-    if (p->kept_cap > 0) {
-      p->tail_rank = kTailRank;
-      p->filter_guard = options.grad_filter == kGradFilterAuto;
-      p->tail_stride = shape.layout == WeightLayout::vocab_major ? kTailSketchStride : 1;
-      // Room for the remainders of kKeptRemainders entries per row.
-      if (shape.dtype == DType::bf16) p->kept_lo_cap = kKeptRemainders;
-    }
-  }
+  p->filter = make_filter_plan(shape, options);  // the backward strategy: null = dense
 
   // The schedule is a function of the shape, the options and the budget: the
   // thread count only decides how many slots run at once (see kSlotBudgetDivisor).

@@ -24,8 +24,8 @@ void run_log_prob_forward(const LmHeadPlanData& p, const LmHeadInputs& inputs, c
   for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
     const std::int64_t rows = std::min(nb, p.rows - b0);
     step.forward(b0, rows, false);
-    step.write_token_outputs(b0, rows, step.ws.rows.logp.data(), step.ws.rows.entropy.data(),
-                             step.ws.rows.kl.data());  // kl output absent
+    step.write_token_outputs(b0, rows, step.regions.rows.logp.data(), step.regions.rows.entropy.data(),
+                             step.regions.rows.kl.data());  // kl output absent
   }
   if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
 }

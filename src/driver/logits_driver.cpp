@@ -5,7 +5,7 @@
 #include <string>
 #include <utility>
 
-#include "api/buffer.hpp"
+#include "driver/buffer.hpp"
 #include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
 #include "driver/row_math.hpp"
