@@ -164,6 +164,18 @@ void create_filter_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* pack
 void book_filter(const LmHeadPlanData& p, WorkspaceRegistry& w);
 std::size_t filter_slot_tile_bytes(const LmHeadPlanData& p);
 
+// The filter's uses of a slot's GEMM tile booked in pieces
+// (WorkspaceRegistry::book_slot_pieces), and their pieces:
+//   marked_row  one row's f32 dlogits [tile], its own marks [tile] and their
+//               columns [tile] (bf16 dlogits: FilteredBackward::tile_dlogits)
+//   tail_terms  a tile's dW coordinates [tile, kTailPairProbes], the kept
+//               columns' A rows [tile, kTailCoords] and places [tile] (tail_block)
+struct FilterSlotUse {
+  static constexpr std::size_t kMarkedRow = 0, kTailTerms = 1;
+  static constexpr std::size_t kRow = 0, kOwnMarks = 1, kFound = 2;   // marked_row's pieces
+  static constexpr std::size_t kCoords = 0, kKeptA = 1, kKeptAt = 2;  // tail_terms'
+};
+
 // The filtered backward's per-block bookkeeping (Region::kept_columns):
 // a mark per vocab column, the kept columns (each tile's at its first column,
 // then all of them from 0), and each tile's count.
