@@ -229,6 +229,16 @@ void book_filter(const LmHeadPlanData& p, WorkspaceRegistry& w) {
       {tiles * sizeof(float), 0},                              // err_w
   }};
   w.book_pieces(Region::tail, tail);
+  const auto vt = static_cast<std::size_t>(p.schedule.vocab_tile);
+  const std::array<WorkspacePiece, 3> marked_row{{{0, vt * sizeof(float), alignof(float)},
+                                                  {0, vt * sizeof(std::uint8_t), alignof(std::int32_t)},
+                                                  {0, vt * sizeof(std::int32_t), alignof(std::int32_t)}}};
+  w.book_slot_pieces(FilterSlotUse::kMarkedRow, marked_row);
+  const std::array<WorkspacePiece, 3> tail_terms{
+      {{0, vt * static_cast<std::size_t>(kTailPairProbes) * sizeof(float), alignof(float)},
+       {0, vt * kc * sizeof(float), alignof(float)},
+       {0, vt * sizeof(std::int32_t), alignof(std::int32_t)}}};
+  w.book_slot_pieces(FilterSlotUse::kTailTerms, tail_terms);
 }
 
 std::size_t filter_slot_tile_bytes(const LmHeadPlanData& p) {
@@ -236,9 +246,8 @@ std::size_t filter_slot_tile_bytes(const LmHeadPlanData& p) {
   // The kept columns' f32 dW buffer and the gathered W rows (never at once).
   std::size_t b = static_cast<std::size_t>(f.kept_tile * p.shape.hidden) * sizeof(float);
   b = std::max(b, static_cast<std::size_t>(f.kept_tile * p.hidden_chunk) * size_of(p.shape.dtype));
-  // The tail correction's W projection tile [kTailRows, tile]; its dW
-  // coordinates [tile, kTailPairProbes], the kept columns' A rows [tile,
-  // kTailCoords] and places [tile]; the remainders' row, marks and columns.
+  // The tail correction's W projection tile [kTailRows, tile]; its
+  // tail_terms (FilterSlotUse) and marked_row, the larger of the two.
   return std::max(
       b, static_cast<std::size_t>(std::max(kTailRows, kTailPairProbes + kTailCoords + 1) * p.schedule.vocab_tile) *
              sizeof(float));

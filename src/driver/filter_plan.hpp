@@ -24,7 +24,7 @@ namespace grpo::detail {
 // added into the kept rows of dW.
 inline constexpr std::int64_t kKeptTile = 256;
 // The filtered backward gives the left-out entries back in a subspace of
-// this many directions (LmHeadStep's tail correction): dhidden in a basis of
+// this many directions (FilteredBackward's tail correction): dhidden in a basis of
 // W's rows, dW in a basis of the block's hidden rows. The left-out entries
 // of a trained model's logits are each tiny but many (~150k per row at Qwen's
 // vocabulary), and their sum points along the few directions most rows of W
@@ -44,7 +44,7 @@ inline constexpr std::int64_t kTailApplyLd = 32;
 // GEMMs of kTailRows rows (>= kTailRank + kTailProbes; two AMX tiles of 16).
 inline constexpr std::int64_t kTailSketchStride = 8;
 inline constexpr std::int64_t kTailRows = 32;
-// The guard of grad_filter = auto (LmHeadStep::guard_holds): beside the
+// The guard of grad_filter = auto (FilteredBackward::guard_holds): beside the
 // basis, kTailProbes random directions orthogonal to it ride in the same
 // tail GEMMs; a left-out sum's coordinates along them estimate the norm of
 // what the correction leaves (E sum_j (q_j x)^2 = m |x|^2 / (H - k) for x off
@@ -163,6 +163,18 @@ void create_filter_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* pack
 // buffers need of a slot's GEMM tile.
 void book_filter(const LmHeadPlanData& p, WorkspaceRegistry& w);
 std::size_t filter_slot_tile_bytes(const LmHeadPlanData& p);
+
+// The filter's uses of a slot's GEMM tile booked in pieces
+// (WorkspaceRegistry::book_slot_pieces), and their pieces:
+//   marked_row  one row's f32 dlogits [tile], its own marks [tile] and their
+//               columns [tile] (bf16 dlogits: FilteredBackward::tile_dlogits)
+//   tail_terms  a tile's dW coordinates [tile, kTailPairProbes], the kept
+//               columns' A rows [tile, kTailCoords] and places [tile] (tail_block)
+struct FilterSlotUse {
+  static constexpr std::size_t kMarkedRow = 0, kTailTerms = 1;
+  static constexpr std::size_t kRow = 0, kOwnMarks = 1, kFound = 2;   // marked_row's pieces
+  static constexpr std::size_t kCoords = 0, kKeptA = 1, kKeptAt = 2;  // tail_terms'
+};
 
 // The filtered backward's per-block bookkeeping (Region::kept_columns):
 // a mark per vocab column, the kept columns (each tile's at its first column,

@@ -174,7 +174,7 @@ void FilteredBackward::tail_block(std::int64_t padded, std::int64_t na, bool dwe
     });
     if (!dweight) return;
     dweight_clock.time([&] {
-      float* coords = slot_tile(slot);  // [cols, pw]
+      auto* coords = slot_piece<float>(slot, FilterSlotUse::kTailTerms, FilterSlotUse::kCoords);  // [cols, pw]
       bindings.at(*f_.tail_dweight[rung].pick(last), slot)
           .run(g, t.hidden_pair, coords, nullptr, slot_scratch(slot), nullptr);
       // Every column's, into pending: commit_tail_dweight adds the left-out ones once the guard holds.
@@ -199,8 +199,8 @@ void FilteredBackward::tile_kept_terms(std::int64_t j, int slot, std::int64_t na
   const std::uint8_t* mark = fws_.kept.mark.data();
   const std::byte* g = block_at(0, c0, dl_size);
   float* part = t.partial + j * p.block_rows_alloc * kc;
-  float* a_kept = slot_tile(slot) + vt * kTailPairProbes;        // [n, kc]
-  auto* at = reinterpret_cast<std::int32_t*>(a_kept + vt * kc);  // [n] tile columns
+  auto* a_kept = slot_piece<float>(slot, FilterSlotUse::kTailTerms, FilterSlotUse::kKeptA);      // [n, kc]
+  auto* at = slot_piece<std::int32_t>(slot, FilterSlotUse::kTailTerms, FilterSlotUse::kKeptAt);  // [n] tile columns
   std::int64_t n = 0;
   for (std::int64_t c = 0; c < cols; ++c) {
     if (mark[c0 + c] != tag) continue;

@@ -101,9 +101,9 @@ void FilteredBackward::tile_dlogits(const BackwardBlock& b, std::int64_t j, int 
       return f_.eps * dense_.row_dlogits(b, i, j, out, out_type) * chain;
     };
     // with_lo: one row's f32 dlogits, its own marks and their columns, in the slot's tile.
-    float* f = slot_tile(slot);
-    auto* own = reinterpret_cast<std::uint8_t*>(f + vt);
-    auto* found = reinterpret_cast<std::int32_t*>(f + 2 * vt);
+    auto* f = slot_piece<float>(slot, FilterSlotUse::kMarkedRow, FilterSlotUse::kRow);
+    auto* own = slot_piece<std::uint8_t>(slot, FilterSlotUse::kMarkedRow, FilterSlotUse::kOwnMarks);
+    auto* found = slot_piece<std::int32_t>(slot, FilterSlotUse::kMarkedRow, FilterSlotUse::kFound);
     for (std::int64_t i = 0; i < b.na; ++i) {
       // Row i <= s: the compacted output never overwrites a stored row not yet read.
       std::byte* g = block_at(i, c0, dl_size);

@@ -56,8 +56,13 @@ struct StepPart {
   // No mask (the generic head's option): every row is valid.
   bool valid(std::int64_t row) const { return in.batch.mask.empty() || in.batch.mask[row] != 0.0F; }
 
-  float* slot_tile(int slot) const { return reinterpret_cast<float*>(ws.slots + slot * p.layout.slot_bytes); }
-  void* slot_scratch(int slot) const { return ws.slots + slot * p.layout.slot_bytes + p.layout.tile_bytes; }
+  // A slot's GEMM tile and scratchpad, and piece i of a booked use of its tile (WorkspaceLayout).
+  float* slot_tile(int slot) const { return p.layout.slot_tile(ws.slots, slot); }
+  void* slot_scratch(int slot) const { return p.layout.slot_scratch(ws.slots, slot); }
+  template <class T>
+  T* slot_piece(int slot, std::size_t use, std::size_t i) const {
+    return p.layout.slot_piece<T>(ws.slots, slot, use, i);
+  }
   const std::byte* hidden_row(std::int64_t row) const {
     return static_cast<const std::byte*>(in.hidden.data) + static_cast<std::size_t>(row * p.shape.hidden_ld) * in_size;
   }

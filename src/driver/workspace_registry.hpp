@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <stdexcept>
 #include <vector>
 
 #include "kernels/stage_kernels.hpp"
@@ -89,9 +90,23 @@ struct WorkspaceLayout {
   std::size_t slots = 0;       // offset of the slots: per slot, a GEMM tile + a GEMM scratchpad
   std::size_t slot_bytes = 0;  // one slot
   std::size_t tile_bytes = 0;  // its GEMM tile part
+  // Each use of a slot's tile booked in pieces (book_slot_pieces): their offsets in the tile.
+  std::vector<std::vector<std::size_t>> slot_piece_offset;
   std::size_t total = 0;
 
   std::size_t at(Region r) const { return offset[static_cast<std::size_t>(r)]; }
+  // Slot `slot`'s GEMM tile and scratchpad, the slots starting at `slots_at` (the workspace + slots).
+  float* slot_tile(std::byte* slots_at, int slot) const {
+    return reinterpret_cast<float*>(slots_at + static_cast<std::size_t>(slot) * slot_bytes);
+  }
+  void* slot_scratch(std::byte* slots_at, int slot) const {
+    return slots_at + static_cast<std::size_t>(slot) * slot_bytes + tile_bytes;
+  }
+  // Piece i of use `use` of slot `slot`'s tile, as T.
+  template <class T>
+  T* slot_piece(std::byte* slots_at, int slot, std::size_t use, std::size_t i) const {
+    return reinterpret_cast<T*>(slots_at + static_cast<std::size_t>(slot) * slot_bytes + slot_piece_offset[use][i]);
+  }
   // Piece i of region r in the workspace ws, as T (empty when not booked).
   template <class T>
   std::span<T> piece(std::byte* ws, Region r, std::size_t i) const {
@@ -124,6 +139,13 @@ class WorkspaceRegistry {
   void book_slot(std::size_t tile_bytes, std::size_t scratchpad_bytes) {
     tile_bytes_ = align_workspace(tile_bytes);
     slot_bytes_ = tile_bytes_ + align_workspace(scratchpad_bytes);
+  }
+  // A use of every slot's GEMM tile as pieces (fixed bytes each, laid out
+  // from the tile's start as a region's are); `use`: the phase's own index.
+  // The tile keeps book_slot's bytes, which every use must fit (lay_out checks).
+  void book_slot_pieces(std::size_t use, std::span<const WorkspacePiece> pieces) {
+    if (slot_uses_.size() <= use) slot_uses_.resize(use + 1);
+    slot_uses_[use].assign(pieces.begin(), pieces.end());
   }
 
   // Bytes the regions take per block row (slots excluded).
@@ -159,6 +181,15 @@ class WorkspaceRegistry {
     }
     l.tile_bytes = tile_bytes_;
     l.slot_bytes = slot_bytes_;
+    for (const std::vector<WorkspacePiece>& use : slot_uses_) {
+      std::size_t piece_at = 0;
+      std::vector<std::size_t>& offsets = l.slot_piece_offset.emplace_back();
+      for (const WorkspacePiece& piece : use) {
+        offsets.push_back(piece_at);
+        piece_at += round_up(piece.fixed, piece.align);
+      }
+      if (piece_at > tile_bytes_) throw std::logic_error("a use of the slot's tile outgrows the tile");
+    }
     l.slots = at;
     l.total = at + slot_bytes_ * static_cast<std::size_t>(slots);
     return l;
@@ -173,6 +204,7 @@ class WorkspaceRegistry {
 
   std::array<Booking, kRegionCount> bookings_{};
   std::array<std::vector<WorkspacePiece>, kRegionCount> pieces_;
+  std::vector<std::vector<WorkspacePiece>> slot_uses_;
   std::size_t tile_bytes_ = 0;
   std::size_t slot_bytes_ = 0;
 };
