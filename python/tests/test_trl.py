@@ -1,15 +1,18 @@
 """grpo.integrations.trl.patch_grpo_trainer on a tiny TRL 1.16 GRPOTrainer (CPU, built in code).
 
-The same batch through the unpatched trainer (TRL's ChunkedLogProbFunction)
-and the patched one (grpo's log-prob head): per-token log-probs and entropy
-of the policy and the reference model, the loss, and every parameter's
-gradient. The backbone is the same computation on both sides, so the
-differences are the two heads' float32 errors: per row, each is within the
-logp bound of reference.py (f32 logits of depth H, an LSE over V terms), so
-|dlogp| <= e_grpo + e_trl = 2 e; entropy within e (2 + max|x|); the loss
-within 2 sum_t |c_t| 2e (c_t = dLoss/dlogp_t, through the ratio and the KL);
-each gradient, relative to its largest entry, within 8 max e plus float32
-accumulation, as in test_liger.py.
+The same batch through the unpatched trainer (TRL's ChunkedLogProbFunction
+and TRL's loss) and the patched one, both ways: grpo's fused loss (the
+default: lm_head_grpo_loss computes the policy's loss) and fused_loss=False
+(TRL's loss on grpo's log-prob head). Per-token log-probs and entropy of the
+policy and the reference model, the loss, and every parameter's gradient.
+The backbone is the same computation on both sides, so the differences are
+the two heads' float32 errors: per row, each is within the logp bound of
+reference.py (f32 logits of depth H, an LSE over V terms), so |dlogp| <=
+e_grpo + e_trl = 2 e; entropy within e (2 + max|x|); the loss within
+2 sum_t |c_t| 2e (c_t = dLoss/dlogp_t, through the ratio and the KL); each
+gradient, relative to its largest entry, within 8 max e plus float32
+accumulation, as in test_liger.py. Every loss option of the fused path, and
+each case that falls back, is in test_trl_loss.py.
 """
 
 import math
@@ -23,30 +26,7 @@ pytest.importorskip("transformers")
 import grpo  # noqa: E402
 from grpo.integrations.trl import is_patched, patch_grpo_trainer  # noqa: E402
 from reference import U32, UBF  # noqa: E402
-from trl_tiny import tiny_trainer  # noqa: E402
-
-
-def logp_bound(trainer, model, input_ids, attention_mask, logits_to_keep, logits_round=0.0):
-    """Per-token bound on a head's |logp - exact| (reference.py's logp_error), [B, logits_to_keep].
-
-    logits_round: a relative rounding of the logits (TRL's bf16 tiles under autocast).
-    """
-    with torch.no_grad(), trainer.accelerator.autocast():
-        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
-    dtype = torch.bfloat16 if logits_round else torch.float32  # what both heads multiply
-    hidden = hidden.to(dtype).double()
-    with torch.no_grad():
-        w = model.lm_head.weight.to(dtype).double()
-        absdot = hidden.abs() @ w.abs().T
-        if model.lm_head.bias is not None:
-            absdot = absdot + model.lm_head.bias.double().abs()
-        tau = trainer.temperature
-        x = (hidden @ w.T) / tau
-    hdim, v = w.shape[1], w.shape[0]
-    dz = ((hdim + 1) * U32 + logits_round) * absdot.max(-1).values / tau
-    xmax = x.abs().max(-1).values
-    e = 2.0 * dz + (v + 4) * U32 * (1.0 + xmax)
-    return e[:, -logits_to_keep:], xmax[:, -logits_to_keep:]
+from trl_tiny import logp_bound, tiny_trainer  # noqa: E402
 
 
 def one_pass(trainer, inputs):
@@ -65,7 +45,7 @@ def one_pass(trainer, inputs):
 
     def spy(*args, **kwargs):
         lp, ent, aux = original(*args, **kwargs)
-        if lp.requires_grad:
+        if lp.requires_grad:  # TRL's loss on a head's log-probs (grpo's fused loss hands back placeholders)
             lp.retain_grad()
             captured["logps"] = lp
         return lp, ent, aux
@@ -79,15 +59,18 @@ def one_pass(trainer, inputs):
         del trainer._get_per_token_logps_and_entropies
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return dict(logps=logps, entropy=ents, ref_logps=ref_logps, loss=loss.detach(), c=captured["logps"].grad,
+    c = captured["logps"].grad if "logps" in captured else None
+    return dict(logps=logps, entropy=ents, ref_logps=ref_logps, loss=loss.detach(), c=c,
                 grads=grads, input_ids=input_ids, attention_mask=attention_mask, keep=keep)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "f32"])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_patched_trainer_matches_trl(temperature, precision, record):
+@pytest.mark.parametrize("path,precision,temperature", [
+    ("fused", "bf16", 1.0), ("fused", "bf16", 0.7), ("fused", "f32", 1.0), ("fused", "f32", 0.7),
+    ("head", "bf16", 0.7), ("head", "f32", 1.0)])
+def test_patched_trainer_matches_trl(path, temperature, precision, record):
     """precision bf16: GRPOConfig's default (bf16=True: CPU autocast to bfloat16, the head's operands cast to
-    bf16, TRL's logit tiles rounded to bf16); f32: bf16=False."""
+    bf16, TRL's logit tiles rounded to bf16); f32: bf16=False. path fused: patch_grpo_trainer's default (the
+    policy's loss from lm_head_grpo_loss); head: fused_loss=False (TRL's loss on fused_log_probs)."""
     bf16 = precision == "bf16"
     trainer = tiny_trainer(temperature=temperature, bf16=bf16)
     batch = next(iter(trainer.get_train_dataloader()))
@@ -95,16 +78,18 @@ def test_patched_trainer_matches_trl(temperature, precision, record):
     theirs = one_pass(trainer, inputs)
 
     cache = grpo.PlanCache()
-    assert patch_grpo_trainer(trainer, plan_cache=cache) is trainer
+    assert patch_grpo_trainer(trainer, plan_cache=cache, fused_loss=path == "fused") is trainer
     assert is_patched(trainer.model) and is_patched(trainer.ref_model)
     ours = one_pass(trainer, inputs)
-    assert cache.builds > 0, "grpo's head was not called"
+    kinds = {kind for kind, _ in cache._plans}
+    # The fused loss's plan, or (head) the log-prob head's alone: which path computed the loss.
+    assert ("lm_head_loss" in kinds) == (path == "fused") and "lm_head_log_prob" in kinds, kinds
 
     args = (trainer, trainer.model, theirs["input_ids"], theirs["attention_mask"], theirs["keep"])
     e, xmax = logp_bound(*args)
     # Both heads err: grpo's f32 logits, TRL's (rounded to bf16 under autocast).
     e2 = e + logp_bound(*args, logits_round=UBF if bf16 else 0.0)[0]
-    tag = f"trainer {precision} T={temperature:g}"
+    tag = f"trainer {path} {precision} T={temperature:g}"
     for name, tol in (("logps", e2), ("ref_logps", e2), ("entropy", e2 * (2.0 + xmax))):
         diff = (ours[name].double() - theirs[name].double()).abs()
         record(tag, name, ours[name], theirs[name])
@@ -130,6 +115,8 @@ def test_patched_trainer_matches_trl(temperature, precision, record):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(math.isfinite(float(x)) for x in losses)
     assert cache.builds >= builds
+    kinds = {kind for kind, _ in cache._plans}
+    assert ("lm_head_loss" in kinds) == (path == "fused"), kinds
 
 
 def test_patch_is_scoped_to_the_trainer():
