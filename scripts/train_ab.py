@@ -29,12 +29,14 @@ same data order (TRL's sampler seeded by GRPOConfig.seed), same GRPOConfig:
              (add_fused_lm_head) for the policy and the reference model,
              TRL's loss; GRPOConfig's defaults (bf16 autocast, gradient
              checkpointing) except where the task sets something.
-  grpo       the same trainer after grpo.integrations.trl.patch_grpo_trainer:
-             the LM head's log-probs / entropy (policy and reference) come from
-             grpo.torch.fused_log_probs; TRL's loss code is untouched.
-  grpo_loss  (not run by default: --arms trl,grpo,grpo_loss) grpo's head for
-             the reference model and, in compute_loss, grpo's fused loss
-             (use_fused_loss below).
+  grpo       the same trainer after grpo.integrations.trl.patch_grpo_trainer
+             with fused_loss=False: the LM head's log-probs / entropy (policy
+             and reference) come from grpo.torch.fused_log_probs; TRL's loss
+             code is untouched.
+  grpo_loss  (not run by default: --arms trl,grpo,grpo_loss)
+             patch_grpo_trainer's default: grpo's head for the old / reference
+             log-probs and, in the loss, grpo's fused loss
+             (grpo.torch.lm_head_grpo_loss on the policy's hidden states).
   grpo_filtered  (not run by default) grpo_loss with the filtered backward
              (grad_filter="auto": docs/filtered_backward.md).
 
@@ -505,102 +507,6 @@ def make_callback(phases: Phases, out_path: str, append: bool = False):
     return StepRecorder()
 
 
-# --------------------------------------------------------------------------- grpo's fused loss in the trainer
-
-
-def use_fused_loss(trainer, grad_filter=None) -> None:
-    """The policy's log-probs and loss of compute_loss from grpo.torch.lm_head_grpo_loss (the grpo_loss arm;
-    grad_filter="auto": the grpo_filtered arm).
-
-    Where it fits TRL 1.16's GRPOTrainer._compute_loss: loss types grpo's
-    kernel has, token-level or sequence-level ratios, no entropy mask / bonus,
-    no off-policy mask, no vLLM importance sampling, no MoE aux loss, no
-    multimodal inputs (refused here otherwise). The backbone runs as TRL runs
-    it (autocast, gradient checkpointing); the hidden states of the positions
-    that predict the completion go to the fused kernel with TRL's
-    temperature, old / reference log-probs, advantages and dapo normalizer,
-    and the kernel returns the loss with its gradients already computed (no
-    logits, no per-token autograd graph). TRL's metrics (KL, entropy, clip
-    ratios) are computed from the kernel's per-token outputs with TRL's code.
-    """
-    import torch
-
-    import grpo.torch as gt
-    from trl.trainer.utils import nanmax, nanmin
-
-    args = trainer.args
-    checks = {"loss_type": trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
-              "top_entropy_quantile": trainer.top_entropy_quantile == 1.0,
-              "entropy bonus": not trainer._entropy_bonus_enabled,
-              "off_policy_mask_threshold": trainer.off_policy_mask_threshold is None,
-              "use_vllm": not trainer.use_vllm, "aux loss": not trainer.aux_loss_enabled}
-    refused = [k for k, ok in checks.items() if not ok]
-    if refused:
-        raise NotImplementedError(f"grpo_loss arm: not for this trainer configuration ({', '.join(refused)})")
-
-    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        keep = completion_ids.size(1)
-        base = trainer.accelerator.unwrap_model(model)
-        with trainer.accelerator.autocast():
-            hidden = base.model(input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
-                                attention_mask=torch.cat([prompt_mask, completion_mask], dim=1)).last_hidden_state
-            # TRL's compute dtype (its head casts each tile to it): autocast's when enabled.
-            dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else hidden.dtype
-        hidden = hidden[:, -keep - 1:-1]  # the positions that predict the completion tokens
-        weight, bias = base.lm_head.weight, base.lm_head.bias
-        mode = "train" if trainer.model.training else "eval"
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
-        if mode == "train":
-            normalizer = normalizer * trainer.current_gradient_accumulation_steps / args.steps_per_generation
-        old = inputs.get("old_per_token_logps")
-        res = gt.lm_head_grpo_loss(
-            hidden.to(dtype), weight.to(dtype), completion_ids, mask, inputs["advantages"],
-            bias=None if bias is None else bias.to(dtype), old_logp=old, ref_logp=inputs.get("ref_per_token_logps"),
-            loss_type=trainer.loss_type, importance_sampling_level=trainer.importance_sampling_level,
-            epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high, delta=args.delta, beta=trainer.beta,
-            kl_bias_correction=args.use_bias_correction_kl, temperature=trainer.temperature,
-            max_completion_length=trainer.max_completion_length, num_items_in_batch=float(normalizer),
-            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-            return_entropy=True, **({} if grad_filter is None else {"grad_filter": grad_filter}))
-        loss = res.loss
-        if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "sapo") and mode == "train":
-            loss = loss / trainer.current_gradient_accumulation_steps
-
-        # TRL's metrics, from the kernel's per-token log-probs, KL and entropy.
-        m = mask.float()
-
-        def global_masked_mean(x):
-            totals = trainer.accelerator.reduce(torch.stack([(x * m).sum(), m.sum()]), reduction="sum")
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
-
-        if trainer.beta != 0.0:
-            trainer._metrics[mode]["kl"].append(global_masked_mean(res.kl))
-        trainer._metrics[mode]["entropy"].append(global_masked_mean(res.entropy))
-        if trainer.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
-            logp = res.per_token_logps
-            log_ratio = logp - (logp if old is None else old)
-            if trainer.importance_sampling_level == "sequence":
-                log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1).expand_as(m)
-            coef_1 = torch.exp(log_ratio)
-            adv = inputs["advantages"]
-            adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-            low = ((coef_1 < 1 - trainer.epsilon_low) & (adv < 0)).float()
-            high = ((coef_1 > 1 + trainer.epsilon_high) & (adv > 0)).float()
-            trainer._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
-            trainer._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
-            trainer._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
-            seq_mean = lambda x: (x * m).sum(-1) / m.sum(-1)  # noqa: E731
-            trainer._metrics[mode]["clip_ratio/low_min"].append(nanmin(trainer.accelerator.gather(seq_mean(low))).item())
-            trainer._metrics[mode]["clip_ratio/high_max"].append(
-                nanmax(trainer.accelerator.gather(seq_mean(high))).item())
-        return loss
-
-    trainer.compute_loss = compute_loss
-
-
 # --------------------------------------------------------------------------- one arm (its own process)
 
 
@@ -757,9 +663,7 @@ def _run_arm(arm: str, setup: Setup, model_dir: str, out_dir: str, trainer_dir: 
     if arm in ("grpo", "grpo_loss", "grpo_filtered"):
         from grpo.integrations.trl import patch_grpo_trainer
 
-        patch_grpo_trainer(trainer)
-        if arm != "grpo":
-            use_fused_loss(trainer, grad_filter="auto" if arm == "grpo_filtered" else None)
+        patch_grpo_trainer(trainer, fused_loss=arm != "grpo", grad_filter="auto" if arm == "grpo_filtered" else None)
     elif arm != "trl":
         raise ValueError(f"unknown arm {arm!r} (one of {', '.join(ALL_ARMS)})")
     instrument(trainer, phases)
