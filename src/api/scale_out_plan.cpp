@@ -54,7 +54,8 @@ struct PlanFacts {
 struct CallFacts {
   std::int64_t batch = 0;
   std::int64_t num_valid = 0;
-  std::uint64_t batch_hash = 0;  // the per-token inputs (vocab group: equal on every rank)
+  std::uint64_t batch_hash = 0;     // the per-token inputs (vocab group: equal on every rank)
+  std::uint64_t upstream_hash = 0;  // the generic head's upstream gradients (vocab group: equal too)
   std::int32_t bias_allows_token = 1;
 };
 
@@ -242,16 +243,18 @@ CallFacts call_facts(const LmHeadPlanData& p, const LmHeadInputs& in, std::span<
     fnv.add_span(b.old_logp);
     fnv.add_span(b.ref_logp);
     fnv.add_span(b.is_weight);
+    f.batch_hash = fnv.h;
     // Masked rows' upstream gradients are ignored: they may differ too.
+    Fnv up;
     for (const std::span<const float> values : shared) {
       const std::uint64_t n = values.size();
-      fnv.add(&n, sizeof(n));
+      up.add(&n, sizeof(n));
       for (std::size_t r = 0; r < values.size(); ++r) {
         const float x = valid(r) ? values[r] : 0.0F;
-        fnv.add(&x, sizeof(x));
+        up.add(&x, sizeof(x));
       }
     }
-    f.batch_hash = fnv.h;
+    f.upstream_hash = up.h;
     if (p.shape.has_bias) {
       // Validation refused NaN / +inf; a shard may ban all its tokens as long
       // as another shard allows one.
@@ -465,12 +468,15 @@ GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& input
           // The generic log-prob head has no advantages (the loss requires them).
           const bool generic = inputs.batch.advantages.empty();
           status = refusal(so.vocab, q, generic ? "ids" : "batch",
-                           generic ? "its ids of valid rows, mask (or, in backward(), dlogp / dentropy of valid rows) "
-                                     "differ from rank 0's: every rank of a vocab group holds the same rows and "
-                                     "upstream gradients"
+                           generic ? "its ids of valid rows or mask differ from rank 0's: every rank of a vocab group "
+                                     "holds the same rows"
                                    : "its per-token inputs (ids of valid rows, mask, advantages, old_logp, ref_logp, "
                                      "is_weight) differ from rank 0's: every rank of a vocab group holds the same "
                                      "rows");
+        } else if (all[q].facts.upstream_hash != all[0].facts.upstream_hash) {
+          status = refusal(so.vocab, q, "dlogp",
+                           "its upstream gradients (dlogp, dentropy) of valid rows differ from rank 0's: every rank of "
+                           "a vocab group holds the same rows and runs the backward of the same loss");
         }
       }
       bool allowed = false;

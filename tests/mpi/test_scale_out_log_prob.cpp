@@ -217,8 +217,8 @@ TEST_P(LogProbScaleOut, EqualsTheSingleProcessHead) {
         double s_w = 0.0;
         for (std::int64_t t = 0; t < n_all; ++t) s_w += std::abs(dz[t * v_all + a_] * p.oracle.lm.hidden[t * h + k]);
         const std::int64_t at = vm ? a_ * h + k : k * v_all + a_;
-        worst_dw = std::max(worst_dw, std::abs(double{got_dw[at]} - one_dw[at]) /
-                                          (2.0 * g_rows * kMagnitudeSlack * s_w + 1e-30));
+        worst_dw = std::max(worst_dw,
+                            std::abs(double{got_dw[at]} - one_dw[at]) / (2.0 * g_rows * kMagnitudeSlack * s_w + 1e-30));
       }
     }
     for (std::int64_t t = 0; t < n_all; ++t) {
@@ -234,9 +234,8 @@ TEST_P(LogProbScaleOut, EqualsTheSingleProcessHead) {
     EXPECT_LE(worst_dw, 1.0) << "dweight: largest |distributed - single| / bound";
     EXPECT_LE(worst_db, 1.0) << "dbias: largest |distributed - single| / bound";
     EXPECT_LE(worst_dh, 1.0) << "dhidden: largest |distributed - single| / bound";
-    std::printf("[ log-prob ] %-42s P=%d  dW err/bound %.3g  db %.3g  dh %.3g  dh bitwise %s\n",
-                case_label(sc).c_str(), size, worst_dw, worst_db, worst_dh,
-                all.dhidden == single.dhidden ? "yes" : "no");
+    std::printf("[ log-prob ] %-42s P=%d  dW err/bound %.3g  db %.3g  dh %.3g  dh bitwise %s\n", case_label(sc).c_str(),
+                size, worst_dw, worst_db, worst_dh, all.dhidden == single.dhidden ? "yes" : "no");
   }
   // The assembled outputs against the oracle, within the single process's bounds.
   expect_log_prob_matches_oracle(c, p, all);

@@ -285,7 +285,12 @@ TEST_F(LogProbRefusal, OneRankRefusesEveryRankRaises) {
   if (world_size() > 1) {
     LogProbHostProblem other = p_;
     if (last) other.dlogp[first_valid(vocab_part())] += 1.0F;
-    EXPECT_EQ(run(other, vocab_part(), vocab()), "ids");
+    EXPECT_EQ(run(other, vocab_part(), vocab()), "dlogp");
+    // ... or another label (forward() already refuses).
+    LogProbHostProblem moved = p_;
+    const std::int64_t r = first_valid(vocab_part());
+    if (last) moved.head.batch.ids[r] = (moved.head.batch.ids[r] + 1) % static_cast<std::int32_t>(c_.head.spec.vocab);
+    EXPECT_EQ(run(moved, vocab_part(), vocab()), "ids");
   }
   // The group is still in step: valid calls in both groups.
   EXPECT_EQ(run(p_, data_part(), data()), "");
