@@ -24,6 +24,16 @@
 // entropy of softmax(x). temperature_on_logp: logp = (z_y - LSE(z)) / tau and
 // the entropy is that of softmax(z) (what the fused plan returns), so its
 // gradient carries no 1/tau.
+// Groups (options.scale_out, grpo/communicator.hpp): as LmHeadLossPlan's. A
+// vocab group's ranks hold shards of W's rows and of the bias
+// (shape.vocab_offset / global_vocab), every row with the same ids and mask,
+// and, in backward(), the same dlogp / dentropy of valid rows; logp and
+// entropy are merged over the shards (the same bits on every rank), dweight /
+// dbias are the shard's, dhidden is summed over the group. A data group's
+// ranks hold their own rows and all of W; backward() sums dweight and dbias
+// over the group (the gradient of a loss summed over every rank's rows).
+// Plan creation, forward() and backward() are then collective: every rank
+// calls them, and a refusal on one rank is thrown on every rank.
 // Ownership, threads, errors, workspace: as LmHeadLossPlan. forward() and
 // backward() validate every argument (shapes, strides, ids, finiteness of
 // hidden / weight / bias and of the upstream gradients, overflow bounds, output

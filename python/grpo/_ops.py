@@ -137,7 +137,8 @@ def _plan_values(s: dict) -> dict:
     return values
 
 
-def _int32(t: Tensor, name: str) -> Tensor:
+def int32_ids(t: Tensor, name: str) -> Tensor:
+    """Integer ids as a contiguous int32 tensor; values outside int32 refused (naming `name`)."""
     converted = t.to(torch.int32)
     if t.dtype != torch.int32 and not torch.equal(converted.to(t.dtype), t):
         raise refuse(name, "holds values outside the int32 range")
@@ -189,7 +190,7 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Te
     v = weight.shape[0]
     cache = _plan_cache.by_handle(s["cache"])
     try:
-        ids32 = _int32(ids, names["ids"])
+        ids32 = int32_ids(ids, names["ids"])
         # dapo / cispo / vespo: the plan gets a unit normalizer and the call's
         # gradient scale is 1 / num_items_in_batch (applied to the
         # coefficients inside the kernel), so one plan serves every step. The
@@ -331,9 +332,11 @@ def _log_prob_plan(s: dict, hidden: Tensor, weight: Tensor, bias: Optional[Tenso
     cache = _plan_cache.by_handle(s["cache"])
     dtype = FLOAT_DTYPES[hidden.dtype]
     hidden_ld, weight_ld = _row_stride(hidden), _row_stride(weight)
+    # Scale-out (grpo/distributed.py): the groups by handle, this rank's shard of the vocabulary.
+    groups = (s.get("vocab"), s.get("data"), s.get("vocab_offset", 0), s.get("global_vocab", 0))
     key = (n, h, v, str(hidden.dtype), None if bias is None else str(bias.dtype), hidden_ld, weight_ld,
            s["temperature"], s["temperature_on_logp"], s["logit_softcap"], s["logit_scale"],
-           json.dumps(plan_values, sort_keys=True), forward_only, frozen, s["dweight_dtype"])
+           json.dumps(plan_values, sort_keys=True), forward_only, frozen, s["dweight_dtype"], groups)
 
     def build():
         # One sequence of N rows: the head has no per-sequence term, so the
@@ -346,7 +349,13 @@ def _log_prob_plan(s: dict, hidden: Tensor, weight: Tensor, bias: Optional[Tenso
         config.logit_scale = float(s["logit_scale"])
         options = _fields.head_options(plan_values, forward_only=forward_only, frozen_weight=frozen,
                                        dweight_dtype=grad_dtype, dhidden_dtype=dtype)
-        return _core.LmHeadLogProbPlan(shape, config, options)
+        if groups[0] is None and groups[1] is None:
+            return _core.LmHeadLogProbPlan(shape, config, options)
+        from grpo import distributed
+
+        shape.vocab_offset, shape.global_vocab = groups[2], groups[3]
+        return _core.LmHeadLogProbPlan(shape, config, options, vocab_group=distributed.by_handle(groups[0]),
+                                       data_group=distributed.by_handle(groups[1]))
 
     return cache, cache.get("lm_head_log_prob", key, build)
 
@@ -359,7 +368,7 @@ def log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Te
     names = s["names"]
     n = hidden.shape[0]
     try:
-        ids32 = _int32(labels, names["ids"])
+        ids32 = int32_ids(labels, names["ids"])
         cache, plan = _log_prob_plan(s, hidden, weight, bias, s["forward_only"], s["frozen"])
         logp = torch.empty(n, dtype=torch.float32)
         entropy = torch.empty(n, dtype=torch.float32) if s["entropy"] else None
@@ -392,7 +401,7 @@ def log_probs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], l
     v = weight.shape[0]
     frozen = not (need_weight or need_bias)
     try:
-        ids32 = _int32(labels, names["ids"])
+        ids32 = int32_ids(labels, names["ids"])
         cache, plan = _log_prob_plan(s, hidden, weight, bias, False, frozen)
         # The C++ head writes every gradient its plan has: an unwanted one
         # goes to a cached scratch buffer. A frozen head's plan has no dW /
@@ -438,7 +447,11 @@ def _log_probs_grad(ctx, grad_logp, grad_entropy, _grad_stats):
     hidden, weight, bias, labels, mask = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = need_b and bias is not None
-    if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
+    s = json.loads(ctx.spec)
+    # With groups the backward is collective: a rank whose upstream is None
+    # still takes part (with zeros), as its group's other ranks expect.
+    grouped = s.get("vocab") is not None or s.get("data") is not None
+    if (grad_logp is None and grad_entropy is None and not grouped) or not (need_h or need_w or need_b):
         return (None,) * 6
     dlogp = grad_logp if grad_logp is not None else hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
     dhidden, dweight, dbias, stats = torch.ops.grpo.log_probs_backward.default(

@@ -322,6 +322,11 @@ def fused_log_probs(
     grad_filter: Any = None,
     plan_cache: Optional[grpo.PlanCache] = None,
     on_stats=None,
+    token_block: Optional[int] = None,
+    vocab_tile: Optional[int] = None,
+    vocab_group: Any = None,
+    data_group: Any = None,
+    vocab_start: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probabilities (and entropy) of an LM head, without the [N, V] logits.
 
@@ -362,12 +367,68 @@ def fused_log_probs(
     final_logit_softcapping and its logit scale: z' = c tanh(s z / c), or
     s z without a cap (None). temperature_on_logp: grpo's other temperature
     convention (logp = (z_y - LSE(z)) / tau, entropy of softmax(z)).
-    grad_filter: the filtered backward, as lm_head_grpo_loss. Refusals raise
-    grpo.Error / grpo.ArgumentTypeError / NotImplementedError naming the
-    argument.
+    grad_filter: the filtered backward, as lm_head_grpo_loss. token_block /
+    vocab_tile: the plan's schedule options, as lm_head_grpo_loss (a vocab
+    group's shards on tile boundaries give the single process's bits).
+    Refusals raise grpo.Error / grpo.ArgumentTypeError / NotImplementedError
+    naming the argument.
+
+    vocab_group / data_group / vocab_start: torch.distributed process groups,
+    as lm_head_grpo_loss (docs/scale_out.md). vocab_group: weight (and bias)
+    is this rank's contiguous shard of the vocabulary's rows, starting at
+    vocab_start (derived from the group when None); labels stay global and
+    every rank of the group passes the same rows, labels, mask and (in the
+    backward) the same upstream gradients; log_probs and entropy are the
+    whole vocabulary's, the same on every rank; dW / dbias are the shard's,
+    dhidden is summed over the group. data_group: each rank its own rows and
+    all of W; dW / dbias are summed over the group (the gradient of a loss
+    summed over every rank's rows). The forward and the backward are then
+    collective (eager only: every rank runs both, in the same order); a
+    refusal on any rank raises on every rank.
     """
-    _check_keywords(None, dict(num_threads=num_threads, workspace_budget=workspace_budget, grad_filter=grad_filter),
-                    {})
+    args = dict(hidden=hidden, weight=weight, bias=bias, labels=labels, temperature=temperature, outputs=outputs,
+                mask=mask, temperature_on_logp=temperature_on_logp, logit_softcap=logit_softcap,
+                logit_scale=logit_scale, num_threads=num_threads, workspace_budget=workspace_budget,
+                grad_filter=grad_filter, plan_cache=plan_cache, on_stats=on_stats, token_block=token_block,
+                vocab_tile=vocab_tile)
+    if vocab_group is None and data_group is None:
+        if vocab_start is not None:
+            raise refuse("vocab_start", "needs a vocab_group (the shard's first token in the group's vocabulary)")
+        op_args, out_shape, outputs = _prepare_log_probs(**args, groups={})
+    else:
+        # Collective: a refusal on any rank of the groups reaches every rank before the op's collectives begin.
+        from grpo import distributed
+
+        handles = {"vocab": None if vocab_group is None else distributed.communicator(vocab_group)[0],
+                   "data": None if data_group is None else distributed.communicator(data_group)[0]}
+        error, op_args = None, None
+        try:
+            groups = dict(handles)
+            if handles["vocab"] is not None:
+                groups["vocab_offset"], groups["global_vocab"] = distributed.vocab_shard(
+                    handles["vocab"], weight.shape[0] if isinstance(weight, torch.Tensor) else 0, vocab_start)
+            op_args, out_shape, outputs = _prepare_log_probs(**args, groups=groups)
+        except (grpo.Error, grpo.ArgumentTypeError, NotImplementedError) as refusal:
+            error = refusal
+        order = [h for h in (handles["vocab"], handles["data"], handles["vocab"]) if h is not None]
+        distributed.agree(order if len(set(order)) > 1 else order[:1], error)
+    rows, weight, bias, labels_, mask_, spec = op_args
+    logp, entropy, stats = _ops.log_probs(rows, weight, bias, labels_, mask_, spec)
+    if on_stats is not None:
+        on_stats(step_stats(stats, weight.shape[0], rows.shape[1], _ops.last_timings()))
+        if logp.grad_fn is not None:
+            logp.grad_fn.on_stats = on_stats  # read by the op's backward (grpo/_ops.py)
+    return logp.view(out_shape), entropy.view(out_shape) if "entropy" in outputs else None
+
+
+def _prepare_log_probs(hidden, weight, bias, labels, temperature, outputs, mask, temperature_on_logp, logit_softcap,
+                       logit_scale, num_threads, workspace_budget, grad_filter, plan_cache, on_stats, token_block,
+                       vocab_tile, groups):
+    """fused_log_probs's checks and the op's arguments: ((rows, weight, bias, labels, mask, spec), shape, outputs)."""
+    plan = dict(num_threads=num_threads, workspace_budget=workspace_budget, grad_filter=grad_filter)
+    # The schedule options only when given: the specs (and plan keys) of calls without them stay as they were.
+    plan.update({k: v for k, v in (("token_block", token_block), ("vocab_tile", vocab_tile)) if v is not None})
+    _check_keywords(None, plan, {})
     outputs = tuple(outputs)
     for name in outputs:
         if name in _UNSUPPORTED_LOG_PROB_OUTPUTS:
@@ -400,18 +461,16 @@ def fused_log_probs(
     if on_stats is not None and torch.compiler.is_compiling():
         raise refuse("on_stats", "is for eager mode; under torch.compile read the stats in eager runs")
 
+    if groups:
+        # The op's int32 conversion refuses int64 labels beyond int32: done here, where the groups agree on it.
+        labels_ = _ops.int32_ids(labels_, "labels")
     cache_handle = plan_cache.handle if plan_cache is not None else _plan_cache.DEFAULT_HANDLE
     spec = make_spec(names=_LOG_PROB_NAMES, temperature=float(temperature),
                      temperature_on_logp=bool(temperature_on_logp),
                      logit_softcap=None if logit_softcap is None else float(logit_softcap),
                      logit_scale=float(logit_scale),
-                     plan=dict(num_threads=num_threads, workspace_budget=workspace_budget, grad_filter=grad_filter),
+                     plan=plan,
                      forward_only=not needs_grad(hidden, weight, bias), frozen=frozen_head(weight, bias),
                      dweight_dtype=_ops.dweight_dtype(weight),
-                     entropy="entropy" in outputs, cache=cache_handle)
-    logp, entropy, stats = _ops.log_probs(rows, weight, bias, labels_, mask_, spec)
-    if on_stats is not None:
-        on_stats(step_stats(stats, weight.shape[0], rows.shape[1], _ops.last_timings()))
-        if logp.grad_fn is not None:
-            logp.grad_fn.on_stats = on_stats  # read by the op's backward (grpo/_ops.py)
-    return logp.view(out_shape), entropy.view(out_shape) if "entropy" in outputs else None
+                     entropy="entropy" in outputs, cache=cache_handle, **groups)
+    return (rows, weight, bias, labels_, mask_, spec), out_shape, outputs

@@ -79,8 +79,8 @@ using namespace nb::literals;
   X(grad_filter)
 // clang-format on
 // LmHeadOptions fields with no field binding: Python plans use the default
-// allocator; scale_out's groups are LmHeadLossPlan's vocab_group / data_group
-// keywords (Communicator objects, kept alive by the plan).
+// allocator; scale_out's groups are LmHeadLossPlan's and LmHeadLogProbPlan's
+// vocab_group / data_group keywords (Communicator objects, kept alive by the plan).
 constexpr const char* kUnboundOptions[] = {"allocator", "scale_out"};
 
 namespace {
@@ -611,11 +611,17 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](grpo::LmHeadLogProbPlan* self, const grpo::LmHeadShape& shape, const grpo::LogProbConfig& config,
-             const grpo::LmHeadOptions& options) {
-            nb::gil_scoped_release release;
+             grpo::LmHeadOptions options, const PyCommunicator* vocab_group, const PyCommunicator* data_group) {
+            options.scale_out.vocab_group = vocab_group;
+            options.scale_out.data_group = data_group;
+            nb::gil_scoped_release release;  // a communicator takes it back for its collectives
             new (self) grpo::LmHeadLogProbPlan(shape, config, options);
           },
-          "shape"_a, "config"_a = grpo::LogProbConfig{}, "options"_a = grpo::LmHeadOptions{})
+          "shape"_a, "config"_a = grpo::LogProbConfig{}, "options"_a = grpo::LmHeadOptions{}, nb::kw_only(),
+          "vocab_group"_a.none() = nb::none(), "data_group"_a.none() = nb::none(), nb::keep_alive<1, 5>(),
+          nb::keep_alive<1, 6>(),
+          "Builds the plan (collective over its groups when given, as LmHeadLossPlan's; forward() and backward() are "
+          "then collective too: every rank of a group calls them, in the same order).")
       .def_prop_ro("workspace_size", &grpo::LmHeadLogProbPlan::workspace_size)
       .def_prop_ro(
           "gemm_count", [](const grpo::LmHeadLogProbPlan& p) { return p.schedule().gemm_count; },

@@ -222,3 +222,160 @@ def test_a_refusal_on_one_rank_reaches_every_rank():
     results = _spawn(2, "refuse_python", torch.float32)
     assert all("refused" in r for r in results)
     assert results[0]["argument"] == "hidden" and "rank 0" in results[1]["refused"]
+
+
+# --------------------------------------------------------------------------
+# grpo.torch.fused_log_probs over the groups: the generic log-prob head
+# --------------------------------------------------------------------------
+
+def _upstream(case):
+    """Fixed per-token weights of the loss on log_probs and entropy (seeded, 1/4 of them exactly 0)."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(B, T, generator=g) * (torch.rand(B, T, generator=g) > 0.25)
+    e = torch.randn(B, T, generator=g) * 0.1
+    return a, e
+
+
+def _lp_call(hidden, weight, bias, ids, mask, a, e, **kw):
+    """log_probs and entropy of the rows given, then the gradients of sum(a * logp + e * entropy)."""
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    b = bias.clone().requires_grad_()
+    logp, ent = gt.fused_log_probs(x, w, b, ids, 0.9, ("log_probs", "entropy"), mask=mask, num_threads=1,
+                                   token_block=TOKEN_BLOCK, vocab_tile=VOCAB_TILE, **kw)
+    ((logp * a).sum() + (ent * e).sum()).backward()
+    return {"logp": logp.detach(), "entropy": ent.detach(), "dhidden": x.grad, "dweight": w.grad, "dbias": b.grad}
+
+
+def _lp_worker(rank, size, port, scenario, dtype, shards, out_dir):
+    import torch.distributed as dist
+
+    # A bounded timeout: a rank left waiting in a collective fails the test instead of hanging it.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_num_threads(1)
+    try:
+        case = _case(dtype)
+        a, e = _upstream(case)
+        mask = case.mask.float()
+        if scenario == "refuse":
+            # Python's own check on rank 0 (a label beyond int32), before any collective; then the C++ backward's
+            # agreement: the last rank of the vocab group holds another upstream gradient.
+            cols = slice(shards[rank], shards[rank + 1])
+            ids = case.ids.long().clone()
+            if rank == 0:
+                ids[0, 0] = 2 ** 40
+            out = {}
+            try:
+                _lp_call(case.hidden, case.weight[cols], case.bias[cols], ids, mask, a, e,
+                         vocab_group=dist.group.WORLD)
+            except grpo.Error as error:
+                out["python"] = (str(error), error.argument)
+            other = a.clone()
+            if rank == size - 1:
+                other[mask.bool()] += 1.0
+            try:
+                _lp_call(case.hidden, case.weight[cols], case.bias[cols], case.ids, mask, other, e,
+                         vocab_group=dist.group.WORLD)
+            except grpo.Error as error:
+                out["backward"] = (str(error), error.argument)
+            # The group is still in step: a valid call.
+            out["valid"] = _lp_call(case.hidden, case.weight[cols], case.bias[cols], case.ids, mask, a, e,
+                                    vocab_group=dist.group.WORLD)["logp"]
+            torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+            return
+        vocab = data = None
+        v_rank, d_rank, d_size = 0, 0, 1
+        if scenario == "grid":  # ranks (d, v) = (rank // 2, rank % 2)
+            d_rank, v_rank = divmod(rank, 2)
+            d_size = 2
+            vocab_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            vocab, data = vocab_groups[d_rank], data_groups[v_rank]
+        elif scenario == "vocab":
+            vocab, v_rank = dist.group.WORLD, rank
+        else:
+            data, d_rank, d_size = dist.group.WORLD, rank, size
+        rows = slice(d_rank * (B // d_size), (d_rank + 1) * (B // d_size))
+        cols = slice(shards[v_rank], shards[v_rank + 1]) if vocab is not None else slice(None)
+        got = _lp_call(case.hidden[rows], case.weight[cols], case.bias[cols], case.ids[rows], mask[rows], a[rows],
+                       e[rows], vocab_group=vocab, data_group=data)
+        got.update(rows=(rows.start, rows.stop), cols=(cols.start, cols.stop))
+        torch.save(got, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _lp_spawn(size, scenario, dtype, shards=None):
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_lp_worker, args=(size, _free_port(), scenario, dtype, shards, out_dir), nprocs=size, join=True)
+        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
+
+
+def _lp_single(dtype):
+    case = _case(dtype)
+    a, e = _upstream(case)
+    return _lp_call(case.hidden, case.weight, case.bias, case.ids, case.mask.float(), a, e)
+
+
+@DTYPES
+@pytest.mark.parametrize("shards", [(0, 48, 96), (0, 40, 96)], ids=["aligned", "unaligned"])
+def test_log_probs_vocab_parallel_equals_one_process(dtype, shards):
+    """Shards on tile boundaries: log_probs, entropy and each rank's dW / dbias rows bitwise the single process's
+    (the same tile GEMMs and token block, the tiles' statistics merged in the single process's order); dhidden, the
+    shards' partials summed in rank order, within float32 roundings. A boundary inside a tile: all within
+    roundings."""
+    one = _lp_single(dtype)
+    aligned = all(bound % VOCAB_TILE == 0 for bound in shards)
+    for rank, got in enumerate(_lp_spawn(2, "vocab", dtype, list(shards))):
+        c0, c1 = got["cols"]
+        assert got["dweight"].dtype == dtype and got["dweight"].shape[0] == c1 - c0, rank
+        pairs = [(got["logp"], one["logp"], "logp"), (got["entropy"], one["entropy"], "entropy"),
+                 (got["dweight"], one["dweight"][c0:c1], "dweight"), (got["dbias"], one["dbias"][c0:c1], "dbias")]
+        for x, y, what in pairs:
+            if aligned:
+                assert torch.equal(x, y), (rank, what)
+            else:
+                _close(x, y, dtype, (rank, what))
+        _close(got["dhidden"], one["dhidden"], dtype, (rank, "dhidden"))
+
+
+@DTYPES
+def test_log_probs_data_parallel_equals_one_process(dtype):
+    """Each rank's rows: log_probs and entropy bitwise; dhidden rows within float32 roundings (other GEMM calls);
+    dW / dbias, summed over the group (the gradient of the loss over every rank's rows), within roundings."""
+    one = _lp_single(dtype)
+    for rank, got in enumerate(_lp_spawn(2, "data", dtype, [0, V])):
+        r0, r1 = got["rows"]
+        assert torch.equal(got["logp"], one["logp"][r0:r1]), rank
+        assert torch.equal(got["entropy"], one["entropy"][r0:r1]), rank
+        _close(got["dhidden"], one["dhidden"][r0:r1], dtype, (rank, "dhidden"))
+        _close(got["dweight"], one["dweight"], dtype, (rank, "dweight"))
+        _close(got["dbias"], one["dbias"], dtype, (rank, "dbias"))
+
+
+@DTYPES
+def test_log_probs_grid_two_by_two_equals_one_process(dtype):
+    one = _lp_single(dtype)
+    for rank, got in enumerate(_lp_spawn(4, "grid", dtype, [0, 48, 96])):
+        r0, r1 = got["rows"]
+        c0, c1 = got["cols"]
+        assert torch.equal(got["logp"], one["logp"][r0:r1]), rank
+        assert torch.equal(got["entropy"], one["entropy"][r0:r1]), rank
+        _close(got["dweight"], one["dweight"][c0:c1], dtype, (rank, "dweight"))
+        _close(got["dbias"], one["dbias"][c0:c1], dtype, (rank, "dbias"))
+        _close(got["dhidden"], one["dhidden"][r0:r1], dtype, (rank, "dhidden"))
+
+
+def test_log_probs_a_refusal_on_one_rank_reaches_every_rank():
+    """A label beyond int32 on rank 0 (grpo.torch's check, before any collective) and, in the backward, another
+    upstream gradient on the last rank of a vocab group (the C++ agreement): every rank raises, none waits, and the
+    next call runs."""
+    one = _lp_single(torch.float32)
+    results = _lp_spawn(2, "refuse", torch.float32, [0, 48, 96])
+    assert results[0]["python"][1] == "labels" and "rank 0" in results[1]["python"][0], results
+    assert all(r["backward"][1] == "grad of log_probs" for r in results), results
+    assert "rank 1" in results[0]["backward"][0], results
+    for r in results:
+        assert torch.equal(r["valid"], one["logp"])

@@ -54,7 +54,8 @@ struct PlanFacts {
 struct CallFacts {
   std::int64_t batch = 0;
   std::int64_t num_valid = 0;
-  std::uint64_t batch_hash = 0;  // the per-token inputs (vocab group: equal on every rank)
+  std::uint64_t batch_hash = 0;     // the per-token inputs (vocab group: equal on every rank)
+  std::uint64_t upstream_hash = 0;  // the generic head's upstream gradients (vocab group: equal too)
   std::int32_t bias_allows_token = 1;
 };
 
@@ -223,16 +224,18 @@ struct Fnv {
   }
 };
 
-CallFacts call_facts(const LmHeadPlanData& p, const LmHeadInputs& in) {
+CallFacts call_facts(const LmHeadPlanData& p, const LmHeadInputs& in, std::span<const std::span<const float>> shared) {
   const BatchInputs& b = in.batch;
+  // The generic head's mask is optional: without one every row is valid.
+  const auto valid = [&](std::size_t r) { return b.mask.empty() || b.mask[r] != 0.0F; };
   CallFacts f;
   f.batch = p.shape.batch;
-  for (const float m : b.mask) f.num_valid += m != 0.0F ? 1 : 0;
+  for (std::size_t r = 0; r < b.ids.size(); ++r) f.num_valid += valid(r) ? 1 : 0;
   if (p.scale_out->vocab) {
     Fnv fnv;
     // ids of masked rows are never read: they may differ between ranks.
     for (std::size_t r = 0; r < b.ids.size(); ++r) {
-      const std::int32_t id = b.mask[r] != 0.0F ? b.ids[r] : -1;
+      const std::int32_t id = valid(r) ? b.ids[r] : -1;
       fnv.add(&id, sizeof(id));
     }
     fnv.add_span(b.mask);
@@ -241,6 +244,17 @@ CallFacts call_facts(const LmHeadPlanData& p, const LmHeadInputs& in) {
     fnv.add_span(b.ref_logp);
     fnv.add_span(b.is_weight);
     f.batch_hash = fnv.h;
+    // Masked rows' upstream gradients are ignored: they may differ too.
+    Fnv up;
+    for (const std::span<const float> values : shared) {
+      const std::uint64_t n = values.size();
+      up.add(&n, sizeof(n));
+      for (std::size_t r = 0; r < values.size(); ++r) {
+        const float x = valid(r) ? values[r] : 0.0F;
+        up.add(&x, sizeof(x));
+      }
+    }
+    f.upstream_hash = up.h;
     if (p.shape.has_bias) {
       // Validation refused NaN / +inf; a shard may ban all its tokens as long
       // as another shard allows one.
@@ -432,7 +446,8 @@ std::unique_ptr<LmHeadPlanData> build_plan(const LmHeadShape& shape, const LossC
   return plan;
 }
 
-GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const std::exception_ptr& refused) {
+GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const std::exception_ptr& refused,
+                           std::span<const std::span<const float>> shared) {
   if (!plan.scale_out) {
     if (refused) std::rethrow_exception(refused);
     return {};
@@ -440,7 +455,7 @@ GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& input
   const ScaleOutPlan& so = *plan.scale_out;
   const std::exception_ptr& own = refused;
   CallFacts mine;
-  if (!own) mine = call_facts(plan, inputs);  // the arguments passed every check
+  if (!own) mine = call_facts(plan, inputs, shared);  // the arguments passed every check
   Status status = status_of(own);
   GlobalCounts counts{mine.batch, mine.num_valid};
   const std::lock_guard<std::mutex> lock(so.exchange_mutex);
@@ -450,9 +465,18 @@ GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& input
     if (status.failed == 0) {
       for (int q = 1; q < so.vocab.size && status.failed == 0; ++q) {
         if (all[q].facts.batch_hash != all[0].facts.batch_hash) {
-          status = refusal(so.vocab, q, "batch",
-                           "its per-token inputs (ids of valid rows, mask, advantages, old_logp, ref_logp, "
-                           "is_weight) differ from rank 0's: every rank of a vocab group holds the same rows");
+          // The generic log-prob head has no advantages (the loss requires them).
+          const bool generic = inputs.batch.advantages.empty();
+          status = refusal(so.vocab, q, generic ? "ids" : "batch",
+                           generic ? "its ids of valid rows or mask differ from rank 0's: every rank of a vocab group "
+                                     "holds the same rows"
+                                   : "its per-token inputs (ids of valid rows, mask, advantages, old_logp, ref_logp, "
+                                     "is_weight) differ from rank 0's: every rank of a vocab group holds the same "
+                                     "rows");
+        } else if (all[q].facts.upstream_hash != all[0].facts.upstream_hash) {
+          status = refusal(so.vocab, q, "dlogp",
+                           "its upstream gradients (dlogp, dentropy) of valid rows differ from rank 0's: every rank of "
+                           "a vocab group holds the same rows and runs the backward of the same loss");
         }
       }
       bool allowed = false;

@@ -8,6 +8,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <span>
 
 #include "driver/lm_head_plan.hpp"
 #include "grpo/lm_head_loss.hpp"
@@ -45,6 +46,10 @@ std::unique_ptr<LmHeadPlanData> build_plan(const LmHeadShape& shape, const LossC
 // same per-token inputs and that some shard's bias allows a token; the data
 // group adds up the batch and valid-token counts (returned). Allocates
 // nothing: the records live in the plan. Without groups: rethrows refused.
-GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const std::exception_ptr& refused);
+// shared: more per-token arrays a vocab group must share (the generic head's
+// upstream dL/dlogp and dL/dEnt, whose nonzero rows every rank's backward
+// recomputes and exchanges alike); their masked rows are not compared.
+GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const std::exception_ptr& refused,
+                           std::span<const std::span<const float>> shared = {});
 
 }  // namespace grpo::detail

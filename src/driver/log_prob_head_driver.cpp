@@ -8,18 +8,26 @@
 //             entropy term in place; dbias, dW and dhidden as the fused
 //             backward. Inactive rows take part in no GEMM; a block without an
 //             active row costs no GEMM at all.
+// Over several processes (the plan's groups, driver/step_exchange.hpp) the
+// step's exchanges are the fused loss's: a vocab group merges every block's
+// tile statistics (the forward's and the backward's recompute alike: its
+// ranks share the rows and the upstream gradients, so they select the same
+// active rows) and sums the dhidden partials; a data group exchanges each
+// call's outcome at its end and, after a backward, sums dW and dbias.
 #include "driver/log_prob_head_driver.hpp"
 
 #include <algorithm>
+#include <exception>
 
 #include "driver/lm_head_step.hpp"
 
 namespace grpo::detail {
 
-void run_log_prob_forward(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
-                          std::byte* workspace) {
-  StepExchange alone(p, workspace);  // the generic head runs in one process
-  LmHeadStep step(p, inputs, outputs, workspace, alone);
+namespace {
+
+void forward_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
+                    std::byte* workspace, StepExchange& exchange) {
+  LmHeadStep step(p, inputs, outputs, workspace, exchange);
   const std::int64_t nb = p.schedule.token_block;
   for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
     const std::int64_t rows = std::min(nb, p.rows - b0);
@@ -27,13 +35,14 @@ void run_log_prob_forward(const LmHeadPlanData& p, const LmHeadInputs& inputs, c
     step.write_token_outputs(b0, rows, step.regions.rows.logp.data(), step.regions.rows.entropy.data(),
                              step.regions.rows.kl.data());  // kl output absent
   }
+  exchange.end(outputs);
   if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
 }
 
-void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, std::span<const float> dlogp,
-                           std::span<const float> dentropy, const LmHeadOutputs& outputs, std::byte* workspace) {
-  StepExchange alone(p, workspace);  // the generic head runs in one process
-  LmHeadStep step(p, inputs, outputs, workspace, alone);
+void backward_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, std::span<const float> dlogp,
+                     std::span<const float> dentropy, const LmHeadOutputs& outputs, std::byte* workspace,
+                     StepExchange& exchange) {
+  LmHeadStep step(p, inputs, outputs, workspace, exchange);
   const std::int64_t nb = p.schedule.token_block;
   const bool with_entropy = !dentropy.empty();
   bool dweight_written = p.options.accumulate_weight_grads;  // accumulate: always add
@@ -59,7 +68,32 @@ void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, 
   }
   step.finish_tail();
   if (!dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
+  exchange.end(outputs);                      // a data group's dW and dbias summed
   if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
+}
+
+}  // namespace
+
+void run_log_prob_forward(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
+                          std::byte* workspace) {
+  StepExchange exchange(p, workspace);
+  try {
+    forward_blocks(p, inputs, outputs, workspace, exchange);
+  } catch (...) {
+    exchange.abandon(outputs, std::current_exception());  // a data group learns of it
+    throw;
+  }
+}
+
+void run_log_prob_backward(const LmHeadPlanData& p, const LmHeadInputs& inputs, std::span<const float> dlogp,
+                           std::span<const float> dentropy, const LmHeadOutputs& outputs, std::byte* workspace) {
+  StepExchange exchange(p, workspace);
+  try {
+    backward_blocks(p, inputs, dlogp, dentropy, outputs, workspace, exchange);
+  } catch (...) {
+    exchange.abandon(outputs, std::current_exception());  // a data group learns of it
+    throw;
+  }
 }
 
 }  // namespace grpo::detail

@@ -264,7 +264,7 @@ void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outpu
       total.entropy += s.entropy;
     }
   }
-  if (outputs.metrics != nullptr) *outputs.metrics = acc->metrics(total);
+  if (outputs.metrics != nullptr && acc != nullptr) *outputs.metrics = acc->metrics(total);
   if (plan.options.forward_only || plan.options.frozen_weight) return;  // no dW, no dbias
   std::byte* ws = workspace + plan.layout.at(Region::exchange);
   so.sum_in_rank_order(so.data, outputs.dweight, ws, plan.schedule.slots);

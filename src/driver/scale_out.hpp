@@ -178,8 +178,9 @@ struct ScaleOutPlan {
 
 // Data parallelism, at the end of a step: exchanges the outcome (a refusal
 // met inside the schedule on any rank is every rank's), then the metric sums
-// (added in rank order) and dW / dbias (summed over the data group). error:
-// this rank's refusal, or null.
+// (added in rank order) and dW / dbias (summed over the data group; outputs
+// without them: nothing summed). acc: null for the generic log-prob head (no
+// metrics). error: this rank's refusal, or null.
 class LossAccumulator;
 void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outputs, const LossAccumulator* acc,
                           std::byte* workspace, const std::exception_ptr& error);

@@ -7,7 +7,8 @@
 //                 vocab group, the chosen logit from the shard that holds it
 //   sum_dhidden   after a block's dhidden GEMMs: the shards' partials summed
 //   begin / end   the step's global counts; at its end the metrics, and dW
-//                 and dbias summed over the data group
+//                 and dbias summed over the data group (the generic head's
+//                 end: the gradients alone, and its forward's outcome)
 //   abandon       a refusal met inside the schedule: the other ranks of the
 //                 data group, waiting at the end of the step, learn of it
 // The hook lives for one call: what it knows of the call (whether the
@@ -71,6 +72,15 @@ class StepExchange {
     } else if (outputs.metrics != nullptr) {
       *outputs.metrics = acc.metrics();
     }
+  }
+
+  // The generic log-prob head's end of a call (no loss, no metrics): with a
+  // data group, the outcome exchanged and, after a backward, dW and dbias
+  // summed over the group (a forward's outputs hold no gradient to sum).
+  void end(const LmHeadOutputs& outputs) {
+    if (so_ == nullptr || !so_->data) return;
+    ended_ = true;
+    finish_data_parallel(plan_, outputs, nullptr, workspace_, nullptr);
   }
 
   // The step met error before its end: with a data group whose end-of-step

@@ -11,10 +11,12 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "grpo/mpi_communicator.hpp"
 #include "lm_head_support.hpp"
+#include "log_prob_head_support.hpp"
 
 namespace grpo::test {
 
@@ -175,6 +177,62 @@ inline HeadOutputs run_part(const HeadCase& c, const HeadProblem& p, const Part&
   LmHeadLossPlan plan(shape, config, opt);
   o.schedule = plan.describe();
   plan.execute(in, out);
+  return o;
+}
+
+// One rank's part of a generic log-prob head case (forward, then backward)
+// through a plan with groups: views into the global problem, the rank's own
+// outputs (dW [V_q] in the weight's layout, f32; dhidden f32).
+inline LogProbRun run_log_prob_part(const LogProbCase& c, const LogProbHostProblem& p, const Part& part,
+                                    const ScaleOut& scale_out) {
+  const BatchSpec& s = c.head.spec;
+  const std::int64_t h = c.head.hidden, v_all = s.vocab;
+  const std::int64_t n = (part.seq_end - part.seq_begin) * s.seq_len, r0 = part.seq_begin * s.seq_len;
+  const std::int64_t v = part.vocab_end - part.vocab_begin;
+  const bool vm = c.head.layout == WeightLayout::vocab_major;
+  const bool sharded = v != v_all;
+  const std::size_t in_size = size_of(c.head.dtype);
+  LmHeadShape shape = log_prob_shape(c);
+  shape.batch = part.seq_end - part.seq_begin;
+  shape.vocab = v;
+  shape.weight_ld = vm ? 0 : v_all;  // hidden-major shards are column slices of [H, V]
+  shape.dweight_ld = vm ? 0 : v;
+  shape.vocab_offset = sharded ? part.vocab_begin : 0;
+  shape.global_vocab = sharded ? v_all : 0;
+  LmHeadOptions opt = log_prob_options(c, 1);
+  opt.scale_out = scale_out;
+  const LossConfig& cfg = s.config;
+  const LmHeadLogProbPlan plan(shape, {cfg.temperature, cfg.temperature_on_logp, cfg.logit_softcap, cfg.logit_scale},
+                               opt);
+  const auto rows = [&](const auto& all) {
+    using T = typename std::decay_t<decltype(all)>::value_type;
+    return all.empty() ? std::span<const T>{}
+                       : std::span<const T>(all).subspan(static_cast<std::size_t>(r0), static_cast<std::size_t>(n));
+  };
+  const std::byte* w =
+      p.head.weight.data() + static_cast<std::size_t>(vm ? part.vocab_begin * h : part.vocab_begin) * in_size;
+  const LogProbInputs in{
+      {p.head.hidden.data() + static_cast<std::size_t>(r0 * h) * in_size, c.head.dtype, n, h, h},
+      vm ? MatrixView{w, c.head.dtype, v, h, h} : MatrixView{w, c.head.dtype, h, v, v_all},
+      c.head.bias
+          ? VectorView{p.head.bias.data() + static_cast<std::size_t>(part.vocab_begin) * sizeof(float), DType::f32, v}
+          : VectorView{},
+      rows(p.head.batch.ids),
+      rows(p.head.batch.mask)};
+  LogProbRun o;
+  o.schedule = plan.describe();
+  o.logp.assign(static_cast<std::size_t>(n), -1.0F);
+  o.entropy.assign(static_cast<std::size_t>(n), -1.0F);
+  o.dhidden.assign(static_cast<std::size_t>(n * h) * sizeof(float), std::byte{0x3f});
+  o.dweight.assign(static_cast<std::size_t>(v * h) * sizeof(float), std::byte{0x3f});
+  o.dbias.assign(c.head.bias ? static_cast<std::size_t>(v) : 0, 7.0F);
+  plan.forward(in, {o.logp, o.entropy, nullptr});
+  plan.backward(
+      in, {rows(p.dlogp), rows(p.dentropy)},
+      {{o.dhidden.data(), DType::f32, n, h, h},
+       vm ? MutMatrixView{o.dweight.data(), DType::f32, v, h, h} : MutMatrixView{o.dweight.data(), DType::f32, h, v, v},
+       o.dbias,
+       nullptr});
   return o;
 }
 

@@ -1,9 +1,9 @@
 // Refusals over several processes: a bad argument on one rank is a refusal
 // on every rank (the agreement records), naming the argument, and nobody is
 // left waiting in a collective: every test then runs a valid step with the
-// same ranks. Also the single-process entry points that take no groups, and a
+// same ranks. Also the single-process entry points that take no groups, a
 // vocabulary shard whose bias bans all of its tokens (allowed while another
-// shard allows some).
+// shard allows some), and the generic log-prob head's refusals.
 #include <gtest/gtest.h>
 
 #include <limits>
@@ -187,11 +187,14 @@ TEST_F(ScaleOutRefusal, LocalRefusals) {
             }),
             "config.top_entropy_quantile");
   EXPECT_EQ(refused_argument([&] {
+              // The generic head takes groups, but a shard still needs a vocab group.
               LmHeadOptions o;
               o.scale_out = data();
-              LmHeadLogProbPlan({.batch = 1, .seq_len = 9, .hidden = 32, .vocab = 300}, LogProbConfig{}, o);
+              LmHeadLogProbPlan(
+                  {.batch = 1, .seq_len = 9, .hidden = 32, .vocab = 100, .vocab_offset = 0, .global_vocab = 300},
+                  LogProbConfig{}, o);
             }),
-            "options.scale_out");
+            "shape.global_vocab");
   EXPECT_EQ(refused_argument([&] {
               LmHeadBaseline(
                   {.batch = 1, .seq_len = 9, .hidden = 32, .vocab = 100, .vocab_offset = 0, .global_vocab = 300},
@@ -225,6 +228,73 @@ TEST_F(ScaleOutRefusal, AShardWhoseBiasBansAllItsTokens) {
   std::fill(p.batch.mask.begin(), p.batch.mask.end(), 0.0F);
   EXPECT_EQ(refused_argument([&] { run_part(c_, p, vocab_part(c_), vocab(), c_.spec.config); }), "bias");
   expect_valid_step(vocab(), vocab_part(c_));
+}
+
+// The generic log-prob head: plan creation, forward() and backward() refuse
+// together, in Python-facing order: a refusal at one call leaves the group
+// ready for the next.
+class LogProbRefusal : public ::testing::Test {
+ protected:
+  LogProbRefusal() : world_(MPI_COMM_WORLD) {
+    c_.head = small_case();
+    c_.head.token_block = 16;
+    p_ = make_log_prob_problem(c_, false);
+  }
+  ScaleOut vocab() const { return {.vocab_group = &world_}; }
+  ScaleOut data() const { return {.data_group = &world_}; }
+  Part vocab_part() const { return grpo::test::vocab_part(c_.head); }
+  Part data_part() const { return grpo::test::data_part(c_.head); }
+  std::string run(const LogProbHostProblem& p, const Part& part, const ScaleOut& so) const {
+    return refused_argument([&] { run_log_prob_part(c_, p, part, so); });
+  }
+  // The first valid row of this rank's part.
+  std::int64_t first_valid(const Part& part) const {
+    for (std::int64_t r = part.seq_begin * c_.head.spec.seq_len;; ++r) {
+      if (p_.head.batch.mask[r] != 0.0F) return r;
+    }
+  }
+
+  MpiCommunicator world_;
+  LogProbCase c_;
+  LogProbHostProblem p_;
+};
+
+TEST_F(LogProbRefusal, OneRankRefusesEveryRankRaises) {
+  SCOPED_TRACE("rank " + std::to_string(world_rank()));
+  const bool last = world_rank() == world_size() - 1;
+  // Plan creation: the temperature differs on the last rank (it must be shared).
+  {
+    LogProbCase c = c_;
+    if (last && world_size() > 1) c.head.spec.config.temperature = 0.5F;
+    const std::string arg = refused_argument([&] { run_log_prob_part(c, p_, data_part(), data()); });
+    EXPECT_EQ(arg, world_size() > 1 ? "config" : "");
+  }
+  // forward(): an id beyond the vocabulary on the last rank of a data group.
+  {
+    LogProbHostProblem bad = p_;
+    if (last) bad.head.batch.ids[first_valid(data_part())] = static_cast<std::int32_t>(c_.head.spec.vocab);
+    EXPECT_EQ(run(bad, data_part(), data()), "ids");
+  }
+  // backward(): a non-finite dlogp on the last rank of a data group.
+  {
+    LogProbHostProblem bad = p_;
+    if (last) bad.dlogp[first_valid(data_part())] = std::numeric_limits<float>::infinity();
+    EXPECT_EQ(run(bad, data_part(), data()), "dlogp");
+  }
+  // A vocab group whose last rank holds another upstream gradient.
+  if (world_size() > 1) {
+    LogProbHostProblem other = p_;
+    if (last) other.dlogp[first_valid(vocab_part())] += 1.0F;
+    EXPECT_EQ(run(other, vocab_part(), vocab()), "dlogp");
+    // ... or another label (forward() already refuses).
+    LogProbHostProblem moved = p_;
+    const std::int64_t r = first_valid(vocab_part());
+    if (last) moved.head.batch.ids[r] = (moved.head.batch.ids[r] + 1) % static_cast<std::int32_t>(c_.head.spec.vocab);
+    EXPECT_EQ(run(moved, vocab_part(), vocab()), "ids");
+  }
+  // The group is still in step: valid calls in both groups.
+  EXPECT_EQ(run(p_, data_part(), data()), "");
+  EXPECT_EQ(run(p_, vocab_part(), vocab()), "");
 }
 
 }  // namespace
