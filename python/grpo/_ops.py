@@ -169,6 +169,66 @@ def _warn_rerun() -> None:
                       "correct, but it costs a second step", RuntimeWarning, stacklevel=3)
 
 
+def _loss_plan(s: dict, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], num_items_in_batch: Optional[Tensor]):
+    """(cache, key, build, the call's gradient scale) of a grpo::lm_head_loss call: its plan's cache entry."""
+    names = s["names"]
+    h = hidden.shape[1]
+    v = weight.shape[0]
+    cache = _plan_cache.by_handle(s["cache"])
+    # dapo / cispo / vespo: the plan gets a unit normalizer and the call's
+    # gradient scale is 1 / num_items_in_batch (applied to the coefficients
+    # inside the kernel), so one plan serves every step. The entropy bonus
+    # has its own normalizer: with it the plan gets the real one.
+    scale, items = float(s["loss_scale"]), 0.0
+    if s["config"]["loss_type"] in _DAPO_LIKE:
+        if num_items_in_batch is None:
+            raise refuse(names["num_items_in_batch"], f"is required for loss_type '{s['config']['loss_type']}' "
+                         "(the global valid-token count)")
+        normalizer = float(num_items_in_batch)
+        if not (normalizer > 0.0 and math.isfinite(normalizer)):
+            raise refuse(names["num_items_in_batch"], f"must be finite and > 0, got {normalizer}")
+        if float(s["config"]["entropy_coef"]) == 0.0:
+            scale, items = scale / normalizer, 1.0
+        else:
+            items = normalizer
+    config = _fields.loss_config(s["config"])
+    config.num_items_in_batch = items
+    dtype = FLOAT_DTYPES[hidden.dtype]
+    options = _fields.head_options(_plan_values(s), forward_only=not s["grads"], frozen_weight=s["frozen"],
+                                   dweight_dtype=FLOAT_DTYPES[_dtype(s["dweight_dtype"])], dhidden_dtype=dtype)
+    hidden_ld, weight_ld = _row_stride(hidden), _row_stride(weight)
+    # Scale-out (grpo/distributed.py): the groups by handle, this rank's shard of the vocabulary.
+    groups = (s.get("vocab"), s.get("data"), s.get("vocab_offset", 0), s.get("global_vocab", 0))
+    key = (s["batch"], s["seq_len"], h, v, str(hidden.dtype), None if bias is None else str(bias.dtype),
+           hidden_ld, weight_ld, _fields.plan_key(config, options), groups)
+
+    def build():
+        shape = _head_shape(s["batch"], s["seq_len"], h, v, dtype, bias, hidden_ld, weight_ld)
+        if groups[0] is None and groups[1] is None:
+            return _core.LmHeadLossPlan(shape, config, options)
+        from grpo import distributed
+
+        shape.vocab_offset, shape.global_vocab = groups[2], groups[3]
+        return _core.LmHeadLossPlan(shape, config, options, vocab_group=distributed.by_handle(groups[0]),
+                                    data_group=distributed.by_handle(groups[1]))
+
+    return cache, key, build, scale
+
+
+def loss_plan_cached(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], *args) -> bool:
+    """Whether a grpo::lm_head_loss call with these arguments finds its plan in the cache (args: the op's rest)."""
+    spec, num_items_in_batch = args[-1], args[-2]
+    cache, key, _build, _scale = _loss_plan(json.loads(spec), hidden, weight, bias, num_items_in_batch)
+    return cache.contains("lm_head_loss", key)
+
+
+def forget_loss_plan(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], *args) -> None:
+    """Drops that call's plan from the cache, so the call builds it again (with its groups: collectively)."""
+    spec, num_items_in_batch = args[-1], args[-2]
+    cache, key, _build, _scale = _loss_plan(json.loads(spec), hidden, weight, bias, num_items_in_batch)
+    cache.discard("lm_head_loss", key)
+
+
 # --------------------------------------------------------------------------
 # grpo::lm_head_loss
 # --------------------------------------------------------------------------
@@ -188,49 +248,11 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Te
     names = s["names"]
     n, h = hidden.shape
     v = weight.shape[0]
-    cache = _plan_cache.by_handle(s["cache"])
     try:
         ids32 = int32_ids(ids, names["ids"])
-        # dapo / cispo / vespo: the plan gets a unit normalizer and the call's
-        # gradient scale is 1 / num_items_in_batch (applied to the
-        # coefficients inside the kernel), so one plan serves every step. The
-        # entropy bonus has its own normalizer: with it the plan gets the real
-        # one.
-        scale, items = float(s["loss_scale"]), 0.0
-        if s["config"]["loss_type"] in _DAPO_LIKE:
-            if num_items_in_batch is None:
-                raise refuse(names["num_items_in_batch"], f"is required for loss_type '{s['config']['loss_type']}' "
-                             "(the global valid-token count)")
-            normalizer = float(num_items_in_batch)
-            if not (normalizer > 0.0 and math.isfinite(normalizer)):
-                raise refuse(names["num_items_in_batch"], f"must be finite and > 0, got {normalizer}")
-            if float(s["config"]["entropy_coef"]) == 0.0:
-                scale, items = scale / normalizer, 1.0
-            else:
-                items = normalizer
-        config = _fields.loss_config(s["config"])
-        config.num_items_in_batch = items
+        cache, key, build, scale = _loss_plan(s, hidden, weight, bias, num_items_in_batch)
         grads, frozen = s["grads"], s["frozen"]
-        dtype = FLOAT_DTYPES[hidden.dtype]
         grad_dtype = _dtype(s["dweight_dtype"])
-        options = _fields.head_options(_plan_values(s), forward_only=not grads, frozen_weight=frozen,
-                                       dweight_dtype=FLOAT_DTYPES[grad_dtype], dhidden_dtype=dtype)
-        hidden_ld, weight_ld = _row_stride(hidden), _row_stride(weight)
-        # Scale-out (grpo/distributed.py): the groups by handle, this rank's shard of the vocabulary.
-        groups = (s.get("vocab"), s.get("data"), s.get("vocab_offset", 0), s.get("global_vocab", 0))
-        key = (s["batch"], s["seq_len"], h, v, str(hidden.dtype), None if bias is None else str(bias.dtype),
-               hidden_ld, weight_ld, _fields.plan_key(config, options), groups)
-
-        def build():
-            shape = _head_shape(s["batch"], s["seq_len"], h, v, dtype, bias, hidden_ld, weight_ld)
-            if groups[0] is None and groups[1] is None:
-                return _core.LmHeadLossPlan(shape, config, options)
-            from grpo import distributed
-
-            shape.vocab_offset, shape.global_vocab = groups[2], groups[3]
-            return _core.LmHeadLossPlan(shape, config, options, vocab_group=distributed.by_handle(groups[0]),
-                                        data_group=distributed.by_handle(groups[1]))
-
         plan = cache.get("lm_head_loss", key, build)
         logp = torch.empty(n, dtype=torch.float32)
         entropy = torch.empty(n, dtype=torch.float32) if s["entropy"] else None
@@ -323,8 +345,9 @@ lm_head_loss.register_autograd(_loss_backward, setup_context=_loss_setup)
 # --------------------------------------------------------------------------
 
 
-def _log_prob_plan(s: dict, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], forward_only: bool,
-                   frozen: bool):
+def _log_prob_entry(s: dict, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], forward_only: bool,
+                    frozen: bool):
+    """(cache, key, build) of the log-prob head's plan for a call."""
     grad_dtype = FLOAT_DTYPES[_dtype(s["dweight_dtype"])]
     plan_values = _plan_values(s)
     n, h = hidden.shape
@@ -357,7 +380,34 @@ def _log_prob_plan(s: dict, hidden: Tensor, weight: Tensor, bias: Optional[Tenso
         return _core.LmHeadLogProbPlan(shape, config, options, vocab_group=distributed.by_handle(groups[0]),
                                        data_group=distributed.by_handle(groups[1]))
 
+    return cache, key, build
+
+
+def _log_prob_plan(s: dict, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], forward_only: bool,
+                   frozen: bool):
+    cache, key, build = _log_prob_entry(s, hidden, weight, bias, forward_only, frozen)
     return cache, cache.get("lm_head_log_prob", key, build)
+
+
+def log_probs_plans_cached(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                           mask: Optional[Tensor], spec: str) -> bool:
+    """Whether a grpo::log_probs call (and its backward's plan) finds its plans in the cache."""
+    s = json.loads(spec)
+    keys = {(s["forward_only"], s["frozen"]), (False, s["frozen"])}
+    for forward_only, frozen in keys:
+        cache, key, _build = _log_prob_entry(s, hidden, weight, bias, forward_only, frozen)
+        if not cache.contains("lm_head_log_prob", key):
+            return False
+    return True
+
+
+def forget_log_probs_plans(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
+                           mask: Optional[Tensor], spec: str) -> None:
+    """Drops that call's plans (forward and backward) from the cache: with groups, every rank builds them again."""
+    s = json.loads(spec)
+    for forward_only, frozen in {(s["forward_only"], s["frozen"]), (False, s["frozen"])}:
+        cache, key, _build = _log_prob_entry(s, hidden, weight, bias, forward_only, frozen)
+        cache.discard("lm_head_log_prob", key)
 
 
 @torch.library.custom_op("grpo::log_probs", mutates_args=())

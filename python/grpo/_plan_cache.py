@@ -86,6 +86,17 @@ class PlanCache:
                 self.plan_bytes -= _plan_bytes(self._plans.pop(holding[0]))
         return plan
 
+    def contains(self, kind: str, key: Hashable) -> bool:
+        with self._lock:
+            return (kind, key) in self._plans
+
+    def discard(self, kind: str, key: Hashable) -> None:
+        """Drops the plan for (kind, key) if cached."""
+        with self._lock:
+            plan = self._plans.pop((kind, key), None)
+            if plan is not None:
+                self.plan_bytes -= _plan_bytes(plan)
+
     def __len__(self) -> int:
         return len(self._plans)
 

@@ -121,8 +121,10 @@ def vocab_shard(handle: int, rows: int, start: Optional[int]) -> tuple[int, int]
     return result
 
 
-def agree(handles: list[int], error: Optional[BaseException]) -> None:
+def agree(handles: list[int], error: Optional[BaseException], flag: bool = False) -> bool:
     """Every rank of the groups learns whether any rank refused its arguments: raises on every rank if one did.
+    Returns whether any rank raised `flag` (e.g. "my plan is not cached": then every rank builds it, as the
+    plan's construction is collective).
 
     One small allgather per group, in the order vocab, data, vocab (a refusal
     on any rank of a grid reaches every rank in three rounds), so no rank
@@ -131,6 +133,7 @@ def agree(handles: list[int], error: Optional[BaseException]) -> None:
     import torch.distributed as dist
 
     status = 0 if error is None else 1
+    any_flag = bool(flag)
     message = "" if error is None else str(error)
     argument = getattr(error, "argument", "") if error is not None else ""
     first: tuple[int, str, str] | None = None
@@ -140,11 +143,13 @@ def agree(handles: list[int], error: Optional[BaseException]) -> None:
         record = torch.zeros(512, dtype=torch.uint8)
         payload = f"{argument}\0{message}".encode()[:510]
         record[0] = status
+        record[1] = int(any_flag)
         record[2:2 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         records = torch.empty(size * 512, dtype=torch.uint8)
         dist.all_gather_into_tensor(records, record, group=group)
         for q in range(size):
             block = records[q * 512:(q + 1) * 512]
+            any_flag = any_flag or bool(int(block[1]))
             if int(block[0]) and status == 0:
                 status = 1
                 text = bytes(block[2:].tolist()).rstrip(b"\0").decode(errors="replace")
@@ -158,3 +163,4 @@ def agree(handles: list[int], error: Optional[BaseException]) -> None:
         refusal = grpo.Error(f"grpo: {message}")
         refusal.argument = argument
         raise refusal
+    return any_flag

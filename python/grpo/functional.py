@@ -227,10 +227,14 @@ def lm_head_grpo_loss(
                 groups["vocab_offset"], groups["global_vocab"] = distributed.vocab_shard(
                     handles["vocab"], weight.shape[0] if isinstance(weight, torch.Tensor) else 0, vocab_start)
             op_args, shape = _prepare_loss(**args, groups=groups)
+            # A plan's construction is collective: a rank whose plan is not cached (a new shape: each rank's
+            # batch pads to its own length) makes every rank build it again.
+            cached = _ops.loss_plan_cached(*op_args)
         except (grpo.Error, grpo.ArgumentTypeError, NotImplementedError) as refusal:
-            error = refusal
+            error, cached = refusal, True
         order = [h for h in (handles["vocab"], handles["data"], handles["vocab"]) if h is not None]
-        distributed.agree(order if len(set(order)) > 1 else order[:1], error)
+        if distributed.agree(order if len(set(order)) > 1 else order[:1], error, flag=not cached):
+            _ops.forget_loss_plan(*op_args)
     loss, logp, entropy, kl, metrics, stats, _dh, _dw, _db = _ops.lm_head_loss(*op_args)
     b, s, v, h = shape
     timings = None if torch.compiler.is_compiling() else _ops.last_timings()
@@ -267,6 +271,9 @@ def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_log
 
     tokens = (b, s)
     ids_ = per_token(ids, names["ids"], tokens, integer=True)
+    if groups:
+        # The op's int32 conversion refuses int64 ids beyond int32: done here, where the groups agree on it.
+        ids_ = _ops.int32_ids(ids_, names["ids"])
     mask_ = per_token(mask, names["mask"], tokens)
     adv_ = per_token(advantages, names["advantages"], tokens, (b,))
     old_ = per_token(old_logp, names["old_logp"], tokens)
@@ -408,10 +415,12 @@ def fused_log_probs(
                 groups["vocab_offset"], groups["global_vocab"] = distributed.vocab_shard(
                     handles["vocab"], weight.shape[0] if isinstance(weight, torch.Tensor) else 0, vocab_start)
             op_args, out_shape, outputs = _prepare_log_probs(**args, groups=groups)
+            cached = _ops.log_probs_plans_cached(*op_args)  # collective construction: see lm_head_grpo_loss
         except (grpo.Error, grpo.ArgumentTypeError, NotImplementedError) as refusal:
-            error = refusal
+            error, cached = refusal, True
         order = [h for h in (handles["vocab"], handles["data"], handles["vocab"]) if h is not None]
-        distributed.agree(order if len(set(order)) > 1 else order[:1], error)
+        if distributed.agree(order if len(set(order)) > 1 else order[:1], error, flag=not cached):
+            _ops.forget_log_probs_plans(*op_args)
     rows, weight, bias, labels_, mask_, spec = op_args
     logp, entropy, stats = _ops.log_probs(rows, weight, bias, labels_, mask_, spec)
     if on_stats is not None:

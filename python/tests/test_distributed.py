@@ -99,6 +99,18 @@ def _worker(rank, size, port, scenario, dtype, shards, out_dir):
                 torch.save({"refused": str(error), "argument": getattr(error, "argument", None)},
                            os.path.join(out_dir, f"{rank}.pt"))
             return
+        if scenario == "new_shape":
+            # Data-parallel; the second call: rank 0's batch has the first call's shape (its plan cached), rank 1's
+            # a shorter one (a new plan, built collectively): every rank builds again, no rank waits.
+            losses = []
+            for t in ((T, T), (T, T - 2)):
+                tt = t[rank]
+                out = _call(case, case.hidden[rows, :tt], case.weight, case.bias, case.ids[rows, :tt],
+                            case.mask[rows, :tt], case.advantages[rows], case.old_logp[rows, :tt],
+                            case.ref_logp[rows, :tt], data_group=data)
+                losses.append(out["loss"])
+            torch.save({"losses": torch.stack(losses)}, os.path.join(out_dir, f"{rank}.pt"))
+            return
         if scenario == "dropin":  # Liger's module, dapo: the normalizer is the global count
             module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="dapo", num_threads=1, data_group=data)
             x = case.hidden[rows].clone().requires_grad_()
@@ -211,6 +223,13 @@ def test_liger_drop_in_data_parallel_equals_one_process():
         torch.testing.assert_close(got["metrics"], torch.stack(metrics), rtol=1e-5, atol=1e-7)
         _close(got["dhidden"], x.grad[r0:r1], torch.float32, (rank, "dhidden"))
         _close(got["dweight"], w.grad, torch.float32, (rank, "dweight"))
+
+
+def test_a_shape_new_to_one_rank_builds_the_plan_on_every_rank():
+    """A plan's construction is collective: a call where one rank's plan is cached and another's is not must not
+    leave the ranks in different collectives (every rank rebuilds); the loss is the same bits on both ranks."""
+    results = _spawn(2, "new_shape", torch.float32)
+    assert torch.equal(results[0]["losses"], results[1]["losses"])
 
 
 def test_a_refusal_on_one_rank_reaches_every_rank():
