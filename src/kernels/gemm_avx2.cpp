@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/bf16_avx2.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 #include "kernels/prefetch.hpp"
@@ -78,22 +79,10 @@ __m256 load8(const std::uint16_t* p) { return widen8(p); }
 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 // f32 -> bf16, round to nearest even; NaN stays a (quiet) NaN.
-std::uint16_t to_bf16(float v) {
-  std::uint32_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(v));
-  if ((bits & 0x7f800000U) == 0x7f800000U && (bits & 0x007fffffU) != 0) return 0x7fc0;
-  bits += 0x7fffU + ((bits >> 16) & 1U);
-  return static_cast<std::uint16_t>(bits >> 16);
-}
+std::uint16_t to_bf16(float v) { return float_to_bf16<Bf16Nan::canonical>(v); }
 // 16 f32 (lo, hi) -> 16 bf16 at dst, as to_bf16 does each.
 void store_bf16x16(std::uint16_t* dst, __m256 lo, __m256 hi) {
-  const auto round = [](__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  };
+  const auto round = [](__m256 v) { return float_to_bf16x8_epi32<Bf16Nan::canonical>(v); };
   // packus interleaves 128-bit lanes: [lo0-3 hi0-3 lo4-7 hi4-7]; put them in order.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round(lo), round(hi)), 0xd8);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);

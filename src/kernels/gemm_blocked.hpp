@@ -59,6 +59,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/bf16_avx512.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 #include "kernels/prefetch.hpp"
@@ -733,11 +734,7 @@ class BlockedGemm final : public GemmBackend {
 #ifdef __AVX512BF16__
     return std::bit_cast<__m256i>(_mm512_cvtneps_pbh(v));
 #else
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
+    return float_to_bf16x16<Bf16Nan::canonical>(v);
 #endif
   }
 
