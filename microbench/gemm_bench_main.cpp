@@ -123,19 +123,12 @@ int run(int argc, char** argv) {
   std::printf("%-12s %-8s %-22s %-34s %10s %9s %7s\n", "backend", "gemm", "M x K x N", "implementation", "best ms",
               "GFLOP/s", "of peak");
   for (const std::string& name : backends) {
-    GemmBackendKind kind{};
-    bool known = false;
-    for (const auto k : {GemmBackendKind::amx, GemmBackendKind::avx512_bf16, GemmBackendKind::avx512_fma,
-                         GemmBackendKind::avx2, GemmBackendKind::onednn, GemmBackendKind::reference}) {
-      if (name == grpo::kernels::to_string(k)) {
-        kind = k;
-        known = true;
-      }
-    }
-    if (!known) {
+    const grpo::kernels::GemmBackendEntry* entry = grpo::kernels::find_gemm_backend(name.c_str());
+    if (entry == nullptr) {
       std::fprintf(stderr, "grpo-gemm-bench: --backends: unknown backend '%s'\n", name.c_str());
       return 2;
     }
+    const GemmBackendKind kind = entry->kind;
     for (const Case& c : cases) {
       std::unique_ptr<Gemm> g;
       try {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "gemm_amx_emulated.hpp"
+#include "kernels/cpu.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 
@@ -112,25 +113,21 @@ struct Tested {
 };
 std::string to_string(const Tested& t) { return t.emulated ? "amx (emulated tiles)" : to_string(t.kind); }
 
+// The table's backends this CPU runs, the emulated amx beside the amx row.
 std::vector<Tested> runnable_backends() {
-  std::vector<Tested> kinds{{GemmBackendKind::onednn}, {GemmBackendKind::reference}};
-  if (avx2_gemm_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx2});
-  if (avx512_fma_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx512_fma});
-  if (avx512_bf16_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx512_bf16});
-  if (testing::amx_emulation_runs()) kinds.insert(kinds.begin(), {GemmBackendKind::amx, true});
-  if (amx_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::amx});
+  std::vector<Tested> kinds;
+  for (const GemmBackendEntry& e : gemm_backends()) {
+    if (e.unusable() == nullptr) kinds.push_back({e.kind});
+    if (e.kind == GemmBackendKind::amx && testing::amx_emulation_runs()) kinds.push_back({e.kind, true});
+  }
   return kinds;
 }
 
 std::unique_ptr<GemmBackend> make_backend(const Tested& t, const GemmSpec& spec) {
   if (t.emulated) return testing::make_emulated_amx_gemm(spec);
-  const GemmBackendKind kind = t.kind;
-  if (kind == GemmBackendKind::amx) return make_amx_gemm(spec);
-  if (kind == GemmBackendKind::avx512_bf16) return make_avx512_bf16_gemm(spec);
-  if (kind == GemmBackendKind::avx512_fma) return make_avx512_fma_gemm(spec);
-  if (kind == GemmBackendKind::avx2) return make_avx2_gemm(spec);
-  if (kind == GemmBackendKind::reference) return make_reference_gemm(spec);
-  return nullptr;  // oneDNN runs through kernels::Gemm (GRPO_GEMM unset or forcing another: see run_case)
+  // oneDNN runs through kernels::Gemm (it needs the engine: see run_on).
+  if (t.kind == GemmBackendKind::onednn) return nullptr;
+  return gemm_backend(t.kind).make(nullptr, spec, nullptr);
 }
 
 // Our blocked microkernel backends (gemm_blocked.hpp): bf16 A and B alone.
@@ -149,7 +146,7 @@ std::vector<Tested> microkernel_backends() {
 }
 
 // oneDNN 2.6 has no bf16 matmul without AVX-512.
-bool onednn_has_bf16() { return __builtin_cpu_supports("avx512f"); }
+bool onednn_has_bf16() { return cpu_features().cpuid_avx512f && cpu_features().os_zmm; }
 
 // Runs spec on one backend; returns false when it does not serve the spec.
 bool run_on(const Tested& kind, const GemmEngine& engine, const GemmSpec& spec, const void* a, const void* b, void* c,
@@ -470,15 +467,42 @@ TEST(GemmTester, SharedRowCapBoundsACallsScratch) {
   }
 }
 
+// The size query (gemm_sizes) names the backend a Gemm of the spec takes and
+// its bytes, without building it; oneDNN's from its primitive descriptor.
+TEST(GemmTester, SizeQueryMatchesTheBuiltGemm) {
+  const GemmEngine engine;
+  for (const DType in : {DType::bf16, DType::f32}) {
+    for (const SharedOperand shared : {SharedOperand::none, SharedOperand::a}) {
+      GemmSpec spec;
+      spec.a = {in, 160, 3000, 3000, 1};
+      spec.b = {in, 3000, 700, 1, 3000};
+      spec.c = {DType::f32, 160, 700, 700, 1};
+      spec.shared = shared;
+      const GemmSizes sizes = gemm_sizes(engine, spec);
+      const Gemm gemm(engine, spec);
+      SCOPED_TRACE(gemm.implementation());
+      EXPECT_EQ(sizes.backend, gemm.backend());
+      EXPECT_EQ(sizes.scratchpad_bytes, gemm.scratchpad_bytes());
+      EXPECT_EQ(sizes.shared_packed_bytes, gemm.shared_packed_bytes());
+      EXPECT_EQ(sizes.scratchpad_bytes_with_packed, gemm.scratchpad_bytes_with_packed());
+      EXPECT_EQ(sizes.traits.m_independent, gemm.traits().m_independent);
+      EXPECT_EQ(sizes.traits.max_shared_rows, gemm.traits().max_shared_rows);
+      if (in == DType::f32 || onednn_has_bf16()) {
+        EXPECT_EQ(detail::onednn_scratchpad_bytes(engine, spec),
+                  Gemm(engine, spec, GemmBackendKind::onednn).scratchpad_bytes());
+      }
+    }
+  }
+}
+
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
   std::string skipped;
-  if (!amx_usable()) {
-    skipped += std::string("amx (") + amx_unusable_reason() +
-               (testing::amx_emulation_runs() ? "; its code ran on emulated tiles) " : ") ");
+  for (const GemmBackendEntry& e : gemm_backends()) {
+    const char* why = e.unusable();
+    if (why == nullptr) continue;
+    const bool emulated = e.kind == GemmBackendKind::amx && testing::amx_emulation_runs();
+    skipped += std::string(e.name) + " (" + why + (emulated ? "; its code ran on emulated tiles) " : ") ");
   }
-  if (!avx512_bf16_usable()) skipped += "avx512bf16 (the CPU has no AVX512-BF16) ";
-  if (!avx512_fma_usable()) skipped += "avx512fma (the CPU has no AVX-512F/BW/DQ/VL) ";
-  if (!avx2_gemm_usable()) skipped += "avx2 (the CPU has no AVX2 and FMA) ";
   if (!onednn_has_bf16()) skipped += "onednn on bf16 (oneDNN 2.6 has no bf16 matmul without AVX-512)";
   if (!skipped.empty()) GTEST_SKIP() << "backends not tested on this CPU: " << skipped;
   SUCCEED();

@@ -17,9 +17,9 @@ constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 // XCR0 bits the OS sets when it saves a register state on context switch
 // (the same masks libgcc's __builtin_cpu_supports applies).
-constexpr std::uint64_t kXcr0Ymm = (1U << 1) | (1U << 2);                 // SSE, AVX (ymm upper halves)
-constexpr std::uint64_t kXcr0Zmm = (1U << 5) | (1U << 6) | (1U << 7);     // opmask, zmm0-15 upper, zmm16-31
-constexpr std::uint64_t kXcr0Tiles = (1U << 17) | (1U << 18);             // XTILECFG, XTILEDATA
+constexpr std::uint64_t kXcr0Ymm = (1U << 1) | (1U << 2);              // SSE, AVX (ymm upper halves)
+constexpr std::uint64_t kXcr0Zmm = (1U << 5) | (1U << 6) | (1U << 7);  // opmask, zmm0-15 upper, zmm16-31
+constexpr std::uint64_t kXcr0Tiles = (1U << 17) | (1U << 18);          // XTILECFG, XTILEDATA
 
 struct Regs {
   unsigned a = 0, b = 0, c = 0, d = 0;

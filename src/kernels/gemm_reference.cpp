@@ -60,18 +60,8 @@ class ReferenceGemm final : public GemmBackend {
 
 }  // namespace
 
-std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec) { return std::make_unique<ReferenceGemm>(spec); }
-
-const char* to_string(GemmBackendKind kind) {
-  switch (kind) {
-    case GemmBackendKind::amx: return "amx";
-    case GemmBackendKind::avx512_bf16: return "avx512bf16";
-    case GemmBackendKind::avx512_fma: return "avx512fma";
-    case GemmBackendKind::avx2: return "avx2";
-    case GemmBackendKind::onednn: return "onednn";
-    case GemmBackendKind::reference: return "reference";
-  }
-  return "?";
+std::unique_ptr<GemmBackend> detail::make_reference_gemm(const GemmSpec& spec) {
+  return std::make_unique<ReferenceGemm>(spec);
 }
 
 }  // namespace grpo::kernels
