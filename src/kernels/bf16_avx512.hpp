@@ -8,6 +8,7 @@
 #include "kernels/bf16.hpp"
 
 namespace grpo::kernels {
+namespace {  // one copy per translation unit: each is compiled for its own ISA
 
 template <Bf16Nan kNan>
 inline __m256i float_to_bf16x16(__m512 v) {
@@ -26,4 +27,5 @@ inline __m256i float_to_bf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+}  // namespace
 }  // namespace grpo::kernels

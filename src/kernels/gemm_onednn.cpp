@@ -13,6 +13,7 @@
 #include <omp.h>
 
 #include <string>
+#include <utility>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -70,7 +71,7 @@ dnnl::matmul::primitive_desc matmul_pd(const dnnl::engine& engine, const GemmSpe
 class OneDnnGemm final : public GemmBackend {
  public:
   // Throws dnnl::error when oneDNN cannot create the matmul.
-  OneDnnGemm(const dnnl::engine& engine, const GemmSpec& spec) : spec_(spec), engine_(engine) {
+  OneDnnGemm(dnnl::engine engine, const GemmSpec& spec) : spec_(spec), engine_(std::move(engine)) {
     OmpThreadsScope scope(spec.threads);
     a_ = describe(spec.a);
     b_ = describe(spec.b);
@@ -134,7 +135,9 @@ class OneDnnCaller final : public GemmCaller {
            const void* /*packed*/) const override {
     OmpThreadsScope scope(g_.spec_.threads);
     // oneDNN takes non-const handles; it only reads inputs.
-    const auto point = [](const memory& m, const void* p) { dnnl_memory_set_data_handle(m.get(), const_cast<void*>(p)); };
+    const auto point = [](const memory& m, const void* p) {
+      dnnl_memory_set_data_handle(m.get(), const_cast<void*>(p));
+    };
     point(a_, a);
     point(b_, b);
     point(c_, c);
@@ -168,7 +171,8 @@ GemmEngine::GemmEngine() : engine_(std::make_unique<dnnl::engine>(dnnl::engine::
 GemmEngine::~GemmEngine() = default;
 const dnnl::engine& GemmEngine::get() const { return *engine_; }
 
-std::unique_ptr<GemmBackend> detail::make_onednn_gemm(const GemmEngine& engine, const GemmSpec& spec, std::string* why_not) {
+std::unique_ptr<GemmBackend> detail::make_onednn_gemm(const GemmEngine& engine, const GemmSpec& spec,
+                                                      std::string* why_not) {
   try {
     return std::make_unique<OneDnnGemm>(engine.get(), spec);
   } catch (const dnnl::error& e) {
