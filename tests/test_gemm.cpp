@@ -182,10 +182,8 @@ bool run_on(const Tested& kind, const GemmEngine& engine, const GemmSpec& spec, 
   return true;
 }
 
-class GemmTester : public ::testing::TestWithParam<Case> {};
-
-TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
-  const Case cs = GetParam();
+// Every backend of `backends` against the double reference on one case.
+void expect_matches_reference(const Case& cs, const std::vector<Tested>& backends) {
   const unsigned seed = 1234U + static_cast<unsigned>(cs.m * 7919 + cs.n * 131 + cs.k);
   std::mt19937 rng(seed);
   Buffer a = make(cs.in_dtype, cs.m, cs.k, cs.a_t, 3, rng);
@@ -200,7 +198,7 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
   spec.has_bias = cs.bias != 0;
   spec.bias_dtype = bias.dtype;
   const GemmEngine engine;
-  for (const Tested& kind : runnable_backends()) {
+  for (const Tested& kind : backends) {
     Buffer c = c0;
     if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
       if (kind.kind != GemmBackendKind::onednn && !(blocked_microkernel(kind) && cs.in_dtype == DType::f32)) {
@@ -248,6 +246,51 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
       }
     }
   }
+}
+
+class GemmTester : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GemmTester, EveryBackendMatchesDoubleReference) { expect_matches_reference(GetParam(), runnable_backends()); }
+
+// 1, e - 1, e, e + 1 and 2 e + 1 for a tile edge e (the positive ones, once each).
+std::vector<std::int64_t> edges_of(std::int64_t e) {
+  std::vector<std::int64_t> out;
+  for (const std::int64_t v : {std::int64_t{1}, e - 1, e, e + 1, 2 * e + 1}) {
+    if (v > 0 && std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+  }
+  return out;
+}
+
+// XNNPACK's tester: each backend with a register block of its own (tile())
+// at shapes around its own mr (M), nr (N) and kr (K), every combination,
+// the four layouts, accumulate, bias and C dtype taken in turn (the shapes
+// above follow the AMX tiles and the blocking; these follow each micro).
+TEST(GemmTester, EachMicroAtItsOwnTileEdges) {
+  GemmSpec probe;
+  probe.a = {DType::bf16, 1, 1, 1, 1};
+  probe.b = {DType::bf16, 1, 1, 1, 1};
+  probe.c = {DType::f32, 1, 1, 1, 1};
+  int micros = 0;
+  for (const Tested& t : runnable_backends()) {
+    const std::unique_ptr<GemmBackend> be = make_backend(t, probe);
+    if (be == nullptr) continue;  // oneDNN: no register block of ours
+    const GemmTile tile = be->tile();
+    if (tile.mr == 1 && tile.nr == 1 && tile.kr == 1) continue;  // the reference loops
+    ++micros;
+    SCOPED_TRACE(to_string(t) + " mr " + std::to_string(tile.mr) + " nr " + std::to_string(tile.nr) + " kr " +
+                 std::to_string(tile.kr));
+    int i = 0;
+    for (const std::int64_t m : edges_of(tile.mr)) {
+      for (const std::int64_t n : edges_of(tile.nr)) {
+        for (const std::int64_t k : edges_of(tile.kr)) {
+          expect_matches_reference(
+              {m, n, k, i % 2 == 1, (i / 2) % 2 == 1, i % 3 == 0, i % 3, i % 5 == 0 ? DType::bf16 : DType::f32}, {t});
+          ++i;
+        }
+      }
+    }
+  }
+  if (micros == 0) GTEST_SKIP() << "no backend with a register block of ours runs on this CPU";
 }
 
 std::vector<Case> cases() {

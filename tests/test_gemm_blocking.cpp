@@ -15,8 +15,8 @@ namespace {
 // The micros' shapes as they declare them (gemm_micro.hpp's micro_shape):
 // amx bf16 tiles staged through memory with a 64-byte tile configuration;
 // avx512bf16 bf16 groups, Y taken whole; avx512fma the same in f32.
-constexpr MicroShape kAmx{.x_elem_bytes = 2, .y_elem_bytes = 2, .whole_shared_y = false,
-                          .staged_floats = kStagedFloats, .state_bytes = 64};
+constexpr MicroShape kAmx{
+    .x_elem_bytes = 2, .y_elem_bytes = 2, .whole_shared_y = false, .staged_floats = kStagedFloats, .state_bytes = 64};
 constexpr MicroShape kBf16{.x_elem_bytes = 2, .y_elem_bytes = 2, .whole_shared_y = true};
 constexpr MicroShape kFma{.x_elem_bytes = 4, .y_elem_bytes = 4, .whole_shared_y = true};
 constexpr MicroShape kShapes[] = {kAmx, kBf16, kFma};
@@ -82,13 +82,13 @@ TEST(GemmBlocking, ScratchIsItsParts) {
     for (const GemmSpec& spec : {forward(640), dhidden(512), spec_of(2048, 512, 4096, true, false)}) {
       const Blocking b = plan_blocking(spec, micro);
       EXPECT_EQ(b.scratch_bytes, b.y_bytes + b.x_bytes + b.acc_bytes +
-                                     static_cast<std::size_t>(micro.staged_floats) * sizeof(float) +
-                                     micro.state_bytes);
+                                     static_cast<std::size_t>(micro.staged_floats) * sizeof(float) + micro.state_bytes);
       // Given the packed shared Y, its block's room goes.
       EXPECT_EQ(scratch_bytes_with_packed(spec, b),
                 spec.shared == SharedOperand::none ? b.scratch_bytes : b.scratch_bytes - b.y_bytes);
-      EXPECT_EQ(shared_packed_bytes(spec, b),
-                spec.shared == SharedOperand::none ? 0 : static_cast<std::size_t>(b.k_blocks() * b.n_blocks()) * b.y_bytes);
+      EXPECT_EQ(shared_packed_bytes(spec, b), spec.shared == SharedOperand::none
+                                                  ? 0
+                                                  : static_cast<std::size_t>(b.k_blocks() * b.n_blocks()) * b.y_bytes);
     }
   }
 }

@@ -33,6 +33,10 @@ struct AmxMicro {
   static constexpr const char* kName = Tiles::kName;
   static constexpr const char* kSwappedName = Tiles::kSwappedName;
   static constexpr std::size_t kStateBytes = sizeof(TileConfig);
+  // Each tdpbf16ps: a 16-row X tile by a 16-column Y tile over 32 k.
+  static constexpr std::int64_t kMr = kTile;
+  static constexpr std::int64_t kNr = kTile;
+  static constexpr std::int64_t kKr = kKStep;
   using XLayout = XTiles;  // X always packed into 16 x 32 tiles
   using YLayout = YVnni<Bf16>;
   using Output = StagedTiles;                   // finished tiles leave through tile stores

@@ -177,6 +177,7 @@ class Avx2Gemm final : public GemmBackend {
   }
 
   GemmBackendKind kind() const override { return GemmBackendKind::avx2; }
+  GemmTile tile() const override { return {.mr = kMr, .nr = kNr, .kr = 1}; }
   const char* implementation() const override { return "grpo:avx2_fma"; }
   GemmTraits traits() const override { return {.m_independent = true}; }
   std::size_t scratchpad_bytes() const override {

@@ -57,6 +57,10 @@ struct Avx512Micro {
   static constexpr const char* kName = kWiden ? "grpo:avx512_fma" : "grpo:avx512_bf16";
   static constexpr const char* kSwappedName = kWiden ? "grpo:avx512_fma (swapped)" : "grpo:avx512_bf16 (swapped)";
   static constexpr std::size_t kStateBytes = 0;
+  // A group: 8 rows x 32 columns, one (k, k + 1) pair a step.
+  static constexpr std::int64_t kMr = kGroupRows;
+  static constexpr std::int64_t kNr = 2 * kTile;
+  static constexpr std::int64_t kKr = 2;
   using Elem = std::conditional_t<kWiden, F32, Bf16>;  // X and Y packed as f32 when widening
   // X as [k pair][8 rows] per group; vdpbf16ps also reads K-contiguous X
   // rows where they are (MicroBlock::x_rs).

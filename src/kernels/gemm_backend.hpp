@@ -65,6 +65,15 @@ class GemmCaller {
                    const void* packed) const = 0;
 };
 
+// A register block's edges, XNNPACK's mr, nr, kr: the rows and columns of C
+// one micro call computes and the k it takes per step. The GEMM tester
+// builds each backend's shapes around its own.
+struct GemmTile {
+  std::int64_t mr = 1;
+  std::int64_t nr = 1;
+  std::int64_t kr = 1;
+};
+
 class GemmBackend {
  public:
   virtual ~GemmBackend() = default;
@@ -84,6 +93,8 @@ class GemmBackend {
   // the room a backend packs the shared operand into itself goes unused).
   virtual std::size_t scratchpad_bytes_with_packed() const { return scratchpad_bytes(); }
   virtual void pack_shared(const void* /*operand*/, void* /*packed*/) const {}
+  // {1, 1, 1}: no register block of ours (oneDNN, the reference loops).
+  virtual GemmTile tile() const { return {}; }
   // Null: run() needs no per-caller objects (ours).
   virtual std::unique_ptr<GemmCaller> make_caller() const { return nullptr; }
 };

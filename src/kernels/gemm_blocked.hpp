@@ -61,6 +61,9 @@ concept GemmMicro = requires(void* state, const MicroBlock& blk, SinkFor<M>& sin
   { M::kSwappedName } -> std::convertible_to<const char*>;
   { M::kStateBytes } -> std::convertible_to<std::size_t>;
   { M::kWholeSharedY } -> std::convertible_to<bool>;
+  { M::kMr } -> std::convertible_to<std::int64_t>;
+  { M::kNr } -> std::convertible_to<std::int64_t>;
+  { M::kKr } -> std::convertible_to<std::int64_t>;
   { M::XLayout::kInPlace } -> std::convertible_to<bool>;
   typename M::YLayout::Elem;
   M::begin(state);
@@ -77,6 +80,7 @@ class BlockedGemm final : public GemmBackend {
       : spec_(spec), b_(plan_blocking(spec, kShape)), pack_(b_.x, b_.y), out_(spec, b_) {}
 
   GemmBackendKind kind() const override { return Micro::kKind; }
+  GemmTile tile() const override { return {.mr = Micro::kMr, .nr = Micro::kNr, .kr = Micro::kKr}; }
   std::size_t shared_packed_bytes() const override { return blocked::shared_packed_bytes(spec_, b_); }
   void pack_shared(const void* operand, void* packed) const override {
     const auto* y = static_cast<const std::uint16_t*>(operand);

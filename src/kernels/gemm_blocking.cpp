@@ -61,8 +61,7 @@ Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro) {
       // block (dhidden's W chunk: 2048 columns of rows 8 KiB apart), read
       // as whole row runs (which the prefetchers follow) instead of short
       // pieces of every row per block.
-      const std::int64_t kc =
-          std::min(k32, static_cast<std::int64_t>(kWideYBytes) / (ny32 * y_elem) / kKStep * kKStep);
+      const std::int64_t kc = std::min(k32, static_cast<std::int64_t>(kWideYBytes) / (ny32 * y_elem) / kKStep * kKStep);
       if (kc >= kWideYMinK) kc_whole = kc;
     }
     if (kc_whole > 0) {
@@ -75,9 +74,9 @@ Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro) {
     // A shared Y in L2 blocks: a call's partial sums are [X rows x Y
     // columns] f32, read and written once per k block. Calls of at most
     // kSharedAccBytes of them.
-    p.max_shared_rows = std::max(
-        kPanel, static_cast<std::int64_t>(kSharedAccBytes / (static_cast<std::size_t>(mx32) * sizeof(float))) /
-                    kPanel * kPanel);
+    p.max_shared_rows =
+        std::max(kPanel, static_cast<std::int64_t>(kSharedAccBytes / (static_cast<std::size_t>(mx32) * sizeof(float))) /
+                             kPanel * kPanel);
   }
   p.y_bytes = align_up(static_cast<std::size_t>(p.kc * p.nc * y_elem));
   // X: one panel at a time when Y is a single column block (each panel is
@@ -88,9 +87,8 @@ Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro) {
   p.x_bytes = align_up(static_cast<std::size_t>((p.x_whole ? mx32 : kPanel) * p.kc * micro.x_elem_bytes));
   p.acc_bytes = p.kc < p.k ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
   p.acc_ld = ny32;
-  p.scratch_bytes =
-      p.y_bytes + p.x_bytes + p.acc_bytes + static_cast<std::size_t>(micro.staged_floats) * sizeof(float) +
-      micro.state_bytes;
+  p.scratch_bytes = p.y_bytes + p.x_bytes + p.acc_bytes +
+                    static_cast<std::size_t>(micro.staged_floats) * sizeof(float) + micro.state_bytes;
   return p;
 }
 

@@ -58,11 +58,11 @@ constexpr std::size_t align_up(std::size_t v) { return (v + kAlignBytes - 1) / k
 
 // What the blocking needs of a micro (gemm_micro.hpp declares it).
 struct MicroShape {
-  std::int64_t x_elem_bytes = 2;  // a packed X element: 2 (bf16) or 4 (widened to f32)
-  std::int64_t y_elem_bytes = 2;  // a packed Y element, likewise
-  bool whole_shared_y = false;    // a shared (or wide) Y may be taken whole across its columns
-  std::int64_t staged_floats = 0; // kStagedFloats for a StagedTiles micro, else 0
-  std::size_t state_bytes = 0;    // the micro's own scratch (AMX: its tile configuration)
+  std::int64_t x_elem_bytes = 2;   // a packed X element: 2 (bf16) or 4 (widened to f32)
+  std::int64_t y_elem_bytes = 2;   // a packed Y element, likewise
+  bool whole_shared_y = false;     // a shared (or wide) Y may be taken whole across its columns
+  std::int64_t staged_floats = 0;  // kStagedFloats for a StagedTiles micro, else 0
+  std::size_t state_bytes = 0;     // the micro's own scratch (AMX: its tile configuration)
 };
 
 // Strided 2-D operand: element (i, j) at p[i * rs + j * cs].
@@ -73,16 +73,16 @@ struct View {
 
 struct Blocking {
   std::int64_t m = 0, n = 0, k = 0;
-  bool swapped = false;           // X = B^T, Y = A^T
-  std::int64_t mx = 0, ny = 0;    // X's rows, Y's columns
+  bool swapped = false;         // X = B^T, Y = A^T
+  std::int64_t mx = 0, ny = 0;  // X's rows, Y's columns
   View x, y;
-  bool x_kcontig = false;         // X's rows are K-contiguous: packing is a copy
-  bool x_whole = false;           // X packed a whole k block at a time (Y spans several column blocks)
+  bool x_kcontig = false;  // X's rows are K-contiguous: packing is a copy
+  bool x_whole = false;    // X packed a whole k block at a time (Y spans several column blocks)
   // The most of a shared Y's columns one call takes at full speed
   // (GemmTraits::max_shared_rows), 0 when unbounded.
   std::int64_t max_shared_rows = 0;
-  std::int64_t kc = 0, nc = 0;    // Y's k block and column block
-  std::int64_t acc_ld = 0;        // floats between partial-sum rows
+  std::int64_t kc = 0, nc = 0;  // Y's k block and column block
+  std::int64_t acc_ld = 0;      // floats between partial-sum rows
   // Scratch: [Y block][X panels (or one panel)][partial sums][staged tiles][micro state].
   std::size_t y_bytes = 0, x_bytes = 0, acc_bytes = 0, scratch_bytes = 0;
 

@@ -6,6 +6,7 @@
 // epilogue (gemm_epilogue_avx512.hpp) are chosen by those types:
 //
 //   kKind, kName, kSwappedName   the backend's kind and describe() names
+//   kMr, kNr, kKr                its register block's edges (GemmTile)
 //   XLayout                      XTiles or XRowGroups<rows, Elem, in_place>
 //   YLayout                      YVnni<Elem>
 //   Output                       StagedTiles or DirectGroups
@@ -78,8 +79,8 @@ struct DirectGroups {};
 // tiles, from zero (first) or from the partial sums at acc; left in acc, or
 // when last, handed to the Sink.
 struct MicroBlock {
-  const std::uint16_t* x = nullptr;  // the packed panel, or X's first row in place when x_rs > 0
-  std::int64_t x_rs = 0;             // 0: packed; else X's row stride (XLayout::kInPlace only)
+  const std::uint16_t* x = nullptr;   // the packed panel, or X's first row in place when x_rs > 0
+  std::int64_t x_rs = 0;              // 0: packed; else X's row stride (XLayout::kInPlace only)
   const std::uint16_t* y0 = nullptr;  // the Y tiles of columns 0-15 and 16-31
   const std::uint16_t* y1 = nullptr;
   std::int64_t kb32 = 0;  // the k block, rounded up to kKStep
