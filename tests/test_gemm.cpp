@@ -271,6 +271,7 @@ TEST(GemmTester, EachMicroAtItsOwnTileEdges) {
   probe.b = {DType::bf16, 1, 1, 1, 1};
   probe.c = {DType::f32, 1, 1, 1, 1};
   int micros = 0;
+  int shapes = 0;
   for (const Tested& t : runnable_backends()) {
     const std::unique_ptr<GemmBackend> be = make_backend(t, probe);
     if (be == nullptr) continue;  // oneDNN: no register block of ours
@@ -286,11 +287,14 @@ TEST(GemmTester, EachMicroAtItsOwnTileEdges) {
           expect_matches_reference(
               {m, n, k, i % 2 == 1, (i / 2) % 2 == 1, i % 3 == 0, i % 3, i % 5 == 0 ? DType::bf16 : DType::f32}, {t});
           ++i;
+          ++shapes;
         }
       }
     }
   }
   if (micros == 0) GTEST_SKIP() << "no backend with a register block of ours runs on this CPU";
+  RecordProperty("micros", micros);
+  RecordProperty("shapes", shapes);
 }
 
 std::vector<Case> cases() {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/gemm_avx2_blocking.hpp"
 #include "kernels/gemm_blocking.hpp"
 
 namespace grpo::kernels::blocked {
@@ -148,6 +149,38 @@ TEST(GemmBlocking, ServesBf16WithOneContiguousDimension) {
   GemmSpec strided = spec_of(7, 9, 11, false, false);
   strided.b.col_stride = 2;
   EXPECT_FALSE(serves(strided));
+}
+
+// The avx2 backend's blocking (gemm_avx2_blocking.hpp): K up to kKcSingle
+// in one block, longer K in equal blocks of at most kKcMax (so no block is a
+// sliver); a thread's columns whole kNr panels, no thread without columns;
+// the scratch its parts.
+TEST(GemmBlocking, Avx2KBlocksColumnRunsAndScratch) {
+  for (const std::int64_t k : {1, 767, 768, 769, 1025, 4096, 151936}) {
+    for (const std::int64_t n : {1, 16, 17, 100, 2048}) {
+      for (const int threads : {1, 2, 3, 7}) {
+        GemmSpec spec = spec_of(70, k, n, false, false);
+        spec.threads = threads;
+        const avx2::Blocking b = avx2::plan_blocking(spec);
+        SCOPED_TRACE(testing::Message() << "K " << k << " N " << n << " threads " << threads);
+        const std::int64_t blocks = (k + b.kc - 1) / b.kc;
+        if (k <= avx2::kKcSingle) {
+          EXPECT_EQ(b.kc, k);
+        } else {
+          EXPECT_LE(b.kc, avx2::kKcMax);
+          EXPECT_GT(k - (blocks - 1) * b.kc, b.kc - blocks);  // equal blocks: the last short by < one per block
+        }
+        EXPECT_EQ(b.acc_bytes == 0, blocks == 1);
+        EXPECT_EQ(b.cols_per_thread % avx2::kNr, 0);
+        EXPECT_GE(b.threads, 1);
+        EXPECT_LE(b.threads, threads);
+        EXPECT_GE(b.cols_per_thread * b.threads, n);
+        EXPECT_LT((b.threads - 1) * b.cols_per_thread, n);
+        EXPECT_EQ(b.mc % avx2::kMr, 0);
+        EXPECT_EQ(b.scratch_bytes(), b.acc_bytes + (b.b_bytes + b.a_bytes + b.tile_bytes) * b.threads);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -18,7 +18,7 @@
 namespace grpo::kernels::testing {
 namespace {
 
-constexpr std::uint16_t kNan = 0x7fc0;       // bf16 NaN: the sources' padding
+constexpr std::uint16_t kNan = 0x7fc0;        // bf16 NaN: the sources' padding
 constexpr std::uint16_t kUnwritten = 0xffff;  // the packed buffers before packing
 
 std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }

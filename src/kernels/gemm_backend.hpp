@@ -82,7 +82,11 @@ class GemmBackend {
   virtual const char* implementation() const = 0;
   virtual GemmTraits traits() const = 0;
   virtual std::size_t scratchpad_bytes() const = 0;
-  // scratch: scratchpad_bytes() bytes, 64-byte aligned. Single-threaded.
+  // scratch: scratchpad_bytes() bytes, 64-byte aligned. On the calling
+  // thread alone when spec.threads is 1 (every call of the fused plans); a
+  // spec with threads > 1 (the unfused baselines' whole-matrix calls) may
+  // use that many: oneDNN its OpenMP team, avx2 its TBB column runs in the
+  // caller's arena (gemm_avx2_blocking.hpp).
   // packed: null, or the spec's shared operand as pack_shared() left it.
   virtual void run(const void* a, const void* b, void* c, const void* bias, void* scratch,
                    const void* packed) const = 0;
