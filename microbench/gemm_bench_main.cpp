@@ -72,7 +72,7 @@ int run(int argc, char** argv) {
   app.add_option("--hidden-chunk", chunk, "hidden columns per dhidden GEMM")->check(CLI::PositiveNumber);
   app.add_option("--reps", reps, "timed runs per case (best of)")->check(CLI::PositiveNumber);
   app.add_option("--backends", backends,
-                 "amx, avx512bf16, avx512fma, avx2, onednn, reference (each skipped where the CPU lacks it)");
+                 "amx, avx2, avx512fma, avx512bf16, onednn, reference (each skipped where the CPU lacks it)");
   CLI11_PARSE(app, argc, argv);
   if (tile > vocab || chunk > hidden) {
     std::fprintf(stderr, "grpo-gemm-bench: --vocab-tile must be <= --vocab and --hidden-chunk <= --hidden\n");
