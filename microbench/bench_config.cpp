@@ -1,7 +1,16 @@
 #include "bench_config.hpp"
 
+#include "kernels/gemm_backend.hpp"
+
 namespace grpo::bench {
 namespace {
+
+// GRPO_GEMM's names, from the library's one backend table.
+std::vector<std::pair<std::string, std::string>> gemm_backend_names() {
+  std::vector<std::pair<std::string, std::string>> names;
+  for (const grpo::kernels::GemmBackendEntry& e : grpo::kernels::gemm_backends()) names.emplace_back(e.name, e.name);
+  return names;
+}
 
 const std::vector<std::pair<std::string, Impl>> kImpls = {
     {"fused", Impl::fused},
@@ -67,12 +76,7 @@ BenchConfig parse_run(const YAML::Node& tree, const std::string& source, const s
       r.get_enum<AllocatorKind>("allocator", {{"caching", AllocatorKind::caching}, {"system", AllocatorKind::system}})
           .value_or(c.allocator);
   c.threads = positive_int(r, "threads", 0, 0);
-  c.gemm_backend = r.get_enum<std::string>("gemm_backend", {{"amx", "amx"},
-                                                            {"avx512bf16", "avx512bf16"},
-                                                            {"avx512fma", "avx512fma"},
-                                                            {"onednn", "onednn"},
-                                                            {"reference", "reference"}})
-                       .value_or("");
+  c.gemm_backend = r.get_enum<std::string>("gemm_backend", gemm_backend_names()).value_or("");
   c.warmup = positive_int(r, "warmup", 1, 0);
   c.steps = positive_int(r, "steps", 3, 1);
   c.loss = parse_loss(r);

@@ -72,7 +72,7 @@ int run(int argc, char** argv) {
   app.add_option("--hidden-chunk", chunk, "hidden columns per dhidden GEMM")->check(CLI::PositiveNumber);
   app.add_option("--reps", reps, "timed runs per case (best of)")->check(CLI::PositiveNumber);
   app.add_option("--backends", backends,
-                 "amx, avx512bf16, avx512fma, avx2, onednn, reference (each skipped where the CPU lacks it)");
+                 "amx, avx2, avx512fma, avx512bf16, onednn, reference (each skipped where the CPU lacks it)");
   CLI11_PARSE(app, argc, argv);
   if (tile > vocab || chunk > hidden) {
     std::fprintf(stderr, "grpo-gemm-bench: --vocab-tile must be <= --vocab and --hidden-chunk <= --hidden\n");
@@ -123,19 +123,12 @@ int run(int argc, char** argv) {
   std::printf("%-12s %-8s %-22s %-34s %10s %9s %7s\n", "backend", "gemm", "M x K x N", "implementation", "best ms",
               "GFLOP/s", "of peak");
   for (const std::string& name : backends) {
-    GemmBackendKind kind{};
-    bool known = false;
-    for (const auto k : {GemmBackendKind::amx, GemmBackendKind::avx512_bf16, GemmBackendKind::avx512_fma,
-                         GemmBackendKind::avx2, GemmBackendKind::onednn, GemmBackendKind::reference}) {
-      if (name == grpo::kernels::to_string(k)) {
-        kind = k;
-        known = true;
-      }
-    }
-    if (!known) {
+    const grpo::kernels::GemmBackendEntry* entry = grpo::kernels::find_gemm_backend(name.c_str());
+    if (entry == nullptr) {
       std::fprintf(stderr, "grpo-gemm-bench: --backends: unknown backend '%s'\n", name.c_str());
       return 2;
     }
+    const GemmBackendKind kind = entry->kind;
     for (const Case& c : cases) {
       std::unique_ptr<Gemm> g;
       try {

@@ -38,6 +38,7 @@
 #include <cstring>
 
 #include "kernels/gemm_amx_micro.hpp"
+#include "kernels/gemm_blocked.hpp"
 
 namespace grpo::kernels {
 namespace {
@@ -171,8 +172,8 @@ struct EmulatedTiles {
 namespace testing {
 
 std::unique_ptr<GemmBackend> make_emulated_amx_gemm(const GemmSpec& spec) {
-  if (!serves(spec)) return nullptr;
-  return std::make_unique<BlockedGemm<AmxMicro<EmulatedTiles>>>(spec);
+  if (!blocked::serves(spec)) return nullptr;
+  return std::make_unique<blocked::BlockedGemm<blocked::AmxMicro<EmulatedTiles>>>(spec);
 }
 
 }  // namespace testing

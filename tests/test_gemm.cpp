@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "gemm_amx_emulated.hpp"
+#include "kernels/cpu.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 
@@ -112,25 +113,21 @@ struct Tested {
 };
 std::string to_string(const Tested& t) { return t.emulated ? "amx (emulated tiles)" : to_string(t.kind); }
 
+// The table's backends this CPU runs, the emulated amx beside the amx row.
 std::vector<Tested> runnable_backends() {
-  std::vector<Tested> kinds{{GemmBackendKind::onednn}, {GemmBackendKind::reference}};
-  if (avx2_gemm_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx2});
-  if (avx512_fma_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx512_fma});
-  if (avx512_bf16_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::avx512_bf16});
-  if (testing::amx_emulation_runs()) kinds.insert(kinds.begin(), {GemmBackendKind::amx, true});
-  if (amx_usable()) kinds.insert(kinds.begin(), {GemmBackendKind::amx});
+  std::vector<Tested> kinds;
+  for (const GemmBackendEntry& e : gemm_backends()) {
+    if (e.unusable() == nullptr) kinds.push_back({e.kind});
+    if (e.kind == GemmBackendKind::amx && testing::amx_emulation_runs()) kinds.push_back({e.kind, true});
+  }
   return kinds;
 }
 
 std::unique_ptr<GemmBackend> make_backend(const Tested& t, const GemmSpec& spec) {
   if (t.emulated) return testing::make_emulated_amx_gemm(spec);
-  const GemmBackendKind kind = t.kind;
-  if (kind == GemmBackendKind::amx) return make_amx_gemm(spec);
-  if (kind == GemmBackendKind::avx512_bf16) return make_avx512_bf16_gemm(spec);
-  if (kind == GemmBackendKind::avx512_fma) return make_avx512_fma_gemm(spec);
-  if (kind == GemmBackendKind::avx2) return make_avx2_gemm(spec);
-  if (kind == GemmBackendKind::reference) return make_reference_gemm(spec);
-  return nullptr;  // oneDNN runs through kernels::Gemm (GRPO_GEMM unset or forcing another: see run_case)
+  // oneDNN runs through kernels::Gemm (it needs the engine: see run_on).
+  if (t.kind == GemmBackendKind::onednn) return nullptr;
+  return gemm_backend(t.kind).make(nullptr, spec, nullptr);
 }
 
 // Our blocked microkernel backends (gemm_blocked.hpp): bf16 A and B alone.
@@ -149,7 +146,7 @@ std::vector<Tested> microkernel_backends() {
 }
 
 // oneDNN 2.6 has no bf16 matmul without AVX-512.
-bool onednn_has_bf16() { return __builtin_cpu_supports("avx512f"); }
+bool onednn_has_bf16() { return cpu_features().cpuid_avx512f && cpu_features().os_zmm; }
 
 // Runs spec on one backend; returns false when it does not serve the spec.
 bool run_on(const Tested& kind, const GemmEngine& engine, const GemmSpec& spec, const void* a, const void* b, void* c,
@@ -185,10 +182,8 @@ bool run_on(const Tested& kind, const GemmEngine& engine, const GemmSpec& spec, 
   return true;
 }
 
-class GemmTester : public ::testing::TestWithParam<Case> {};
-
-TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
-  const Case cs = GetParam();
+// Every backend of `backends` against the double reference on one case.
+void expect_matches_reference(const Case& cs, const std::vector<Tested>& backends) {
   const unsigned seed = 1234U + static_cast<unsigned>(cs.m * 7919 + cs.n * 131 + cs.k);
   std::mt19937 rng(seed);
   Buffer a = make(cs.in_dtype, cs.m, cs.k, cs.a_t, 3, rng);
@@ -203,7 +198,7 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
   spec.has_bias = cs.bias != 0;
   spec.bias_dtype = bias.dtype;
   const GemmEngine engine;
-  for (const Tested& kind : runnable_backends()) {
+  for (const Tested& kind : backends) {
     Buffer c = c0;
     if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
       if (kind.kind != GemmBackendKind::onednn && !(blocked_microkernel(kind) && cs.in_dtype == DType::f32)) {
@@ -251,6 +246,55 @@ TEST_P(GemmTester, EveryBackendMatchesDoubleReference) {
       }
     }
   }
+}
+
+class GemmTester : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GemmTester, EveryBackendMatchesDoubleReference) { expect_matches_reference(GetParam(), runnable_backends()); }
+
+// 1, e - 1, e, e + 1 and 2 e + 1 for a tile edge e (the positive ones, once each).
+std::vector<std::int64_t> edges_of(std::int64_t e) {
+  std::vector<std::int64_t> out;
+  for (const std::int64_t v : {std::int64_t{1}, e - 1, e, e + 1, 2 * e + 1}) {
+    if (v > 0 && std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+  }
+  return out;
+}
+
+// XNNPACK's tester: each backend with a register block of its own (tile())
+// at shapes around its own mr (M), nr (N) and kr (K), every combination,
+// the four layouts, accumulate, bias and C dtype taken in turn (the shapes
+// above follow the AMX tiles and the blocking; these follow each micro).
+TEST(GemmTester, EachMicroAtItsOwnTileEdges) {
+  GemmSpec probe;
+  probe.a = {DType::bf16, 1, 1, 1, 1};
+  probe.b = {DType::bf16, 1, 1, 1, 1};
+  probe.c = {DType::f32, 1, 1, 1, 1};
+  int micros = 0;
+  int shapes = 0;
+  for (const Tested& t : runnable_backends()) {
+    const std::unique_ptr<GemmBackend> be = make_backend(t, probe);
+    if (be == nullptr) continue;  // oneDNN: no register block of ours
+    const GemmTile tile = be->tile();
+    if (tile.mr == 1 && tile.nr == 1 && tile.kr == 1) continue;  // the reference loops
+    ++micros;
+    SCOPED_TRACE(to_string(t) + " mr " + std::to_string(tile.mr) + " nr " + std::to_string(tile.nr) + " kr " +
+                 std::to_string(tile.kr));
+    int i = 0;
+    for (const std::int64_t m : edges_of(tile.mr)) {
+      for (const std::int64_t n : edges_of(tile.nr)) {
+        for (const std::int64_t k : edges_of(tile.kr)) {
+          expect_matches_reference(
+              {m, n, k, i % 2 == 1, (i / 2) % 2 == 1, i % 3 == 0, i % 3, i % 5 == 0 ? DType::bf16 : DType::f32}, {t});
+          ++i;
+          ++shapes;
+        }
+      }
+    }
+  }
+  if (micros == 0) GTEST_SKIP() << "no backend with a register block of ours runs on this CPU";
+  RecordProperty("micros", micros);
+  RecordProperty("shapes", shapes);
 }
 
 std::vector<Case> cases() {
@@ -470,15 +514,42 @@ TEST(GemmTester, SharedRowCapBoundsACallsScratch) {
   }
 }
 
+// The size query (gemm_sizes) names the backend a Gemm of the spec takes and
+// its bytes, without building it; oneDNN's from its primitive descriptor.
+TEST(GemmTester, SizeQueryMatchesTheBuiltGemm) {
+  const GemmEngine engine;
+  for (const DType in : {DType::bf16, DType::f32}) {
+    for (const SharedOperand shared : {SharedOperand::none, SharedOperand::a}) {
+      GemmSpec spec;
+      spec.a = {in, 160, 3000, 3000, 1};
+      spec.b = {in, 3000, 700, 1, 3000};
+      spec.c = {DType::f32, 160, 700, 700, 1};
+      spec.shared = shared;
+      const GemmSizes sizes = gemm_sizes(engine, spec);
+      const Gemm gemm(engine, spec);
+      SCOPED_TRACE(gemm.implementation());
+      EXPECT_EQ(sizes.backend, gemm.backend());
+      EXPECT_EQ(sizes.scratchpad_bytes, gemm.scratchpad_bytes());
+      EXPECT_EQ(sizes.shared_packed_bytes, gemm.shared_packed_bytes());
+      EXPECT_EQ(sizes.scratchpad_bytes_with_packed, gemm.scratchpad_bytes_with_packed());
+      EXPECT_EQ(sizes.traits.m_independent, gemm.traits().m_independent);
+      EXPECT_EQ(sizes.traits.max_shared_rows, gemm.traits().max_shared_rows);
+      if (in == DType::f32 || onednn_has_bf16()) {
+        EXPECT_EQ(detail::onednn_scratchpad_bytes(engine, spec),
+                  Gemm(engine, spec, GemmBackendKind::onednn).scratchpad_bytes());
+      }
+    }
+  }
+}
+
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {
   std::string skipped;
-  if (!amx_usable()) {
-    skipped += std::string("amx (") + amx_unusable_reason() +
-               (testing::amx_emulation_runs() ? "; its code ran on emulated tiles) " : ") ");
+  for (const GemmBackendEntry& e : gemm_backends()) {
+    const char* why = e.unusable();
+    if (why == nullptr) continue;
+    const bool emulated = e.kind == GemmBackendKind::amx && testing::amx_emulation_runs();
+    skipped += std::string(e.name) + " (" + why + (emulated ? "; its code ran on emulated tiles) " : ") ");
   }
-  if (!avx512_bf16_usable()) skipped += "avx512bf16 (the CPU has no AVX512-BF16) ";
-  if (!avx512_fma_usable()) skipped += "avx512fma (the CPU has no AVX-512F/BW/DQ/VL) ";
-  if (!avx2_gemm_usable()) skipped += "avx2 (the CPU has no AVX2 and FMA) ";
   if (!onednn_has_bf16()) skipped += "onednn on bf16 (oneDNN 2.6 has no bf16 matmul without AVX-512)";
   if (!skipped.empty()) GTEST_SKIP() << "backends not tested on this CPU: " << skipped;
   SUCCEED();

@@ -2,12 +2,11 @@
 // <grpo/version.hpp>. The choice is made once (a function-local static, so
 // thread-safe) and never changes afterwards: every call in a process, and so
 // every result, comes from the same ISA path.
-#include <cpuid.h>
-
 #include <cstdlib>
 #include <string_view>
 
 #include "grpo/version.hpp"
+#include "kernels/cpu.hpp"
 #include "kernels/stage_kernels.hpp"
 
 namespace grpo {
@@ -23,30 +22,20 @@ const StageKernels& avx2_table();    // stage_kernels_avx2.cpp
 
 const StageKernels& scalar_kernels() { return detail::scalar_table(); }
 
-namespace {
-
-// CPUID.1:ECX.F16C (clang 14's __builtin_cpu_supports has no "f16c").
-bool has_f16c() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
-}
-
-}  // namespace
-
 const StageKernels* avx512_kernels() {
   // BW for the 16-bit masked loads/stores, DQ for vfpclassps, VL for the
   // 256-bit masked forms; FMA and F16C come with every AVX-512F CPU but the
   // file is compiled with -mfma -mf16c, so check them too (a VM may mask
-  // flags). libgcc also checks that the OS saves the zmm state (XCR0).
-  static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                                __builtin_cpu_supports("fma") && has_f16c();
+  // flags). cpu.avx512 includes the OS saving the zmm state (XCR0).
+  const CpuFeatures& cpu = cpu_features();
+  const bool supported = cpu.avx512 && cpu.fma && cpu.f16c;
   return supported ? &detail::avx512_table() : nullptr;
 }
 
 const StageKernels* avx2_kernels() {
-  // libgcc's "avx2" also checks that the OS saves the ymm state (XCR0).
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
+  // cpu.avx2 includes the OS saving the ymm state (XCR0).
+  const CpuFeatures& cpu = cpu_features();
+  const bool supported = cpu.avx2 && cpu.fma && cpu.f16c;
   return supported ? &detail::avx2_table() : nullptr;
 }
 

@@ -7,6 +7,7 @@
 
 #include <xsimd/xsimd.hpp>
 
+#include "kernels/bf16_avx512.hpp"
 #include "kernels/eltwise.hpp"
 
 namespace grpo::kernels {
@@ -80,12 +81,9 @@ void onehot_minus_avx512(const float* p, std::int64_t n, float a, std::int64_t t
     if (out_type == Elem::f32) {
       g.store_unaligned(static_cast<float*>(out) + i);
     } else {
-      // Round to nearest even: add 0x7fff plus the lowest kept bit, keep the high half.
-      const __m512i bits = _mm512_castps_si512(g);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb);
+      // Unchecked, as this path always was: its scalar tail keeps a NaN quiet.
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<std::uint16_t*>(out) + i),
-                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+                          float_to_bf16x16<Bf16Nan::unchecked>(g));
     }
   }
   for (; i < n; ++i) {

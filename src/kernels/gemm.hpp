@@ -1,17 +1,11 @@
 // The GEMMs of a plan. A Gemm is created once, in a plan, for one exact
 // problem (shapes, strides, dtypes, accumulate or not) and then only executed,
-// by the first backend of gemm_backend.hpp's list that serves it (our AMX or
-// AVX2 microkernels, oneDNN's matmul, the reference loops). Scratchpads are
-// user-managed: the caller passes scratchpad_bytes() of its own memory, so
-// every byte a backend needs is in the plan's workspace, and concurrent
-// executions never share one.
-//
-// Threads: the Debian oneDNN uses the OpenMP runtime. A Gemm records the
-// OpenMP thread count it is built for (1 for calls made inside TBB tasks,
-// the caller's cap for whole-matrix calls) and sets exactly that count on the
-// calling thread around primitive creation and execution, restoring the
-// previous value after; so a call from a TBB worker never starts a team of
-// its own beside the TBB threads.
+// by the first backend of gemm_backend.hpp's table that serves it (our AMX,
+// AVX-512 or AVX2 microkernels, oneDNN's matmul, the reference loops).
+// Scratchpads are user-managed: the caller passes scratchpad_bytes() of its
+// own memory, so every byte a backend needs is in the plan's workspace, and
+// concurrent executions never share one. gemm_sizes() tells a planner those
+// bytes without building the GEMM.
 #pragma once
 
 #include <cstddef>
@@ -77,48 +71,55 @@ class Gemm {
   Gemm(Gemm&&) noexcept;
   Gemm& operator=(Gemm&&) noexcept;
 
-  const GemmSpec& spec() const;
-  std::size_t scratchpad_bytes() const;
+  const GemmSpec& spec() const { return spec_; }
+  std::size_t scratchpad_bytes() const { return backend_->scratchpad_bytes(); }
   // The backend's implementation name (e.g. "grpo:amx_bf16", or oneDNN's
   // "brg:avx512_core_bf16"), for describe().
-  const char* implementation() const;
-  GemmBackendKind backend() const;
-  GemmTraits traits() const;
+  const char* implementation() const { return backend_->implementation(); }
+  GemmBackendKind backend() const { return backend_->kind(); }
+  GemmTraits traits() const { return backend_->traits(); }
   // scratchpad: scratchpad_bytes() bytes, 64-byte aligned (may be null when 0).
-  // Builds its memory objects and stream per call (heap allocations): for the
-  // baselines and tools; hot paths run through a GemmBinding.
-  void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const;
+  // oneDNN builds its memory objects and stream per call here (heap
+  // allocations): for the baselines and tools; hot paths run through a
+  // GemmBinding.
+  void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad) const {
+    backend_->run(a, b, c, bias, scratchpad, nullptr);
+  }
 
   // Bytes of spec.shared packed by pack_shared(); 0 when the backend takes
   // the operand as it is (oneDNN, reference, or no shared operand).
-  std::size_t shared_packed_bytes() const;
+  std::size_t shared_packed_bytes() const { return backend_->shared_packed_bytes(); }
   // The scratchpad a run given the packed shared operand needs (<=
   // scratchpad_bytes(); the same for a backend that packs nothing).
-  std::size_t scratchpad_bytes_with_packed() const;
+  std::size_t scratchpad_bytes_with_packed() const { return backend_->scratchpad_bytes_with_packed(); }
   // Packs the shared operand (its data as run() would get it) into packed
   // (shared_packed_bytes(), 64-byte aligned); every run() given that packed
   // copy then reads it instead of the operand.
-  void pack_shared(const void* operand, void* packed) const;
+  void pack_shared(const void* operand, void* packed) const { backend_->pack_shared(operand, packed); }
 
   // The position of this GEMM in its plan's list (GemmBindings are indexed by it).
   std::size_t index() const { return index_; }
   void set_index(std::size_t index) { index_ = index; }
 
-  struct Impl;
-  const Impl* impl_for_binding() const;
-  const GemmBackend* own_backend() const { return own_.get(); }
+  const GemmBackend& backend_object() const { return *backend_; }
 
  private:
-  // null own: oneDNN, and when oneDNN cannot create the matmul either the
-  // reference backend (reference_if_onednn_cannot) or an unsupported error.
-  Gemm(const GemmEngine& engine, const GemmSpec& spec, std::unique_ptr<GemmBackend> own,
-       bool reference_if_onednn_cannot);
-
-  std::unique_ptr<Impl> impl_;        // oneDNN's objects, when oneDNN runs this GEMM
-  std::unique_ptr<GemmBackend> own_;  // one of ours otherwise
-  GemmSpec own_spec_;
+  GemmSpec spec_;
+  std::unique_ptr<GemmBackend> backend_;
   std::size_t index_ = 0;
 };
+
+// What a Gemm of this spec would be and need, without building it: our
+// backends compute their blocking, oneDNN its primitive descriptor alone (no
+// primitive, no JIT). The same backend the Gemm would take.
+struct GemmSizes {
+  GemmBackendKind backend = GemmBackendKind::reference;
+  std::size_t scratchpad_bytes = 0;
+  std::size_t shared_packed_bytes = 0;
+  std::size_t scratchpad_bytes_with_packed = 0;
+  GemmTraits traits;
+};
+GemmSizes gemm_sizes(const GemmEngine& engine, const GemmSpec& spec);
 
 // The traits of the backend a Gemm of this spec would get, without building
 // it (a plan sizes its schedule by them before creating its GEMMs).
@@ -129,27 +130,28 @@ GemmTraits gemm_traits(const GemmSpec& spec);
 // GEMMs: a plan keeps the backends it was built with.
 const char* forced_gemm_backend();
 
-// One caller's oneDNN objects for one Gemm: a stream and the memory objects
-// whose data handles each run re-points. Created once (a plan keeps sets of
+// One caller's objects for one Gemm (oneDNN's stream and memory objects,
+// GemmBackend::make_caller; none for ours). Created once (a plan keeps sets of
 // them in a pool, one set per concurrent execute), so run() allocates nothing
-// on our side and calls the C API with a stack array of arguments; what oneDNN
-// allocates inside its own execute (the argument map it builds, gemm:jit's
-// packing buffers) is its own, and the allocation test names it. Not
-// thread-safe: one binding serves one thread at a time.
+// on our side. Not thread-safe: one binding serves one thread at a time.
 class GemmBinding {
  public:
-  explicit GemmBinding(const Gemm& gemm);
-  ~GemmBinding();
-  GemmBinding(GemmBinding&&) noexcept;
-  GemmBinding& operator=(GemmBinding&&) noexcept;
+  explicit GemmBinding(const Gemm& gemm)
+      : backend_(&gemm.backend_object()), caller_(gemm.backend_object().make_caller()) {}
 
   // packed: null, or the shared operand as Gemm::pack_shared() left it.
   void run(const void* a, const void* b, void* c, const void* bias, void* scratchpad,
-           const void* packed = nullptr) const;
+           const void* packed = nullptr) const {
+    if (caller_ != nullptr) {
+      caller_->run(a, b, c, bias, scratchpad, packed);
+    } else {
+      backend_->run(a, b, c, bias, scratchpad, packed);
+    }
+  }
 
  private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
+  const GemmBackend* backend_;
+  std::unique_ptr<GemmCaller> caller_;
 };
 
 }  // namespace grpo::kernels

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "kernels/gemm_amx_micro.hpp"
+#include "kernels/gemm_blocked.hpp"
 
 namespace grpo::kernels {
 namespace {
@@ -92,8 +93,8 @@ struct AmxTiles {
 }  // namespace
 
 std::unique_ptr<GemmBackend> detail::make_amx_gemm_on_cpu(const GemmSpec& spec) {
-  if (!serves(spec)) return nullptr;
-  return std::make_unique<BlockedGemm<AmxMicro<AmxTiles>>>(spec);
+  if (!blocked::serves(spec)) return nullptr;
+  return std::make_unique<blocked::BlockedGemm<blocked::AmxMicro<AmxTiles>>>(spec);
 }
 
 }  // namespace grpo::kernels

@@ -1,5 +1,5 @@
 // The AMX register block of the amx GEMM backend (gemm_amx.cpp) over the
-// blocked GEMM of gemm_blocked.hpp: 2 x 2 accumulator tiles (32 x 32 f32 of
+// blocked GEMM of gemm_blocked.hpp (its contract: gemm_micro.hpp): 2 x 2 accumulator tiles (32 x 32 f32 of
 // C), 2 X tiles (16 rows x 32 k), 2 Y tiles (32 k x 16 columns) = the 8
 // tiles of palette 1. Per k step of 32: 4 tile loads, 4 tdpbf16ps.
 //
@@ -21,9 +21,10 @@
 #include <new>
 
 #include "kernels/amx_tile_config.hpp"
-#include "kernels/gemm_blocked.hpp"
+#include "kernels/gemm_backend.hpp"
+#include "kernels/gemm_micro.hpp"
 
-namespace grpo::kernels {
+namespace grpo::kernels::blocked {
 namespace {
 
 template <class Tiles>
@@ -32,20 +33,28 @@ struct AmxMicro {
   static constexpr const char* kName = Tiles::kName;
   static constexpr const char* kSwappedName = Tiles::kSwappedName;
   static constexpr std::size_t kStateBytes = sizeof(TileConfig);
-  static constexpr std::int64_t kXGroupRows = 0;  // X packed as 16 x 32 tiles
-  static constexpr bool kWholeSharedY = false;    // measured on a Xeon with the L2-sized Y blocks
-  static constexpr bool kDirectC = false;         // finished tiles leave through tile stores (staged)
-  static constexpr bool kXInPlace = false;        // X always packed into tiles
-  static constexpr bool kXF32 = false;            // X packed as bf16
-  static constexpr bool kYF32 = false;            // Y packed as bf16
+  // Each tdpbf16ps: a 16-row X tile by a 16-column Y tile over 32 k.
+  static constexpr std::int64_t kMr = kTile;
+  static constexpr std::int64_t kNr = kTile;
+  static constexpr std::int64_t kKr = kKStep;
+  using XLayout = XTiles;  // X always packed into 16 x 32 tiles
+  using YLayout = YVnni<Bf16>;
+  using Output = StagedTiles;                   // finished tiles leave through tile stores
+  static constexpr bool kWholeSharedY = false;  // measured on a Xeon with the L2-sized Y blocks
 
   static void begin(void* state) { Tiles::load_config(new (state) TileConfig(TileConfig::full())); }
   static void end() { Tiles::release(); }
 
-  static void block(const std::uint16_t* xp, const std::uint16_t* y0, const std::uint16_t* y1, std::int64_t kb32,
-                    float* acc_at, std::int64_t acc_ld, bool first, bool last, float* staged) {
+  template <class Sink>
+  static void block(const MicroBlock& blk, const Sink& sink) {
+    const std::uint16_t* xp = blk.x;
+    const std::uint16_t* y0 = blk.y0;
+    const std::uint16_t* y1 = blk.y1;
+    const std::int64_t kb32 = blk.kb32;
+    float* acc_at = blk.acc;
+    const std::int64_t acc_ld = blk.acc_ld;
     const auto acc_stride = static_cast<long>(acc_ld * sizeof(float));
-    if (first) {
+    if (blk.first) {
       Tiles::template zero<0>();
       Tiles::template zero<1>();
       Tiles::template zero<2>();
@@ -66,13 +75,14 @@ struct AmxMicro {
       Tiles::template dpbf16ps<2, 5, 6>();
       Tiles::template dpbf16ps<3, 5, 7>();
     }
-    if (!last) {
+    if (!blk.last) {
       Tiles::template store<0>(acc_at, acc_stride);
       Tiles::template store<1>(acc_at + kTile, acc_stride);
       Tiles::template store<2>(acc_at + kTile * acc_ld, acc_stride);
       Tiles::template store<3>(acc_at + kTile * acc_ld + kTile, acc_stride);
       return;
     }
+    float* staged = sink.staged();
     Tiles::template store<0>(staged, 64);
     Tiles::template store<1>(staged + kTile * kTile, 64);
     Tiles::template store<2>(staged + 2 * kTile * kTile, 64);
@@ -81,4 +91,4 @@ struct AmxMicro {
 };
 
 }  // namespace
-}  // namespace grpo::kernels
+}  // namespace grpo::kernels::blocked

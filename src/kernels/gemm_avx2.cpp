@@ -9,7 +9,8 @@
 // with FMA: every product of two bf16 values is exact in f32, so this is the
 // bf16 GEMM with f32 accumulation the other backends compute.
 //
-// Scheme (BLIS's loops, sized for a Zen 3 core: 32 KiB L1, 512 KiB L2):
+// Scheme (BLIS's loops, sized for a Zen 3 core: 32 KiB L1, 512 KiB L2; the
+// blocking is gemm_avx2_blocking.hpp's, a pure function):
 //   for each column block of B (nc columns), for each k block (kc deep):
 //     pack B's block into panels of kNr columns, [kc][kNr] f32 each;
 //     for each row block of A (kMc rows): pack it into panels of kMr rows,
@@ -37,29 +38,17 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/bf16_avx2.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/gemm_avx2_blocking.hpp"
 #include "kernels/gemm_backend.hpp"
 #include "kernels/prefetch.hpp"
 
 namespace grpo::kernels {
 namespace {
 
-constexpr std::int64_t kMr = 6;   // rows of the register block
-constexpr std::int64_t kNr = 16;  // columns of the register block (2 ymm)
-// K up to kKcSingle is one k block: at the step's dW shape (K = the token
-// block, 512-768 rows) no partial-sum buffer of [tile x H] is needed. Longer
-// K (the forward's H, dhidden's V) goes in blocks of at most kKcMax, whose
-// [kc][16] B panel (32 KiB) stays nearer L1: measured on a Zen 3,
-// interleaved single-thread runs, dhidden ~8% faster than at 768 and the
-// forward as fast.
-constexpr std::int64_t kKcSingle = 768;
-constexpr std::int64_t kKcMax = 512;
-constexpr std::int64_t kMc = 72;       // rows of A per packed block (<= 216 KiB of L2 at kc = 768)
-constexpr std::int64_t kNcMax = 1024;  // columns of B per packed block (<= 3 MiB, L3)
-constexpr std::size_t kAlign = 64;
-
-std::int64_t round_up(std::int64_t v, std::int64_t q) { return (v + q - 1) / q * q; }
-std::size_t align_up(std::size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+using avx2::kMr;
+using avx2::kNr;
 
 float widen(std::uint16_t h) {
   const std::uint32_t bits = static_cast<std::uint32_t>(h) << 16;
@@ -78,22 +67,10 @@ __m256 load8(const std::uint16_t* p) { return widen8(p); }
 __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 // f32 -> bf16, round to nearest even; NaN stays a (quiet) NaN.
-std::uint16_t to_bf16(float v) {
-  std::uint32_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(v));
-  if ((bits & 0x7f800000U) == 0x7f800000U && (bits & 0x007fffffU) != 0) return 0x7fc0;
-  bits += 0x7fffU + ((bits >> 16) & 1U);
-  return static_cast<std::uint16_t>(bits >> 16);
-}
+std::uint16_t to_bf16(float v) { return float_to_bf16<Bf16Nan::canonical>(v); }
 // 16 f32 (lo, hi) -> 16 bf16 at dst, as to_bf16 does each.
 void store_bf16x16(std::uint16_t* dst, __m256 lo, __m256 hi) {
-  const auto round = [](__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  };
+  const auto round = [](__m256 v) { return float_to_bf16x8_epi32<Bf16Nan::canonical>(v); };
   // packus interleaves 128-bit lanes: [lo0-3 hi0-3 lo4-7 hi4-7]; put them in order.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round(lo), round(hi)), 0xd8);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
@@ -166,49 +143,29 @@ void micro(const float* a, const float* b, std::int64_t kc, float* acc, std::int
 
 class Avx2Gemm final : public GemmBackend {
  public:
-  explicit Avx2Gemm(const GemmSpec& spec) : spec_(spec) {
-    m_ = spec.a.rows;
-    k_ = spec.a.cols;
-    n_ = spec.b.cols;
-    const std::int64_t k_blocks = k_ <= kKcSingle ? 1 : (k_ + kKcMax - 1) / kKcMax;
-    kc_ = (k_ + k_blocks - 1) / k_blocks;
-    threads_ = std::max(1, spec.threads);
-    // Each thread's share of the columns, in whole panels.
-    const std::int64_t panels = (n_ + kNr - 1) / kNr;
-    cols_per_thread_ = (panels + threads_ - 1) / threads_ * kNr;
-    threads_ = static_cast<int>(std::min<std::int64_t>(threads_, (n_ + cols_per_thread_ - 1) / cols_per_thread_));
-    nc_ = std::min(cols_per_thread_, kNcMax);
-    mc_ = std::min(round_up(m_, kMr), kMc);
-    b_bytes_ = align_up(static_cast<std::size_t>(kc_ * nc_) * sizeof(float));
-    a_bytes_ = align_up(static_cast<std::size_t>(kc_ * mc_) * sizeof(float));
-    tile_bytes_ = align_up(static_cast<std::size_t>(kMr * kNr) * sizeof(float));
-    acc_ld_ = round_up(n_, kNr);
-    acc_bytes_ = k_blocks > 1 ? align_up(static_cast<std::size_t>(round_up(m_, kMr) * acc_ld_) * sizeof(float)) : 0;
-    per_thread_ = b_bytes_ + a_bytes_ + tile_bytes_;
-  }
+  explicit Avx2Gemm(const GemmSpec& spec) : spec_(spec), b_(avx2::plan_blocking(spec)) {}
 
   GemmBackendKind kind() const override { return GemmBackendKind::avx2; }
+  GemmTile tile() const override { return {.mr = kMr, .nr = kNr, .kr = 1}; }
   const char* implementation() const override { return "grpo:avx2_fma"; }
   GemmTraits traits() const override { return {.m_independent = true}; }
-  std::size_t scratchpad_bytes() const override {
-    return acc_bytes_ + per_thread_ * static_cast<std::size_t>(threads_);
-  }
+  std::size_t scratchpad_bytes() const override { return b_.scratch_bytes(); }
 
   void run(const void* a, const void* b, void* c, const void* bias, void* scratch,
            const void* /*packed*/) const override {
     auto* s = static_cast<std::byte*>(scratch);
     auto* acc = reinterpret_cast<float*>(s);
     const auto columns = [&](int t) {
-      std::byte* own = s + acc_bytes_ + per_thread_ * static_cast<std::size_t>(t);
-      const std::int64_t j0 = t * cols_per_thread_;
-      run_columns(a, b, c, bias, acc, own, j0, std::min(n_, j0 + cols_per_thread_));
+      std::byte* own = s + b_.acc_bytes + b_.per_thread * static_cast<std::size_t>(t);
+      const std::int64_t j0 = t * b_.cols_per_thread;
+      run_columns(a, b, c, bias, acc, own, j0, std::min(b_.n, j0 + b_.cols_per_thread));
     };
-    if (threads_ == 1) {
+    if (b_.threads == 1) {
       columns(0);
       return;
     }
     tbb::parallel_for(
-        tbb::blocked_range<int>(0, threads_, 1),
+        tbb::blocked_range<int>(0, b_.threads, 1),
         [&](const tbb::blocked_range<int>& r) {
           for (int t = r.begin(); t < r.end(); ++t) columns(t);
         },
@@ -220,21 +177,21 @@ class Avx2Gemm final : public GemmBackend {
   void run_columns(const void* a, const void* b, void* c, const void* bias, float* acc, std::byte* own,
                    std::int64_t j_begin, std::int64_t j_end) const {
     auto* bpack = reinterpret_cast<float*>(own);
-    auto* apack = reinterpret_cast<float*>(own + b_bytes_);
-    auto* tile = reinterpret_cast<float*>(own + b_bytes_ + a_bytes_);
-    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += nc_) {
-      const std::int64_t nb = std::min(nc_, j_end - j0);
-      for (std::int64_t k0 = 0; k0 < k_; k0 += kc_) {
-        const std::int64_t kb = std::min(kc_, k_ - k0);
+    auto* apack = reinterpret_cast<float*>(own + b_.b_bytes);
+    auto* tile = reinterpret_cast<float*>(own + b_.b_bytes + b_.a_bytes);
+    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += b_.nc) {
+      const std::int64_t nb = std::min(b_.nc, j_end - j0);
+      for (std::int64_t k0 = 0; k0 < b_.k; k0 += b_.kc) {
+        const std::int64_t kb = std::min(b_.kc, b_.k - k0);
         const bool first = k0 == 0;
-        const bool last = k0 + kb >= k_;
+        const bool last = k0 + kb >= b_.k;
         if (spec_.b.dtype == DType::bf16) {
           pack_b(static_cast<const std::uint16_t*>(b), k0, kb, j0, nb, bpack);
         } else {
           pack_b(static_cast<const float*>(b), k0, kb, j0, nb, bpack);
         }
-        for (std::int64_t i0 = 0; i0 < m_; i0 += mc_) {
-          const std::int64_t mb = std::min(mc_, m_ - i0);
+        for (std::int64_t i0 = 0; i0 < b_.m; i0 += b_.mc) {
+          const std::int64_t mb = std::min(b_.mc, b_.m - i0);
           if (spec_.a.dtype == DType::bf16) {
             pack_a(static_cast<const std::uint16_t*>(a), i0, mb, k0, kb, apack);
           } else {
@@ -258,15 +215,15 @@ class Avx2Gemm final : public GemmBackend {
                 // The block's last k: partial sums (if any) in, the
                 // finished block to the tile, then to C.
                 if (!first) {
-                  const float* from = acc + (i0 + ii) * acc_ld_ + j0 + jj;
+                  const float* from = acc + (i0 + ii) * b_.acc_ld + j0 + jj;
                   for (std::int64_t r = 0; r < kMr; ++r) {
-                    std::memcpy(tile + r * kNr, from + r * acc_ld_, kNr * sizeof(float));
+                    std::memcpy(tile + r * kNr, from + r * b_.acc_ld, kNr * sizeof(float));
                   }
                 }
                 micro(ap, bp, kb, tile, kNr, first);
                 store(tile, i0 + ii, j0 + jj, c, bias);
               } else {
-                micro(ap, bp, kb, acc + (i0 + ii) * acc_ld_ + j0 + jj, acc_ld_, first);
+                micro(ap, bp, kb, acc + (i0 + ii) * b_.acc_ld + j0 + jj, b_.acc_ld, first);
               }
             }
           }
@@ -279,10 +236,10 @@ class Avx2Gemm final : public GemmBackend {
   // reads (partial sums, unless first) and store() reads or writes (C, when
   // last): the start and the end of each row's 16 elements.
   void prefetch_block(const float* acc, const void* c, std::int64_t i, std::int64_t j, bool first, bool last) const {
-    const std::int64_t rows = std::min(kMr, m_ - i);
+    const std::int64_t rows = std::min(kMr, b_.m - i);
     if (!first) {
       for (std::int64_t r = 0; r < rows; ++r) {
-        const float* p = acc + (i + r) * acc_ld_ + j;
+        const float* p = acc + (i + r) * b_.acc_ld + j;
         prefetch_l1(p);
         prefetch_l1(p + kNr - 1);
       }
@@ -374,8 +331,8 @@ class Avx2Gemm final : public GemmBackend {
   // + bias, + C when accumulating, bf16 C rounded to nearest even; rows and
   // columns past C's edges dropped.
   void store(const float* tile, std::int64_t i0, std::int64_t j0, void* c, const void* bias) const {
-    const std::int64_t rows = std::min(kMr, m_ - i0);
-    const std::int64_t cols = std::min(kNr, n_ - j0);
+    const std::int64_t rows = std::min(kMr, b_.m - i0);
+    const std::int64_t cols = std::min(kNr, b_.n - j0);
     alignas(32) float bv[kNr] = {};
     if (spec_.has_bias) {
       for (std::int64_t j = 0; j < cols; ++j) {
@@ -427,12 +384,7 @@ class Avx2Gemm final : public GemmBackend {
   }
 
   GemmSpec spec_;
-  std::int64_t m_ = 0, n_ = 0, k_ = 0;
-  std::int64_t kc_ = 0, mc_ = 0, nc_ = 0;
-  int threads_ = 1;
-  std::int64_t cols_per_thread_ = 0;
-  std::int64_t acc_ld_ = 0;
-  std::size_t b_bytes_ = 0, a_bytes_ = 0, tile_bytes_ = 0, acc_bytes_ = 0, per_thread_ = 0;
+  avx2::Blocking b_;
 };
 
 }  // namespace

@@ -3,15 +3,16 @@
 //
 // This file alone is compiled with AVX-512F/BW/DQ/VL and without
 // AVX512-BF16, so it runs on AVX-512 CPUs that lack it (a bf16 C is rounded
-// in integer instructions there, gemm_blocked.hpp's put); the CPU probe and
+// in integer instructions there, gemm_epilogue_avx512.hpp's put); the CPU probe and
 // the gate are in gemm_dispatch.cpp.
 #include "kernels/gemm_avx512_micro.hpp"
+#include "kernels/gemm_blocked.hpp"
 
 namespace grpo::kernels {
 
 std::unique_ptr<GemmBackend> detail::make_avx512_fma_gemm_on_cpu(const GemmSpec& spec) {
-  if (!serves(spec)) return nullptr;
-  return std::make_unique<BlockedGemm<Avx512Micro<true>>>(spec);
+  if (!blocked::serves(spec)) return nullptr;
+  return std::make_unique<blocked::BlockedGemm<blocked::Avx512Micro<true>>>(spec);
 }
 
 }  // namespace grpo::kernels

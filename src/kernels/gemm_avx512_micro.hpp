@@ -1,11 +1,11 @@
 // The AVX-512 register blocks of the avx512bf16 and avx512fma GEMM backends
 // (gemm_avx512_bf16.cpp, gemm_avx512_fma.cpp) over the blocked GEMM of
-// gemm_blocked.hpp. Each 32 x 32 block is four 8-row groups; a
+// gemm_blocked.hpp (its contract: gemm_micro.hpp). Each 32 x 32 block is four 8-row groups; a
 // group keeps 8 rows x 2 x 16 columns of f32 accumulators (16 zmm), and per
 // pair of k takes the two packed Y rows (16 columns x one (k, k + 1) pair
 // each) and each row's X pair. Every element is summed over k in ascending
 // order, whatever M or N. A finished group goes from its registers to C
-// (gemm_blocked.hpp's store_group, transposed when swapped) while the next
+// (gemm_epilogue_avx512.hpp's store_group, transposed when swapped) while the next
 // group computes. Two register blocks:
 //
 // avx512bf16: vdpbf16ps, 16 per 2 loads and 8 broadcasts of X pairs, from
@@ -37,9 +37,10 @@
 #include <cstring>
 #include <type_traits>
 
-#include "kernels/gemm_blocked.hpp"
+#include "kernels/gemm_backend.hpp"
+#include "kernels/gemm_micro.hpp"
 
-namespace grpo::kernels {
+namespace grpo::kernels::blocked {
 namespace {
 
 constexpr std::int64_t kGroupRows = 8;  // rows of C per register group (16 accumulators + 2 Y + 1 broadcast of 32 zmm)
@@ -56,12 +57,17 @@ struct Avx512Micro {
   static constexpr const char* kName = kWiden ? "grpo:avx512_fma" : "grpo:avx512_bf16";
   static constexpr const char* kSwappedName = kWiden ? "grpo:avx512_fma (swapped)" : "grpo:avx512_bf16 (swapped)";
   static constexpr std::size_t kStateBytes = 0;
-  static constexpr std::int64_t kXGroupRows = kGroupRows;  // X packed as [k pair][8 rows] per group
+  // A group: 8 rows x 32 columns, one (k, k + 1) pair a step.
+  static constexpr std::int64_t kMr = kGroupRows;
+  static constexpr std::int64_t kNr = 2 * kTile;
+  static constexpr std::int64_t kKr = 2;
+  using Elem = std::conditional_t<kWiden, F32, Bf16>;  // X and Y packed as f32 when widening
+  // X as [k pair][8 rows] per group; vdpbf16ps also reads K-contiguous X
+  // rows where they are (MicroBlock::x_rs).
+  using XLayout = XRowGroups<kGroupRows, Elem, !kWiden>;
+  using YLayout = YVnni<Elem>;
+  using Output = DirectGroups;  // finished groups go from registers to C
   static constexpr bool kWholeSharedY = true;
-  static constexpr bool kDirectC = true;      // finished groups go from registers to C (block's to_c)
-  static constexpr bool kXInPlace = !kWiden;  // reads K-contiguous X rows where they are (block's x_rs)
-  static constexpr bool kXF32 = kWiden;       // X packed as f32 pairs
-  static constexpr bool kYF32 = kWiden;       // Y packed as f32 rows
 
   static void begin(void* /*state*/) {}
   static void end() {}
@@ -103,12 +109,20 @@ struct Avx512Micro {
     }
   }
 
-  // x_rs 0: xp is a packed panel, [kb32 / 2][8 rows] u32 (or 2 f32) per
-  // group (gemm_blocked.hpp); else xp is X's first row in place, rows x_rs
+  // blk.x_rs 0: blk.x is a packed panel, [kb32 / 2][8 rows] u32 (or 2 f32)
+  // per group (XRowGroups); else blk.x is X's first row in place, rows x_rs
   // elements apart.
-  template <class ToC>
-  static void block(const std::uint16_t* xp, std::int64_t x_rs, const std::uint16_t* y0, const std::uint16_t* y1,
-                    std::int64_t kb32, float* acc_at, std::int64_t acc_ld, bool first, bool last, const ToC& to_c) {
+  template <class Sink>
+  static void block(const MicroBlock& blk, const Sink& sink) {
+    const std::uint16_t* xp = blk.x;
+    const std::int64_t x_rs = blk.x_rs;
+    const std::uint16_t* y0 = blk.y0;
+    const std::uint16_t* y1 = blk.y1;
+    const std::int64_t kb32 = blk.kb32;
+    float* acc_at = blk.acc;
+    const std::int64_t acc_ld = blk.acc_ld;
+    const bool first = blk.first;
+    const bool last = blk.last;
     for (std::int64_t g = 0; g < kPanel; g += kGroupRows) {
       __m512 acc[kGroupRows][2];
       for (int r = 0; r < kGroupRows; ++r) {
@@ -128,7 +142,7 @@ struct Avx512Micro {
         group(acc, in_place, y0, y1, kb32);
       }
       if (last) {
-        to_c(g, acc);
+        sink.group(g, acc);
         continue;
       }
       for (int r = 0; r < kGroupRows; ++r) {
@@ -139,4 +153,4 @@ struct Avx512Micro {
 };
 
 }  // namespace
-}  // namespace grpo::kernels
+}  // namespace grpo::kernels::blocked

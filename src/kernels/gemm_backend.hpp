@@ -1,34 +1,41 @@
 // The GEMM backend seam. A GemmSpec (gemm.hpp) is fixed at plan time; a
 // backend built for it runs C (+)= A B (+ bias) on the caller's thread with
-// the caller's scratch, and allocates nothing per call. kernels::Gemm picks
-// the first backend of the priority list that serves the spec:
+// the caller's scratch, and allocates nothing per call. Every engine is one,
+// listed once, in priority order, in gemm_registry.cpp's table
+// (gemm_backends()):
 //   amx        our AMX-BF16 microkernels (gemm_amx.cpp): bf16 A and B, when the
 //              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
-//   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): bf16 A
-//              and B on CPUs with AVX512-BF16 where amx does not serve
-//   avx512fma  the same blocked GEMM in f32 FMAs on bf16 widened as it is
-//              packed (gemm_avx512_fma.cpp): bf16 A and B on Intel CPUs with
-//              AVX-512 where amx does not serve (avx512_fma_is_default),
-//              elsewhere only when forced
 //   avx2       our f32 FMA microkernels, bf16 widened as it is packed
 //              (gemm_avx2.cpp): bf16 or f32 on CPUs with AVX2 and no AVX-512,
 //              where oneDNN 2.6 has no bf16 matmul and its f32 one is not
 //              batch-invariant; elsewhere only when forced
-//   onednn     oneDNN's matmul (gemm.cpp)
+//   avx512fma  the blocked GEMM in f32 FMAs on bf16 widened as it is packed
+//              (gemm_avx512_fma.cpp): bf16 A and B on Intel CPUs with
+//              AVX-512 where amx does not serve (avx512_fma_is_default),
+//              elsewhere only when forced
+//   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): bf16 A
+//              and B on CPUs with AVX512-BF16 where amx does not serve
+//   onednn     oneDNN's matmul (gemm_onednn.cpp)
 //   reference  plain loops in f32, k ascending (gemm_reference.cpp): any spec,
 //              slow; the last resort (a spec oneDNN cannot create on this CPU
 //              lands here) and a comparison point for the tests
-// GRPO_GEMM=amx|avx512bf16|avx512fma|avx2|onednn|reference forces one (as GRPO_SIMD does for the stage
-// kernels); a forced backend that cannot serve a spec falls back down the list.
+// kernels::Gemm takes the first of the default list that serves the spec.
+// GRPO_GEMM=amx|avx512bf16|avx512fma|avx2|onednn|reference forces one (as
+// GRPO_SIMD does for the stage kernels; amx heads the default list anyway);
+// a forced backend that cannot serve a spec falls back to onednn, then
+// reference.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <string>
 
 namespace grpo::kernels {
 
 struct GemmSpec;
+class GemmEngine;
 
 enum class GemmBackendKind : std::uint8_t { amx, avx512_bf16, avx512_fma, avx2, onednn, reference };
 
@@ -48,6 +55,25 @@ struct GemmTraits {
   std::int64_t max_shared_rows = 0;
 };
 
+// One caller's objects for a backend that needs some to run without
+// allocating (oneDNN's stream and memory objects; gemm.hpp's GemmBinding
+// keeps one). Not thread-safe: one caller serves one thread at a time.
+class GemmCaller {
+ public:
+  virtual ~GemmCaller() = default;
+  virtual void run(const void* a, const void* b, void* c, const void* bias, void* scratch,
+                   const void* packed) const = 0;
+};
+
+// A register block's edges, XNNPACK's mr, nr, kr: the rows and columns of C
+// one micro call computes and the k it takes per step. The GEMM tester
+// builds each backend's shapes around its own.
+struct GemmTile {
+  std::int64_t mr = 1;
+  std::int64_t nr = 1;
+  std::int64_t kr = 1;
+};
+
 class GemmBackend {
  public:
   virtual ~GemmBackend() = default;
@@ -56,7 +82,11 @@ class GemmBackend {
   virtual const char* implementation() const = 0;
   virtual GemmTraits traits() const = 0;
   virtual std::size_t scratchpad_bytes() const = 0;
-  // scratch: scratchpad_bytes() bytes, 64-byte aligned. Single-threaded.
+  // scratch: scratchpad_bytes() bytes, 64-byte aligned. On the calling
+  // thread alone when spec.threads is 1 (every call of the fused plans); a
+  // spec with threads > 1 (the unfused baselines' whole-matrix calls) may
+  // use that many: oneDNN its OpenMP team, avx2 its TBB column runs in the
+  // caller's arena (gemm_avx2_blocking.hpp).
   // packed: null, or the spec's shared operand as pack_shared() left it.
   virtual void run(const void* a, const void* b, void* c, const void* bias, void* scratch,
                    const void* packed) const = 0;
@@ -67,26 +97,52 @@ class GemmBackend {
   // the room a backend packs the shared operand into itself goes unused).
   virtual std::size_t scratchpad_bytes_with_packed() const { return scratchpad_bytes(); }
   virtual void pack_shared(const void* /*operand*/, void* /*packed*/) const {}
+  // {1, 1, 1}: no register block of ours (oneDNN, the reference loops).
+  virtual GemmTile tile() const { return {}; }
+  // Null: run() needs no per-caller objects (ours).
+  virtual std::unique_ptr<GemmCaller> make_caller() const { return nullptr; }
 };
 
-// Null when the CPU (or the OS) lacks what the backend needs, or the spec is
-// outside what it serves.
-std::unique_ptr<GemmBackend> make_amx_gemm(const GemmSpec& spec);
-std::unique_ptr<GemmBackend> make_avx512_bf16_gemm(const GemmSpec& spec);
-std::unique_ptr<GemmBackend> make_avx512_fma_gemm(const GemmSpec& spec);
-std::unique_ptr<GemmBackend> make_avx2_gemm(const GemmSpec& spec);
-std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec);
+// One row of the backend table.
+struct GemmBackendEntry {
+  GemmBackendKind kind;
+  const char* name;  // GRPO_GEMM's, to_string's, the tools'
+  // In the default list on this CPU (and usable).
+  bool (*in_default_list)();
+  // Null when the CPU (and the OS) has what the backend needs, else why not.
+  const char* (*unusable)();
+  // Null when the backend does not serve spec on this CPU; why_not (may be
+  // null) then says why, when the backend knows better than unusable().
+  // engine: oneDNN's (null only where fixed_traits is null: ours need none).
+  std::unique_ptr<GemmBackend> (*make)(const GemmEngine* engine, const GemmSpec& spec, std::string* why_not);
+  // Its traits without building it (oneDNN's: building is a JIT), else null.
+  GemmTraits (*fixed_traits)();
+};
+
+// Every backend, in the default list's priority order.
+std::span<const GemmBackendEntry> gemm_backends();
+const GemmBackendEntry& gemm_backend(GemmBackendKind kind);
+// Null for an unknown name.
+const GemmBackendEntry* find_gemm_backend(const char* name);
 
 namespace detail {
-// The backends' own translation units (compiled for their ISA), called by the
-// make_* gates above (gemm_dispatch.cpp, compiled for any x86-64) only once
-// the CPU was found to have it: null when the spec is outside what they serve.
+// The backends' makers, called through the table (gemm_registry.cpp): the
+// *_on_cpu ones are in their own translation units (compiled for their ISA)
+// and called only once the CPU was found to have it. Null when the spec is
+// outside what they serve.
 std::unique_ptr<GemmBackend> make_amx_gemm_on_cpu(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx512_bf16_gemm_on_cpu(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx512_fma_gemm_on_cpu(const GemmSpec& spec);
 std::unique_ptr<GemmBackend> make_avx2_gemm_on_cpu(const GemmSpec& spec);
+std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec);
+// Null when oneDNN cannot create the matmul (why_not says why).
+std::unique_ptr<GemmBackend> make_onednn_gemm(const GemmEngine& engine, const GemmSpec& spec, std::string* why_not);
+// oneDNN's scratchpad for spec from its primitive descriptor alone (no JIT);
+// throws grpo::Error (unsupported) when oneDNN cannot create the matmul.
+std::size_t onednn_scratchpad_bytes(const GemmEngine& engine, const GemmSpec& spec);
 }  // namespace detail
 
+// The gates, on cpu.hpp's one probe (gemm_registry.cpp).
 // The CPU has AMX-BF16 and AVX512-BF16, and this process may use the tile
 // state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once). Why not, when false.
 bool amx_usable();

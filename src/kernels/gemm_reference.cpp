@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/bf16.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 
@@ -19,13 +20,7 @@ float load(const void* p, DType dtype, std::int64_t at) {
   return v;
 }
 
-std::uint16_t to_bf16(float v) {
-  std::uint32_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(v));
-  if ((bits & 0x7f800000U) == 0x7f800000U && (bits & 0x007fffffU) != 0) return 0x7fc0;  // NaN stays NaN
-  bits += 0x7fffU + ((bits >> 16) & 1U);                                                // nearest even
-  return static_cast<std::uint16_t>(bits >> 16);
-}
+std::uint16_t to_bf16(float v) { return float_to_bf16<Bf16Nan::canonical>(v); }
 
 class ReferenceGemm final : public GemmBackend {
  public:
@@ -65,18 +60,8 @@ class ReferenceGemm final : public GemmBackend {
 
 }  // namespace
 
-std::unique_ptr<GemmBackend> make_reference_gemm(const GemmSpec& spec) { return std::make_unique<ReferenceGemm>(spec); }
-
-const char* to_string(GemmBackendKind kind) {
-  switch (kind) {
-    case GemmBackendKind::amx: return "amx";
-    case GemmBackendKind::avx512_bf16: return "avx512bf16";
-    case GemmBackendKind::avx512_fma: return "avx512fma";
-    case GemmBackendKind::avx2: return "avx2";
-    case GemmBackendKind::onednn: return "onednn";
-    case GemmBackendKind::reference: return "reference";
-  }
-  return "?";
+std::unique_ptr<GemmBackend> detail::make_reference_gemm(const GemmSpec& spec) {
+  return std::make_unique<ReferenceGemm>(spec);
 }
 
 }  // namespace grpo::kernels

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/bf16.hpp"
+
 namespace grpo::kernels {
 
 // Storage types a row segment can have. f16 only appears in the fused
@@ -119,8 +121,8 @@ const StageKernels* avx2_kernels();
 // GRPO_SIMD=avx2 the AVX2 one where the CPU has it (scalar where it does not).
 const StageKernels& kernels();
 
-// Scalar element conversions shared by both paths and by the drivers.
-float bf16_to_float(std::uint16_t v);
-std::uint16_t float_to_bf16(float v);  // round to nearest even; NaN stays NaN
+// The scalar element conversions shared by both paths and by the drivers,
+// bf16_to_float and float_to_bf16 (round to nearest even; NaN stays NaN),
+// are bf16.hpp's.
 
 }  // namespace grpo::kernels

@@ -24,6 +24,7 @@
 
 #include <xsimd/xsimd.hpp>
 
+#include "kernels/bf16_avx2.hpp"
 #include "kernels/stage_kernels.hpp"
 
 namespace grpo::kernels {
@@ -64,14 +65,7 @@ Batch load_tail(const void* p, std::int64_t i, std::int64_t count, float fill) {
 // f32 -> bf16, round to nearest even by integer arithmetic, NaN kept NaN; bit
 // for bit the scalar float_to_bf16.
 __m128i to_bf16(Batch v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
-  // 0x00400000 is the bf16 quiet bit (0x40) before the shift.
-  const __m256i quiet = _mm256_or_si256(b, _mm256_set1_epi32(0x00400000));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), nan)), 16);
+  const __m256i r = float_to_bf16x8_epi32<Bf16Nan::quiet>(v);
   // Every lane is now <= 0xffff, so the unsigned saturating pack is exact; it
   // packs within 128-bit halves, and the permute gathers halves 0 and 2.
   const __m256i packed = _mm256_packus_epi32(r, r);

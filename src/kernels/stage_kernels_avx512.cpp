@@ -15,6 +15,7 @@
 
 #include <xsimd/xsimd.hpp>
 
+#include "kernels/bf16_avx512.hpp"
 #include "kernels/stage_kernels.hpp"
 
 namespace grpo::kernels {
@@ -60,17 +61,9 @@ Batch load_tail(const void* p, std::int64_t i, std::int64_t count, float fill) {
   }
 }
 
-// f32 -> bf16, round to nearest even by integer arithmetic (AVX-512F/BW only,
-// no AVX512_BF16), NaN kept NaN; bit for bit the scalar float_to_bf16.
-__m256i to_bf16(Batch v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
-  // 0x00400000 is the bf16 quiet bit (0x40) before the shift.
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x00400000)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
+// f32 -> bf16 (AVX-512F/BW only, no AVX512_BF16), NaN kept NaN; bit for bit
+// the scalar float_to_bf16.
+__m256i to_bf16(Batch v) { return float_to_bf16x16<Bf16Nan::quiet>(v); }
 
 template <Elem T>
 void store(void* p, std::int64_t i, Batch v) {

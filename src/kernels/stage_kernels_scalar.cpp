@@ -265,25 +265,6 @@ void add_row_scalar(const float* in, void* out, Elem out_type, std::int64_t n) {
 
 }  // namespace
 
-float bf16_to_float(std::uint16_t v) {
-  const std::uint32_t b = static_cast<std::uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &b, sizeof(f));
-  return f;
-}
-
-std::uint16_t float_to_bf16(float v) {
-  const std::uint32_t b = bits_of(v);
-  // NaN: keep the sign and the top payload bits and force the quiet bit
-  // (0x40), so rounding can never turn a NaN into an infinity.
-  if ((b & 0x7fffffffU) > 0x7f800000U) return static_cast<std::uint16_t>((b >> 16) | 0x40U);
-  // Round to nearest even: 0x7fff is just below half of the 16 dropped bits,
-  // the kept lowest bit tips exact ties to the even neighbour. Overflow
-  // carries into the exponent and correctly yields +-inf.
-  const std::uint32_t rounded = b + 0x7fffU + ((b >> 16) & 1U);
-  return static_cast<std::uint16_t>(rounded >> 16);
-}
-
 namespace detail {
 
 const StageKernels& scalar_table() {
