@@ -11,7 +11,6 @@ bitwise and what is not is stated per quantity below.
 
 import datetime
 import os
-import socket
 import tempfile
 
 import pytest
@@ -25,12 +24,6 @@ from reference import make_case
 B, T, H, V = 4, 6, 32, 96
 TOKEN_BLOCK = 8  # several token blocks: the per-block exchanges run more than once
 VOCAB_TILE = 16  # shards on tile boundaries merge the tiles' statistics in the single process's order
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _case(dtype):
@@ -48,12 +41,25 @@ def _call(case, hidden, weight, bias, ids, mask, adv, old, ref, **kw):
             "metrics": out.metrics_tensor, "dhidden": x.grad, "dweight": w.grad, "dbias": b.grad}
 
 
-def _worker(rank, size, port, scenario, dtype, shards, out_dir):
+def _exit_now():
+    """Ends a worker without the interpreter's finalization: gloo's worker thread may still be releasing the last
+    collectives' tensors, whose Python objects it can then no longer decref (std::terminate in torch's
+    ProcessGroupGloo::runLoop; seen about once in 20 spawns). Every result is saved by then."""
+    os._exit(0)
+
+
+def _worker(rank, size, scenario, dtype, shards, out_dir):
+    _run(rank, size, scenario, dtype, shards, out_dir)
+    _exit_now()
+
+
+def _run(rank, size, scenario, dtype, shards, out_dir):
     import torch.distributed as dist
 
     # A bounded timeout: a rank left waiting in a collective fails the test instead of hanging it.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=120))
+    # A FileStore: no store server thread in rank 0 to race the others' teardown at exit.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     try:
         case = _case(dtype)
@@ -133,7 +139,7 @@ def _worker(rank, size, port, scenario, dtype, shards, out_dir):
 
 def _spawn(size, scenario, dtype, shards=None):
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(size, _free_port(), scenario, dtype, shards, out_dir), nprocs=size, join=True)
+        mp.spawn(_worker, args=(size, scenario, dtype, shards, out_dir), nprocs=size, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
 
 
@@ -266,12 +272,18 @@ def _lp_call(hidden, weight, bias, ids, mask, a, e, **kw):
     return {"logp": logp.detach(), "entropy": ent.detach(), "dhidden": x.grad, "dweight": w.grad, "dbias": b.grad}
 
 
-def _lp_worker(rank, size, port, scenario, dtype, shards, out_dir):
+def _lp_worker(rank, size, scenario, dtype, shards, out_dir):
+    _lp_run(rank, size, scenario, dtype, shards, out_dir)
+    _exit_now()
+
+
+def _lp_run(rank, size, scenario, dtype, shards, out_dir):
     import torch.distributed as dist
 
     # A bounded timeout: a rank left waiting in a collective fails the test instead of hanging it.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=120))
+    # A FileStore: no store server thread in rank 0 to race the others' teardown at exit.
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     try:
         case = _case(dtype)
@@ -328,7 +340,7 @@ def _lp_worker(rank, size, port, scenario, dtype, shards, out_dir):
 
 def _lp_spawn(size, scenario, dtype, shards=None):
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_lp_worker, args=(size, _free_port(), scenario, dtype, shards, out_dir), nprocs=size, join=True)
+        mp.spawn(_lp_worker, args=(size, scenario, dtype, shards, out_dir), nprocs=size, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
 
 
