@@ -315,6 +315,17 @@ def _lp_run(rank, size, scenario, dtype, shards, out_dir):
                                     vocab_group=dist.group.WORLD)["logp"]
             torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
             return
+        if scenario == "new_shape":
+            # Data-parallel, as the loss's test: the second call's rows are new to rank 1 only.
+            rows = slice(rank * (B // size), (rank + 1) * (B // size))
+            logps = []
+            for t in ((T, T), (T, T - 2)):
+                tt = t[rank]
+                got = _lp_call(case.hidden[rows, :tt], case.weight, case.bias, case.ids[rows, :tt],
+                               mask[rows, :tt], a[rows, :tt], e[rows, :tt], data_group=dist.group.WORLD)
+                logps.append(got["logp"].sum())
+            torch.save({"dweight": got["dweight"], "logps": torch.stack(logps)}, os.path.join(out_dir, f"{rank}.pt"))
+            return
         vocab = data = None
         v_rank, d_rank, d_size = 0, 0, 1
         if scenario == "grid":  # ranks (d, v) = (rank // 2, rank % 2)
@@ -410,3 +421,10 @@ def test_log_probs_a_refusal_on_one_rank_reaches_every_rank():
     assert "rank 1" in results[0]["backward"][0], results
     for r in results:
         assert torch.equal(r["valid"], one["logp"])
+
+
+def test_log_probs_a_shape_new_to_one_rank_builds_the_plans_on_every_rank():
+    """As the loss's: one rank's plans cached, another's not; every rank rebuilds, none waits; the data group's dW
+    (summed over the group) is the same bits on both ranks."""
+    results = _lp_spawn(2, "new_shape", torch.float32)
+    assert torch.equal(results[0]["dweight"], results[1]["dweight"])
