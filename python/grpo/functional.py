@@ -210,36 +210,48 @@ def lm_head_grpo_loss(
                 ref_logp=ref_logp, is_weight=is_weight, num_items_in_batch=num_items_in_batch, loss_scale=loss_scale,
                 return_entropy=return_entropy, plan_cache=plan_cache, values=values, plan_values=plan_values,
                 names=names)
-    if vocab_group is None and data_group is None:
-        if vocab_start is not None:
-            raise refuse(names["vocab_start"], "needs a vocab_group (the shard's first token in the group's vocabulary)")
-        op_args, shape = _prepare_loss(**args, groups={})
-    else:
-        # Collective: a refusal on any rank of the groups reaches every rank before the op's collectives begin.
-        from grpo import distributed
-
-        handles = {"vocab": None if vocab_group is None else distributed.communicator(vocab_group)[0],
-                   "data": None if data_group is None else distributed.communicator(data_group)[0]}
-        error, op_args = None, None
-        try:
-            groups = dict(handles)
-            if handles["vocab"] is not None:
-                groups["vocab_offset"], groups["global_vocab"] = distributed.vocab_shard(
-                    handles["vocab"], weight.shape[0] if isinstance(weight, torch.Tensor) else 0, vocab_start)
-            op_args, shape = _prepare_loss(**args, groups=groups)
-            # A plan's construction is collective: a rank whose plan is not cached (a new shape: each rank's
-            # batch pads to its own length) makes every rank build it again.
-            cached = _ops.loss_plan_cached(*op_args)
-        except (grpo.Error, grpo.ArgumentTypeError, NotImplementedError) as refusal:
-            error, cached = refusal, True
-        order = [h for h in (handles["vocab"], handles["data"], handles["vocab"]) if h is not None]
-        if distributed.agree(order if len(set(order)) > 1 else order[:1], error, flag=not cached):
-            _ops.forget_loss_plan(*op_args)
+    op_args, shape = _prepare_over_groups(_prepare_loss, args, weight, vocab_group, data_group, vocab_start,
+                                          names["vocab_start"], _ops.loss_plan_cached, _ops.forget_loss_plan)
     loss, logp, entropy, kl, metrics, stats, _dh, _dw, _db = _ops.lm_head_loss(*op_args)
     b, s, v, h = shape
     timings = None if torch.compiler.is_compiling() else _ops.last_timings()
     return LmHeadLossResult(loss, logp.view(b, s), entropy.view(b, s) if return_entropy else None,
                             kl.view(b, s) if float(beta) != 0.0 else None, metrics, stats, (v, h), timings)
+
+
+def _prepare_over_groups(prepare, args: dict, weight, vocab_group, data_group, vocab_start, vocab_start_name: str,
+                         cached, forget):
+    """prepare(**args, groups=...): the entry point's checks and the op's arguments (its result's first element).
+
+    Without groups, this process alone. With torch.distributed groups the call
+    is collective: a refusal on any rank reaches every rank before the op's
+    collectives begin (distributed.agree), and since a plan's construction is
+    collective too, a rank whose plans are not cached (a new shape: each
+    rank's batch pads to its own length) makes every rank build them again
+    (cached / forget: the op's plan-cache entries for its arguments).
+    """
+    if vocab_group is None and data_group is None:
+        if vocab_start is not None:
+            raise refuse(vocab_start_name, "needs a vocab_group (the shard's first token in the group's vocabulary)")
+        return prepare(**args, groups={})
+    from grpo import distributed
+
+    handles = {"vocab": None if vocab_group is None else distributed.communicator(vocab_group)[0],
+               "data": None if data_group is None else distributed.communicator(data_group)[0]}
+    error, prepared, is_cached = None, None, True
+    try:
+        groups = dict(handles)
+        if handles["vocab"] is not None:
+            groups["vocab_offset"], groups["global_vocab"] = distributed.vocab_shard(
+                handles["vocab"], weight.shape[0] if isinstance(weight, torch.Tensor) else 0, vocab_start)
+        prepared = prepare(**args, groups=groups)
+        is_cached = cached(*prepared[0])
+    except (grpo.Error, grpo.ArgumentTypeError, NotImplementedError) as refusal:
+        error = refusal
+    order = [h for h in (handles["vocab"], handles["data"], handles["vocab"]) if h is not None]
+    if distributed.agree(order if len(set(order)) > 1 else order[:1], error, flag=not is_cached):
+        forget(*prepared[0])
+    return prepared
 
 
 def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_logp, is_weight, num_items_in_batch,
@@ -398,29 +410,9 @@ def fused_log_probs(
                 logit_scale=logit_scale, num_threads=num_threads, workspace_budget=workspace_budget,
                 grad_filter=grad_filter, plan_cache=plan_cache, on_stats=on_stats, token_block=token_block,
                 vocab_tile=vocab_tile)
-    if vocab_group is None and data_group is None:
-        if vocab_start is not None:
-            raise refuse("vocab_start", "needs a vocab_group (the shard's first token in the group's vocabulary)")
-        op_args, out_shape, outputs = _prepare_log_probs(**args, groups={})
-    else:
-        # Collective: a refusal on any rank of the groups reaches every rank before the op's collectives begin.
-        from grpo import distributed
-
-        handles = {"vocab": None if vocab_group is None else distributed.communicator(vocab_group)[0],
-                   "data": None if data_group is None else distributed.communicator(data_group)[0]}
-        error, op_args = None, None
-        try:
-            groups = dict(handles)
-            if handles["vocab"] is not None:
-                groups["vocab_offset"], groups["global_vocab"] = distributed.vocab_shard(
-                    handles["vocab"], weight.shape[0] if isinstance(weight, torch.Tensor) else 0, vocab_start)
-            op_args, out_shape, outputs = _prepare_log_probs(**args, groups=groups)
-            cached = _ops.log_probs_plans_cached(*op_args)  # collective construction: see lm_head_grpo_loss
-        except (grpo.Error, grpo.ArgumentTypeError, NotImplementedError) as refusal:
-            error, cached = refusal, True
-        order = [h for h in (handles["vocab"], handles["data"], handles["vocab"]) if h is not None]
-        if distributed.agree(order if len(set(order)) > 1 else order[:1], error, flag=not cached):
-            _ops.forget_log_probs_plans(*op_args)
+    op_args, out_shape, outputs = _prepare_over_groups(_prepare_log_probs, args, weight, vocab_group, data_group,
+                                                       vocab_start, "vocab_start", _ops.log_probs_plans_cached,
+                                                       _ops.forget_log_probs_plans)
     rows, weight, bias, labels_, mask_, spec = op_args
     logp, entropy, stats = _ops.log_probs(rows, weight, bias, labels_, mask_, spec)
     if on_stats is not None:

@@ -48,12 +48,8 @@ def _exit_now():
     os._exit(0)
 
 
-def _worker(rank, size, scenario, dtype, shards, out_dir):
-    _run(rank, size, scenario, dtype, shards, out_dir)
-    _exit_now()
-
-
-def _run(rank, size, scenario, dtype, shards, out_dir):
+def _worker(rank, size, run, scenario, dtype, shards, out_dir):
+    """One rank: the process group, run(...) (a scenario; each saves its results in out_dir), then exit."""
     import torch.distributed as dist
 
     # A bounded timeout: a rank left waiting in a collective fails the test instead of hanging it.
@@ -62,84 +58,94 @@ def _run(rank, size, scenario, dtype, shards, out_dir):
                             world_size=size, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     try:
-        case = _case(dtype)
-        vocab = data = None
-        v_rank, d_rank = rank, 0
-        if scenario == "grid":  # ranks (d, v) = (rank // 2, rank % 2)
-            d_rank, v_rank = divmod(rank, 2)
-            vocab_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-            data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-            vocab, data = vocab_groups[d_rank], data_groups[v_rank]
-        elif scenario == "vocab":
-            vocab = dist.group.WORLD
-        else:
-            data, d_rank, v_rank = dist.group.WORLD, rank, 0
-        rows = slice(None)
-        if data is not None:
-            per = B // (2 if scenario == "grid" else size)
-            rows = slice(d_rank * per, (d_rank + 1) * per)
-        cols = slice(None)
-        if vocab is not None:
-            cols = slice(shards[v_rank], shards[v_rank + 1])
-        kw = {"vocab_group": vocab, "data_group": data}
-        if scenario == "refuse":
-            # Data-parallel, the last rank's last row has a k3 KL beyond float32: met inside the schedule, after
-            # earlier token blocks ran, and exchanged by the C++ step at its end.
-            rows = slice(rank * (B // size), (rank + 1) * (B // size))
-            ref = case.ref_logp[rows].clone()
-            if rank == size - 1:
-                ref[-1, -1] = 120.0
-            try:
-                _call(case, case.hidden[rows], case.weight, case.bias, case.ids[rows], case.mask[rows],
-                      case.advantages[rows], case.old_logp[rows], ref, data_group=dist.group.WORLD)
-            except grpo.Error as error:
-                torch.save({"refused": str(error), "argument": error.argument},
-                           os.path.join(out_dir, f"{rank}.pt"))
-            return
-        if scenario == "refuse_python":
-            hidden = case.hidden if rank != 0 else case.hidden.double()  # refused by the Python checks on rank 0
-            try:
-                _call(case, hidden, case.weight[cols], case.bias[cols], case.ids, case.mask, case.advantages,
-                      case.old_logp, case.ref_logp, vocab_group=dist.group.WORLD)
-            except (grpo.Error, TypeError) as error:
-                torch.save({"refused": str(error), "argument": getattr(error, "argument", None)},
-                           os.path.join(out_dir, f"{rank}.pt"))
-            return
-        if scenario == "new_shape":
-            # Data-parallel; the second call: rank 0's batch has the first call's shape (its plan cached), rank 1's
-            # a shorter one (a new plan, built collectively): every rank builds again, no rank waits.
-            losses = []
-            for t in ((T, T), (T, T - 2)):
-                tt = t[rank]
-                out = _call(case, case.hidden[rows, :tt], case.weight, case.bias, case.ids[rows, :tt],
-                            case.mask[rows, :tt], case.advantages[rows], case.old_logp[rows, :tt],
-                            case.ref_logp[rows, :tt], data_group=data)
-                losses.append(out["loss"])
-            torch.save({"losses": torch.stack(losses)}, os.path.join(out_dir, f"{rank}.pt"))
-            return
-        if scenario == "dropin":  # Liger's module, dapo: the normalizer is the global count
-            module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="dapo", num_threads=1, data_group=data)
-            x = case.hidden[rows].clone().requires_grad_()
-            w = case.weight.clone().requires_grad_()
-            loss, metrics = module(x, w, case.ids[rows], case.mask[rows], case.advantages[rows],
-                                   ref_per_token_logps=case.ref_logp[rows], old_per_token_logps=case.old_logp[rows],
-                                   num_items_in_batch=case.mask.sum())
-            loss.backward()
-            torch.save({"loss": loss.detach(), "metrics": torch.stack(metrics), "dhidden": x.grad, "dweight": w.grad,
-                        "rows": (rows.start, rows.stop)}, os.path.join(out_dir, f"{rank}.pt"))
-            return
-        got = _call(case, case.hidden[rows], case.weight[cols], case.bias[cols], case.ids[rows], case.mask[rows],
-                    case.advantages[rows], case.old_logp[rows], case.ref_logp[rows], **kw)
-        got.update(rows=(rows.start, rows.stop), cols=(cols.start, cols.stop))
-        torch.save(got, os.path.join(out_dir, f"{rank}.pt"))
+        run(rank, size, scenario, dtype, shards, out_dir)
     finally:
         dist.barrier()  # no rank tears its connections down while another still receives
         dist.destroy_process_group()
+    _exit_now()
 
 
-def _spawn(size, scenario, dtype, shards=None):
+def _run(rank, size, scenario, dtype, shards, out_dir):
+    """The fused loss's scenarios (one rank's part)."""
+    import torch.distributed as dist
+
+    case = _case(dtype)
+    vocab = data = None
+    v_rank, d_rank = rank, 0
+    if scenario == "grid":  # ranks (d, v) = (rank // 2, rank % 2)
+        d_rank, v_rank = divmod(rank, 2)
+        vocab_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        vocab, data = vocab_groups[d_rank], data_groups[v_rank]
+    elif scenario == "vocab":
+        vocab = dist.group.WORLD
+    else:
+        data, d_rank, v_rank = dist.group.WORLD, rank, 0
+    rows = slice(None)
+    if data is not None:
+        per = B // (2 if scenario == "grid" else size)
+        rows = slice(d_rank * per, (d_rank + 1) * per)
+    cols = slice(None)
+    if vocab is not None:
+        cols = slice(shards[v_rank], shards[v_rank + 1])
+    kw = {"vocab_group": vocab, "data_group": data}
+    if scenario == "refuse":
+        # Data-parallel, the last rank's last row has a k3 KL beyond float32: met inside the schedule, after
+        # earlier token blocks ran, and exchanged by the C++ step at its end.
+        rows = slice(rank * (B // size), (rank + 1) * (B // size))
+        ref = case.ref_logp[rows].clone()
+        if rank == size - 1:
+            ref[-1, -1] = 120.0
+        try:
+            _call(case, case.hidden[rows], case.weight, case.bias, case.ids[rows], case.mask[rows],
+                  case.advantages[rows], case.old_logp[rows], ref, data_group=dist.group.WORLD)
+        except grpo.Error as error:
+            torch.save({"refused": str(error), "argument": error.argument},
+                       os.path.join(out_dir, f"{rank}.pt"))
+        return
+    if scenario == "refuse_python":
+        hidden = case.hidden if rank != 0 else case.hidden.double()  # refused by the Python checks on rank 0
+        try:
+            _call(case, hidden, case.weight[cols], case.bias[cols], case.ids, case.mask, case.advantages,
+                  case.old_logp, case.ref_logp, vocab_group=dist.group.WORLD)
+        except (grpo.Error, TypeError) as error:
+            torch.save({"refused": str(error), "argument": getattr(error, "argument", None)},
+                       os.path.join(out_dir, f"{rank}.pt"))
+        return
+    if scenario == "new_shape":
+        # Data-parallel; the second call: rank 0's batch has the first call's shape (its plan cached), rank 1's
+        # a shorter one (a new plan, built collectively): every rank builds again, no rank waits.
+        losses = []
+        for t in ((T, T), (T, T - 2)):
+            tt = t[rank]
+            out = _call(case, case.hidden[rows, :tt], case.weight, case.bias, case.ids[rows, :tt],
+                        case.mask[rows, :tt], case.advantages[rows], case.old_logp[rows, :tt],
+                        case.ref_logp[rows, :tt], data_group=data)
+            losses.append(out["loss"])
+        torch.save({"losses": torch.stack(losses)}, os.path.join(out_dir, f"{rank}.pt"))
+        return
+    if scenario == "dropin":  # Liger's module, dapo: the normalizer is the global count
+        module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="dapo", num_threads=1, data_group=data)
+        x = case.hidden[rows].clone().requires_grad_()
+        w = case.weight.clone().requires_grad_()
+        loss, metrics = module(x, w, case.ids[rows], case.mask[rows], case.advantages[rows],
+                               ref_per_token_logps=case.ref_logp[rows], old_per_token_logps=case.old_logp[rows],
+                               num_items_in_batch=case.mask.sum())
+        loss.backward()
+        torch.save({"loss": loss.detach(), "metrics": torch.stack(metrics), "dhidden": x.grad, "dweight": w.grad,
+                    "rows": (rows.start, rows.stop)}, os.path.join(out_dir, f"{rank}.pt"))
+        return
+    got = _call(case, case.hidden[rows], case.weight[cols], case.bias[cols], case.ids[rows], case.mask[rows],
+                case.advantages[rows], case.old_logp[rows], case.ref_logp[rows], **kw)
+    got.update(rows=(rows.start, rows.stop), cols=(cols.start, cols.stop))
+    torch.save(got, os.path.join(out_dir, f"{rank}.pt"))
+
+
+def _spawn(size, scenario, dtype, shards=None, run=None):
+    """size processes running scenario (run: _run, the loss's scenarios, or _lp_run, the log-prob head's); their
+    results in rank order."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(size, scenario, dtype, shards, out_dir), nprocs=size, join=True)
+        mp.spawn(_worker, args=(size, run or _run, scenario, dtype, shards, out_dir), nprocs=size, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
 
 
@@ -272,87 +278,72 @@ def _lp_call(hidden, weight, bias, ids, mask, a, e, **kw):
     return {"logp": logp.detach(), "entropy": ent.detach(), "dhidden": x.grad, "dweight": w.grad, "dbias": b.grad}
 
 
-def _lp_worker(rank, size, scenario, dtype, shards, out_dir):
-    _lp_run(rank, size, scenario, dtype, shards, out_dir)
-    _exit_now()
-
-
 def _lp_run(rank, size, scenario, dtype, shards, out_dir):
+    """The log-prob head's scenarios (one rank's part)."""
     import torch.distributed as dist
 
-    # A bounded timeout: a rank left waiting in a collective fails the test instead of hanging it.
-    # A FileStore: no store server thread in rank 0 to race the others' teardown at exit.
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
-    try:
-        case = _case(dtype)
-        a, e = _upstream(case)
-        mask = case.mask.float()
-        if scenario == "refuse":
-            # Python's own check on rank 0 (a label beyond int32), before any collective; then the C++ backward's
-            # agreement: the last rank of the vocab group holds another upstream gradient.
-            cols = slice(shards[rank], shards[rank + 1])
-            ids = case.ids.long().clone()
-            if rank == 0:
-                ids[0, 0] = 2 ** 40
-            out = {}
-            try:
-                _lp_call(case.hidden, case.weight[cols], case.bias[cols], ids, mask, a, e,
-                         vocab_group=dist.group.WORLD)
-            except grpo.Error as error:
-                out["python"] = (str(error), error.argument)
-            other = a.clone()
-            if rank == size - 1:
-                other[mask.bool()] += 1.0
-            try:
-                _lp_call(case.hidden, case.weight[cols], case.bias[cols], case.ids, mask, other, e,
-                         vocab_group=dist.group.WORLD)
-            except grpo.Error as error:
-                out["backward"] = (str(error), error.argument)
-            # The group is still in step: a valid call.
-            out["valid"] = _lp_call(case.hidden, case.weight[cols], case.bias[cols], case.ids, mask, a, e,
-                                    vocab_group=dist.group.WORLD)["logp"]
-            torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
-            return
-        if scenario == "new_shape":
-            # Data-parallel, as the loss's test: the second call's rows are new to rank 1 only.
-            rows = slice(rank * (B // size), (rank + 1) * (B // size))
-            logps = []
-            for t in ((T, T), (T, T - 2)):
-                tt = t[rank]
-                got = _lp_call(case.hidden[rows, :tt], case.weight, case.bias, case.ids[rows, :tt],
-                               mask[rows, :tt], a[rows, :tt], e[rows, :tt], data_group=dist.group.WORLD)
-                logps.append(got["logp"].sum())
-            torch.save({"dweight": got["dweight"], "logps": torch.stack(logps)}, os.path.join(out_dir, f"{rank}.pt"))
-            return
-        vocab = data = None
-        v_rank, d_rank, d_size = 0, 0, 1
-        if scenario == "grid":  # ranks (d, v) = (rank // 2, rank % 2)
-            d_rank, v_rank = divmod(rank, 2)
-            d_size = 2
-            vocab_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-            data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-            vocab, data = vocab_groups[d_rank], data_groups[v_rank]
-        elif scenario == "vocab":
-            vocab, v_rank = dist.group.WORLD, rank
-        else:
-            data, d_rank, d_size = dist.group.WORLD, rank, size
-        rows = slice(d_rank * (B // d_size), (d_rank + 1) * (B // d_size))
-        cols = slice(shards[v_rank], shards[v_rank + 1]) if vocab is not None else slice(None)
-        got = _lp_call(case.hidden[rows], case.weight[cols], case.bias[cols], case.ids[rows], mask[rows], a[rows],
-                       e[rows], vocab_group=vocab, data_group=data)
-        got.update(rows=(rows.start, rows.stop), cols=(cols.start, cols.stop))
-        torch.save(got, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    case = _case(dtype)
+    a, e = _upstream(case)
+    mask = case.mask.float()
+    if scenario == "refuse":
+        # Python's own check on rank 0 (a label beyond int32), before any collective; then the C++ backward's
+        # agreement: the last rank of the vocab group holds another upstream gradient.
+        cols = slice(shards[rank], shards[rank + 1])
+        ids = case.ids.long().clone()
+        if rank == 0:
+            ids[0, 0] = 2 ** 40
+        out = {}
+        try:
+            _lp_call(case.hidden, case.weight[cols], case.bias[cols], ids, mask, a, e,
+                     vocab_group=dist.group.WORLD)
+        except grpo.Error as error:
+            out["python"] = (str(error), error.argument)
+        other = a.clone()
+        if rank == size - 1:
+            other[mask.bool()] += 1.0
+        try:
+            _lp_call(case.hidden, case.weight[cols], case.bias[cols], case.ids, mask, other, e,
+                     vocab_group=dist.group.WORLD)
+        except grpo.Error as error:
+            out["backward"] = (str(error), error.argument)
+        # The group is still in step: a valid call.
+        out["valid"] = _lp_call(case.hidden, case.weight[cols], case.bias[cols], case.ids, mask, a, e,
+                                vocab_group=dist.group.WORLD)["logp"]
+        torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+        return
+    if scenario == "new_shape":
+        # Data-parallel, as the loss's test: the second call's rows are new to rank 1 only.
+        rows = slice(rank * (B // size), (rank + 1) * (B // size))
+        logps = []
+        for t in ((T, T), (T, T - 2)):
+            tt = t[rank]
+            got = _lp_call(case.hidden[rows, :tt], case.weight, case.bias, case.ids[rows, :tt],
+                           mask[rows, :tt], a[rows, :tt], e[rows, :tt], data_group=dist.group.WORLD)
+            logps.append(got["logp"].sum())
+        torch.save({"dweight": got["dweight"], "logps": torch.stack(logps)}, os.path.join(out_dir, f"{rank}.pt"))
+        return
+    vocab = data = None
+    v_rank, d_rank, d_size = 0, 0, 1
+    if scenario == "grid":  # ranks (d, v) = (rank // 2, rank % 2)
+        d_rank, v_rank = divmod(rank, 2)
+        d_size = 2
+        vocab_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        data_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        vocab, data = vocab_groups[d_rank], data_groups[v_rank]
+    elif scenario == "vocab":
+        vocab, v_rank = dist.group.WORLD, rank
+    else:
+        data, d_rank, d_size = dist.group.WORLD, rank, size
+    rows = slice(d_rank * (B // d_size), (d_rank + 1) * (B // d_size))
+    cols = slice(shards[v_rank], shards[v_rank + 1]) if vocab is not None else slice(None)
+    got = _lp_call(case.hidden[rows], case.weight[cols], case.bias[cols], case.ids[rows], mask[rows], a[rows],
+                   e[rows], vocab_group=vocab, data_group=data)
+    got.update(rows=(rows.start, rows.stop), cols=(cols.start, cols.stop))
+    torch.save(got, os.path.join(out_dir, f"{rank}.pt"))
 
 
 def _lp_spawn(size, scenario, dtype, shards=None):
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_lp_worker, args=(size, scenario, dtype, shards, out_dir), nprocs=size, join=True)
-        return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
+    return _spawn(size, scenario, dtype, shards, run=_lp_run)
 
 
 def _lp_single(dtype):
