@@ -106,6 +106,43 @@ inline std::vector<std::int64_t> shard_bounds(std::int64_t vocab, std::int64_t t
 // Sequences of `batch` over `ranks`, as evenly as possible, in rank order.
 inline std::int64_t seq_bound(std::int64_t batch, int ranks, int q) { return batch * q / ranks; }
 
+// The modes the scale-out tests run in, and their groups: Pv vocab shards x Pd
+// batch parts over the world's ranks.
+enum class Mode { vocab, vocab_unaligned, data, grid };
+
+struct Layout {
+  int vocab_ranks = 1;  // Pv
+  int data_ranks = 1;   // Pd
+  bool aligned = true;
+};
+
+inline Layout layout_of(Mode m, int size) {
+  switch (m) {
+    case Mode::vocab: return {size, 1, true};
+    case Mode::vocab_unaligned: return {size, 1, false};
+    case Mode::data: return {1, size, true};
+    case Mode::grid: return {2, size / 2, true};
+  }
+  return {};
+}
+
+// This rank's part of a global problem of `batch` sequences and `vocab` tokens
+// in tiles of `vocab_tile`. Rank r = d * Pv + v: its vocab group is the ranks
+// of batch part d.
+inline Part part_of(std::int64_t batch, std::int64_t vocab, std::int64_t vocab_tile, const Layout& l, int rank) {
+  const int v = rank % l.vocab_ranks, d = rank / l.vocab_ranks;
+  const std::vector<std::int64_t> shards = shard_bounds(vocab, vocab_tile, l.vocab_ranks, l.aligned);
+  return {seq_bound(batch, l.data_ranks, d), seq_bound(batch, l.data_ranks, d + 1), shards[v], shards[v + 1]};
+}
+
+// gamma_n for unit roundoff u: the bound n u / (1 - n u) of a sum of n terms.
+inline double gamma(double n, double u) { return n * u / (1.0 - n * u); }
+
+// Bit equality of float arrays (NaN-safe, -0 != +0).
+inline bool same_bits(const void* a, const void* b, std::size_t bytes) {
+  return bytes == 0 || std::memcmp(a, b, bytes) == 0;
+}
+
 // One rank's run of its part of a global case (c, p). The hidden rows, the
 // per-token inputs and W's shard are views into the global problem's
 // buffers (no copies); the outputs are the rank's own.

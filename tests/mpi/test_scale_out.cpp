@@ -48,7 +48,6 @@
 namespace grpo::test {
 namespace {
 
-enum class Mode { vocab, vocab_unaligned, data, grid };
 enum class LossKind { grpo_kl, dapo, gspo, features };
 
 struct ScaleCase {
@@ -82,8 +81,6 @@ std::string case_label(const ScaleCase& s) {
 
 constexpr double kUnitF32 = 0x1p-24;  // unit roundoff of f32 (round to nearest)
 constexpr double kUnitF64 = 0x1p-53;
-
-double gamma(double n, double u) { return n * u / (1.0 - n * u); }
 
 // The global problem: B = 5 sequences of T = 37 tokens (20% masked), H = 64,
 // V = 1000 in vocab tiles of 128 (7 full tiles and one of 104).
@@ -130,34 +127,6 @@ HeadCase global_case(const ScaleCase& s, int index) {
   return c;
 }
 
-// The groups of one mode, and this rank's part of the global problem.
-struct Layout {
-  int vocab_ranks = 1;  // Pv
-  int data_ranks = 1;   // Pd
-  bool aligned = true;
-};
-
-Layout layout_of(Mode m, int size) {
-  switch (m) {
-    case Mode::vocab: return {size, 1, true};
-    case Mode::vocab_unaligned: return {size, 1, false};
-    case Mode::data: return {1, size, true};
-    case Mode::grid: return {2, size / 2, true};
-  }
-  return {};
-}
-
-Part part_of(const HeadCase& c, const Layout& l, int rank) {
-  // Rank r = d * Pv + v: its vocab group is the ranks of batch part d.
-  const int v = rank % l.vocab_ranks, d = rank / l.vocab_ranks;
-  const std::vector<std::int64_t> shards = shard_bounds(c.spec.vocab, c.vocab_tile, l.vocab_ranks, l.aligned);
-  return {seq_bound(c.spec.batch, l.data_ranks, d), seq_bound(c.spec.batch, l.data_ranks, d + 1), shards[v],
-          shards[v + 1]};
-}
-
-// Bit equality of float arrays (NaN-safe, -0 != +0).
-bool same_bits(const void* a, const void* b, std::size_t bytes) { return bytes == 0 || std::memcmp(a, b, bytes) == 0; }
-
 class ScaleOutTest : public ::testing::TestWithParam<ScaleCase> {};
 
 TEST_P(ScaleOutTest, EqualsTheSingleProcessPlan) {
@@ -178,7 +147,7 @@ TEST_P(ScaleOutTest, EqualsTheSingleProcessPlan) {
     global_num_items = sc.mode == Mode::data || sc.mode == Mode::grid;
   }
   const Layout l = layout_of(sc.mode, size);
-  const Part part = part_of(c, l, rank);
+  const Part part = part_of(c.spec.batch, c.spec.vocab, c.vocab_tile, l, rank);
   SCOPED_TRACE("rank " + std::to_string(rank) + " of " + std::to_string(size) + ", " + case_label(sc) + ", " +
                case_name(c) + ", part: sequences [" + std::to_string(part.seq_begin) + ", " +
                std::to_string(part.seq_end) + ") tokens [" + std::to_string(part.vocab_begin) + ", " +

@@ -34,7 +34,6 @@
 namespace grpo::test {
 namespace {
 
-enum class Mode { vocab, vocab_unaligned, data, grid };
 // vocab-major W with bias, mask and temperature 0.9; hidden-major W without
 // bias or mask, through a logit softcap and scale.
 enum class Variant { bias_mask, hidden_major_softcap };
@@ -52,7 +51,6 @@ std::string case_label(const LogProbScaleCase& s) {
 }
 
 constexpr double kUnitF32 = 0x1p-24;  // unit roundoff of f32 (round to nearest)
-double gamma(double n, double u) { return n * u / (1.0 - n * u); }
 
 // B = 5 sequences of T = 37 tokens, H = 64, V = 1000 in tiles of 128, blocks
 // of 64 rows (three over N = 185); 30% of the rows with zero upstream.
@@ -79,32 +77,6 @@ LogProbCase global_case(const LogProbScaleCase& s, int index) {
   return c;
 }
 
-struct Layout {
-  int vocab_ranks = 1;
-  int data_ranks = 1;
-  bool aligned = true;
-};
-
-Layout layout_of(Mode m, int size) {
-  switch (m) {
-    case Mode::vocab: return {size, 1, true};
-    case Mode::vocab_unaligned: return {size, 1, false};
-    case Mode::data: return {1, size, true};
-    case Mode::grid: return {2, size / 2, true};
-  }
-  return {};
-}
-
-// Rank r = d * Pv + v: its vocab group is the ranks of batch part d.
-Part part_of(const LogProbCase& c, const Layout& l, int rank) {
-  const int v = rank % l.vocab_ranks, d = rank / l.vocab_ranks;
-  const auto shards = shard_bounds(c.head.spec.vocab, c.head.vocab_tile, l.vocab_ranks, l.aligned);
-  const std::int64_t b = c.head.spec.batch;
-  return {seq_bound(b, l.data_ranks, d), seq_bound(b, l.data_ranks, d + 1), shards[v], shards[v + 1]};
-}
-
-bool same_bits(const void* a, const void* b, std::size_t bytes) { return bytes == 0 || std::memcmp(a, b, bytes) == 0; }
-
 class LogProbScaleOut : public ::testing::TestWithParam<LogProbScaleCase> {};
 
 TEST_P(LogProbScaleOut, EqualsTheSingleProcessHead) {
@@ -115,7 +87,7 @@ TEST_P(LogProbScaleOut, EqualsTheSingleProcessHead) {
   const LogProbCase c = global_case(sc, index);
   const LogProbHostProblem p = make_log_prob_problem(c);
   const Layout l = layout_of(sc.mode, size);
-  const Part part = part_of(c, l, rank);
+  const Part part = part_of(c.head.spec.batch, c.head.spec.vocab, c.head.vocab_tile, l, rank);
   SCOPED_TRACE("rank " + std::to_string(rank) + " of " + std::to_string(size) + ", " + case_label(sc) + ", " +
                case_name(c) + ", part: sequences [" + std::to_string(part.seq_begin) + ", " +
                std::to_string(part.seq_end) + ") tokens [" + std::to_string(part.vocab_begin) + ", " +
