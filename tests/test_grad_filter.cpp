@@ -93,6 +93,21 @@ GradErrors rel_errors(const HeadCase& c, const HeadOutputs& o, const oracle::LmH
           rel_l2(o.dweight_vocab_major(c), want.dweight)};
 }
 
+// The case as given (its grad_filter) and the exact step on the same problem: the filtered outputs and both
+// steps' gradient errors against the oracle.
+struct AgainstExact {
+  HeadOutputs filtered;
+  GradErrors f, e;
+};
+AgainstExact against_exact(const HeadCase& c, const HeadProblem& p, const oracle::LmHeadResult& want) {
+  AgainstExact r{run_head(c, p), {}, {}};
+  HeadCase exact_case = c;
+  exact_case.grad_filter = 0.0;
+  r.f = rel_errors(c, r.filtered, want);
+  r.e = rel_errors(c, run_head(exact_case, p), want);
+  return r;
+}
+
 class FilteredHead : public ::testing::TestWithParam<HeadCase> {};
 
 TEST_P(FilteredHead, WithinTheDerivedBoundAndExactElsewhere) {
@@ -174,12 +189,9 @@ TEST(GradFilter, NoLessAccurateThanTheExactStep) {
     }
     p.batch.problem.logits = oracle::lm_head_logits(p.oracle);
     const oracle::LmHeadResult want = oracle::evaluate_lm_head(p.oracle);
-    const HeadOutputs filtered = run_head(c, p);
-    HeadCase exact_case = c;
-    exact_case.grad_filter = 0.0;
-    const HeadOutputs exact = run_head(exact_case, p);
-    const GradErrors f = rel_errors(c, filtered, want);
-    const GradErrors e = rel_errors(c, exact, want);
+    const AgainstExact run = against_exact(c, p, want);
+    const HeadOutputs& filtered = run.filtered;
+    const GradErrors &f = run.f, &e = run.e;
     const double dh_filtered = f.dhidden, dh_exact = e.dhidden, dw_filtered = f.dweight, dw_exact = e.dweight;
     // Most of the backward was left out.
     const double all = static_cast<double>(c.spec.batch * c.spec.seq_len) * static_cast<double>(c.spec.vocab);
@@ -218,12 +230,9 @@ TEST(GradFilter, GuardHoldsTheExactStepsError) {
     SCOPED_TRACE(case_name(c));
     const HeadProblem p = make_head_problem(c);
     const oracle::LmHeadResult want = oracle::evaluate_lm_head(p.oracle);
-    const HeadOutputs got = run_head(c, p);
-    HeadCase exact_case = c;
-    exact_case.grad_filter = 0.0;
-    const HeadOutputs exact = run_head(exact_case, p);
-    const GradErrors g = rel_errors(c, got, want);
-    const GradErrors e = rel_errors(c, exact, want);
+    const AgainstExact run = against_exact(c, p, want);
+    const HeadOutputs& got = run.filtered;
+    const GradErrors &g = run.f, &e = run.e;
     EXPECT_LE(g.dhidden, 1.2 * e.dhidden);
     EXPECT_LE(g.dweight, 1.2 * e.dweight);
     guarded += got.stats.filter_guard_blocks + got.stats.filter_lowered_blocks;
