@@ -121,6 +121,10 @@ def vocab_shard(handle: int, rows: int, start: Optional[int]) -> tuple[int, int]
     return result
 
 
+# agree's record per rank: status, flag, then "argument\0message" (truncated).
+_RECORD = 512
+
+
 def agree(handles: list[int], error: Optional[BaseException], flag: bool = False) -> bool:
     """Every rank of the groups learns whether any rank refused its arguments: raises on every rank if one did.
     Returns whether any rank raised `flag` (e.g. "my plan is not cached": then every rank builds it, as the
@@ -136,27 +140,24 @@ def agree(handles: list[int], error: Optional[BaseException], flag: bool = False
     any_flag = bool(flag)
     message = "" if error is None else str(error)
     argument = getattr(error, "argument", "") if error is not None else ""
-    first: tuple[int, str, str] | None = None
     for handle in handles:
         group = by_handle(handle).impl.group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        record = torch.zeros(512, dtype=torch.uint8)
-        payload = f"{argument}\0{message}".encode()[:510]
+        size = dist.get_world_size(group)
+        record = torch.zeros(_RECORD, dtype=torch.uint8)
+        payload = f"{argument}\0{message}".encode()[:_RECORD - 2]
         record[0] = status
         record[1] = int(any_flag)
         record[2:2 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        records = torch.empty(size * 512, dtype=torch.uint8)
+        records = torch.empty(size * _RECORD, dtype=torch.uint8)
         dist.all_gather_into_tensor(records, record, group=group)
         for q in range(size):
-            block = records[q * 512:(q + 1) * 512]
+            block = records[q * _RECORD:(q + 1) * _RECORD]
             any_flag = any_flag or bool(int(block[1]))
             if int(block[0]) and status == 0:
                 status = 1
                 text = bytes(block[2:].tolist()).rstrip(b"\0").decode(errors="replace")
                 arg, _, msg = text.partition("\0")
-                first = (q, arg, msg)
                 argument, message = arg, f"rank {q} of the group refused: {msg.removeprefix('grpo: ')}"
-        del rank
     if error is not None:
         raise error
     if status:
