@@ -6,6 +6,7 @@
 
 #include <optional>
 
+#include "driver/lm_head_plan.hpp"
 #include "lm_head_support.hpp"
 
 namespace grpo::test {
@@ -17,7 +18,7 @@ LmHeadShape headline(std::int64_t seq_len, DType dtype) {
 
 TEST(Workspace, WithinBudgetAtHeadlineShape) {
   for (DType dtype : {DType::bf16, DType::f32}) {
-    for (std::size_t budget : {LmHeadOptions{}.workspace_budget, std::size_t{256} << 20, std::size_t{64} << 20}) {
+    for (std::size_t budget : {kDefaultWorkspaceBudget, std::size_t{256} << 20, std::size_t{64} << 20}) {
       LmHeadOptions opt;
       opt.workspace_budget = budget;
       const LmHeadLossPlan plan(headline(8192, dtype), LossConfig{}, opt);
@@ -42,11 +43,31 @@ TEST(Workspace, SequenceLevelRecomputeAndForwardOnlyWithinBudget) {
   const LmHeadLossPlan recompute(headline(8192, DType::bf16), gspo);
   SCOPED_TRACE(recompute.describe());
   EXPECT_TRUE(recompute.schedule().recompute_logits);  // one 8192-token sequence spans blocks
-  EXPECT_LE(recompute.workspace_size(), LmHeadOptions{}.workspace_budget);
+  EXPECT_LE(recompute.workspace_size(), kDefaultWorkspaceBudget);
   LmHeadOptions fwd;
   fwd.forward_only = true;
   const LmHeadLossPlan forward(headline(8192, DType::bf16), LossConfig{}, fwd);
-  EXPECT_LE(forward.workspace_size(), LmHeadOptions{}.workspace_budget);
+  EXPECT_LE(forward.workspace_size(), kDefaultWorkspaceBudget);
+}
+
+// The default budget: the whole vocabulary's for an unsharded plan, a vocab
+// shard's share of it (never below the floor); an explicit budget as given.
+TEST(Workspace, DefaultBudgetIsTheShardsShare) {
+  const LmHeadShape whole = headline(8192, DType::bf16);
+  EXPECT_EQ(detail::plan_workspace_budget(whole, LmHeadOptions{}), kDefaultWorkspaceBudget);
+  LmHeadShape half = whole;
+  half.vocab = 75968;
+  half.vocab_offset = 75968;
+  half.global_vocab = 151936;
+  EXPECT_EQ(detail::plan_workspace_budget(half, LmHeadOptions{}), kDefaultWorkspaceBudget / 2);
+  LmHeadShape sliver = whole;
+  sliver.vocab = 2374;
+  sliver.global_vocab = 151936;
+  EXPECT_EQ(detail::plan_workspace_budget(sliver, LmHeadOptions{}), kMinAutoWorkspaceBudget);
+  LmHeadOptions given;
+  given.workspace_budget = std::size_t{300} << 20;
+  EXPECT_EQ(detail::plan_workspace_budget(half, given), given.workspace_budget);
+  EXPECT_EQ(detail::plan_workspace_budget(whole, given), given.workspace_budget);
 }
 
 TEST(Workspace, BudgetTooSmallIsRefused) {

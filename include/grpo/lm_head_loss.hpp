@@ -65,17 +65,28 @@ struct LmHeadShape {
 // weight's dtype / 32 (2^-12 for bf16, 2^-28 for f32), as Cut Cross-Entropy.
 inline constexpr double kGradFilterAuto = -1.0;
 
+// LmHeadOptions::workspace_budget's default. A plan of the whole vocabulary
+// takes kDefaultWorkspaceBudget: token blocks long enough for the backward
+// GEMMs to reach their speed at a 151936-token vocabulary (1600 rows at H =
+// 4096: 595 MB at the headline, on a Zen 4 2-3% faster than 256 MiB's 640
+// rows, docs/benchmarks.md). A vocab shard (shape.global_vocab > vocab) takes
+// the shard's share, vocab / global_vocab of it, and at least
+// kMinAutoWorkspaceBudget: about the same token block in its share of the
+// bytes, so P shards hold about one process's workspace between them. An
+// explicit budget is the process's own, sharded or not.
+inline constexpr std::size_t kWorkspaceBudgetAuto = 0;
+inline constexpr std::size_t kDefaultWorkspaceBudget = std::size_t{640} << 20;
+inline constexpr std::size_t kMinAutoWorkspaceBudget = std::size_t{64} << 20;
+
 struct LmHeadOptions {
   // 0 = chosen by the plan from the workspace budget; otherwise rows per
   // token block (rounded to the GEMM row quantum) / columns per vocab tile.
   std::int64_t token_block = 0;
   std::int64_t vocab_tile = 0;
-  // Upper bound on the workspace, whatever N is. The default buys token
-  // blocks long enough for the backward GEMMs to reach their speed at a
-  // 151936-token vocabulary (1600 rows at H = 4096: 595 MB at the headline,
-  // on a Zen 4 2-3% faster than 256 MiB's 640 rows, docs/benchmarks.md); a
-  // smaller budget trades that for memory.
-  std::size_t workspace_budget = std::size_t{640} << 20;
+  // Upper bound on the workspace, whatever N is; kWorkspaceBudgetAuto (the
+  // default): kDefaultWorkspaceBudget for the whole vocabulary, a vocab
+  // shard's share of it (see kDefaultWorkspaceBudget).
+  std::size_t workspace_budget = kWorkspaceBudgetAuto;
   int max_threads = 0;  // 0 = the current task_arena's concurrency
   bool forward_only = false;
   DType dweight_dtype = DType::f32;

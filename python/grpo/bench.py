@@ -28,6 +28,12 @@ other method's to the fused C++ step (cpp):
               ratio is to the fused C++ step, the same three GEMM passes)
   eager_ce    torch 2.15's F.linear_cross_entropy, reduction="sum", no
               options (the logits materialized)
+  grpo_vocab  grpo_loss vocabulary-parallel over torch.distributed: --ranks
+              processes (default 2, gloo on loopback), each --threads /
+              --ranks threads and a contiguous 1/ranks of W's rows (Megatron's
+              layout), every rank all of hidden; its step is the slowest
+              rank's (a barrier before each step), its peak the largest
+              rank's own rise, each rank's in the JSON
 
 Workloads (--workload) are the C++ microbench configs' own recipes, so the
 C++ run is the same work (same loss type, beta, old / ref log-probs,
@@ -79,7 +85,8 @@ import sys
 import tempfile
 import time
 
-METHODS = ("grpo_loss", "grpo_dropin", "grpo_head", "eager", "liger", "trl_head", "grpo_trl", "grpo_ce", "eager_ce")
+METHODS = ("grpo_loss", "grpo_dropin", "grpo_head", "eager", "liger", "trl_head", "grpo_trl", "grpo_ce", "eager_ce",
+           "grpo_vocab")
 SHAPES = {"quick": (1, 512, 4096, 151936), "headline": (1, 8192, 4096, 151936)}
 LOGIT_STD, OLD_NOISE, REF_NOISE = 3.0, 0.3, 0.1
 EPS = 0.2
@@ -295,6 +302,7 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
     loss_type, beta = x["loss_type"], x["beta"]
     num_items = float(mask.sum())
     kernel = []  # per step: the grpo step stats of the call(s)
+    before_step = None
 
     if method == "eager":
         from trl.trainer.utils import entropy_from_logits, selective_log_softmax
@@ -325,6 +333,27 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
             out = gt.lm_head_grpo_loss(hidden, weight, ids, mask, adv, old_logp=old, ref_logp=ref,
                                        loss_type=loss_type, beta=beta, epsilon_low=EPS, epsilon_high=EPS,
                                        num_items_in_batch=num_items if loss_type == "dapo" else None)
+            kernel.append(out.stats)
+            return out.loss
+    elif method == "grpo_vocab":
+        import torch.distributed as dist
+
+        import grpo.torch as gt
+
+        # This rank's rows of W (the parent set rank, world size and the rendezvous in the environment);
+        # the whole W made for the inputs is released before the peak restarts.
+        rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", rank=rank, world_size=ranks)
+        lo, hi = rank * v // ranks, (rank + 1) * v // ranks
+        weight = weight.detach()[lo:hi].clone().requires_grad_()
+        x.clear()
+        before_step = dist.barrier  # the ranks start each step together: a step is the slowest rank's
+
+        def step():
+            out = gt.lm_head_grpo_loss(hidden, weight, ids, mask, adv, old_logp=old, ref_logp=ref,
+                                       loss_type=loss_type, beta=beta, epsilon_low=EPS, epsilon_high=EPS,
+                                       num_items_in_batch=num_items if loss_type == "dapo" else None,
+                                       vocab_group=dist.group.WORLD, vocab_start=lo)
             kernel.append(out.stats)
             return out.loss
     elif method == "grpo_trl":
@@ -367,6 +396,8 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
             if hidden is not None:
                 hidden.grad = weight.grad = None
             kernel.clear()
+            if before_step is not None:
+                before_step()
             start = time.perf_counter()
             loss = step()
             loss.backward()
@@ -491,6 +522,58 @@ def markdown_table(results: list, cpu: str, threads: int, workload: str, dtype: 
     return "\n".join(lines)
 
 
+def _worker_command(worker: list, threads: int) -> list:
+    return [sys.executable, "-m", "grpo.bench", "--threads", str(threads), "--worker", *worker]
+
+
+def _worker_result(worker: list, returncode: int, stdout: str, stderr: str) -> dict:
+    """A worker's result line, its own peak rise added; or its failure, with its last line of output."""
+    lines = [x for x in stdout.splitlines() if x.startswith("GRPO_BENCH_RESULT ")]
+    if returncode == 0 and lines:
+        r = json.loads(lines[-1].split(" ", 1)[1])
+        r["peak_rise_mib"] = r["peak_rss_mib"] - r["base_rss_mib"]
+        return r
+    method, b, t, h, v, dtype, _steps, workload = worker
+    tail = (stderr or stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"method": method, "B": int(b), "T": int(t), "H": int(h), "V": int(v), "dtype": dtype, "workload": workload,
+            "error": f"exit {returncode}: {tail[0]}"}
+
+
+def _run_worker(worker: list, threads: int) -> dict:
+    """One method in its own process (its own peak RSS)."""
+    proc = subprocess.run(_worker_command(worker, threads), capture_output=True, text=True)
+    return _worker_result(worker, proc.returncode, proc.stdout, proc.stderr)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_ranks(worker: list, threads: int, ranks: int) -> dict:
+    """grpo_vocab: `ranks` processes at once, threads / ranks threads each; the slowest rank's step, the largest
+    rank's own peak, and every rank's result."""
+    each = max(1, threads // ranks)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks))
+    procs = [subprocess.Popen(_worker_command(worker, each), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(env, RANK=str(q))) for q in range(ranks)]
+    outputs = [p.communicate() for p in procs]
+    per_rank = [_worker_result(worker, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    failed = [(q, r) for q, r in enumerate(per_rank) if "error" in r]
+    if failed:
+        q, r = failed[0]
+        return dict(r, error=f"rank {q}: {r['error']}")
+    slowest = max(per_rank, key=lambda r: r["step_s"])
+    largest = max(per_rank, key=lambda r: r["peak_rise_mib"])
+    return dict(slowest, ranks=ranks, threads=each, peak_rise_mib=largest["peak_rise_mib"],
+                peak_rss_mib=largest["peak_rss_mib"], base_rss_mib=largest["base_rss_mib"],
+                per_rank=[{k: r[k] for k in ("step_s", "peak_rise_mib", "base_rss_mib", "loss", "kernel_s")
+                           if k in r} for r in per_rank])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", type=_parse_shape,
@@ -503,6 +586,8 @@ def main(argv=None) -> int:
     parser.add_argument("--microbench", default=None,
                         help="grpo-microbench binary (default $GRPO_MICROBENCH or build/microbench/grpo-microbench); "
                              "'none' skips the C++ run")
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="grpo_vocab's processes (each --threads / --ranks threads, at least 1)")
     parser.add_argument("--out", default="grpo_bench.json", help="JSON path; the PNG goes next to it")
     parser.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -511,7 +596,11 @@ def main(argv=None) -> int:
         method, b, t, h, v, dtype, steps, workload = args.worker
         result = _worker(method, int(b), int(t), int(h), int(v), dtype, int(steps), args.threads, workload)
         print("GRPO_BENCH_RESULT " + json.dumps(result), flush=True)
+        if method == "grpo_vocab":
+            os._exit(0)  # torch 2.15's gloo process group can abort in its teardown at exit; the result is out
         return 0
+    if args.ranks < 1:
+        parser.error(f"--ranks must be >= 1, got {args.ranks}")
 
     shapes = args.shape or [SHAPES["quick"], SHAPES["headline"]]
     methods = [m for m in args.methods.split(",") if m]
@@ -549,22 +638,22 @@ def main(argv=None) -> int:
                                    head=True, root=root)
                 print(_line(cpp_head, None), flush=True)
                 results.append(cpp_head)
+        one_process = None
         for method in methods:
-            cmd = [sys.executable, "-m", "grpo.bench", "--threads", str(args.threads), "--worker", method,
-                   str(b), str(t), str(h), str(v), args.dtype, str(args.steps), args.workload]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            lines = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_BENCH_RESULT ")]
-            if proc.returncode == 0 and lines:
-                r = json.loads(lines[-1].split(" ", 1)[1])
-                r["peak_rise_mib"] = r["peak_rss_mib"] - r["base_rss_mib"]
+            worker = [method, str(b), str(t), str(h), str(v), args.dtype, str(args.steps), args.workload]
+            if method == "grpo_vocab":
+                r = _run_ranks(worker, args.threads, args.ranks)
+                if one_process is not None and "error" not in r:
+                    r["peak_ratio_vs_grpo_loss"] = r["peak_rise_mib"] / one_process["peak_rise_mib"]
+            else:
+                r = _run_worker(worker, args.threads)
+            if "error" not in r:
                 # grpo_head against the C++ generic head; every other method against the fused C++ step.
                 ref = cpp_head if method == "grpo_head" else cpp
                 if ref is not None and "step_s" in ref:
                     r["ratio_vs_cpp"] = r["step_s"] / ref["step_s"]
-            else:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                r = {"method": method, "B": b, "T": t, "H": h, "V": v, "dtype": args.dtype, "workload": args.workload,
-                     "error": f"exit {proc.returncode}: {tail[0]}"}
+            if method == "grpo_loss" and "error" not in r:
+                one_process = r
             print(_line(r, cpp_head if method == "grpo_head" else cpp), flush=True)
             results.append(r)
     print(markdown_table(results, cpu, args.threads, args.workload, args.dtype), flush=True)

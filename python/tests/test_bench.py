@@ -96,3 +96,23 @@ def test_bench_trl_row_takes_the_fused_path(tmp_path):
     assert row["method"] == "grpo_trl" and "warnings" not in row, row
     assert row["step_s"] > 0 and row["peak_rss_mib"] >= row["base_rss_mib"] > 0
     assert abs(row["loss"]) < 10
+
+
+def test_bench_vocab_parallel_ranks_compute_the_one_process_loss(tmp_path):
+    """grpo_vocab: two gloo processes, a half of W each; the global loss is the one-process call's, each rank
+    reports, and the peak ratio is to grpo_loss in the same run."""
+    data, stdout = run_bench(tmp_path, "--methods", "grpo_loss,grpo_vocab", "--ranks", "2", "--threads", "2",
+                             "--microbench", "none")
+    one, vocab = data["results"]
+    assert vocab["method"] == "grpo_vocab" and "error" not in vocab, vocab
+    assert vocab["ranks"] == 2 and vocab["threads"] == 1 and len(vocab["per_rank"]) == 2
+    assert all(r["loss"] == vocab["loss"] for r in vocab["per_rank"])  # every rank holds the global loss
+    assert vocab["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6)
+    assert vocab["step_s"] == max(r["step_s"] for r in vocab["per_rank"])
+    assert vocab["peak_ratio_vs_grpo_loss"] == pytest.approx(vocab["peak_rise_mib"] / one["peak_rise_mib"])
+
+
+def test_bench_refuses_zero_ranks(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grpo.bench", "--ranks", "0", "--methods", "grpo_vocab"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode != 0 and "--ranks must be >= 1, got 0" in proc.stderr

@@ -302,6 +302,18 @@ inline std::int64_t plan_vocab_tile(const LmHeadShape& shape, const LmHeadOption
   return std::min(options.vocab_tile > 0 ? options.vocab_tile : kDefaultVocabTile, shape.vocab);
 }
 
+// The workspace budget a plan of this shape works within (LmHeadOptions::
+// workspace_budget: given, or the default for the whole vocabulary or a
+// shard's share of it).
+inline std::size_t plan_workspace_budget(const LmHeadShape& shape, const LmHeadOptions& options) {
+  if (options.workspace_budget != kWorkspaceBudgetAuto) return options.workspace_budget;
+  if (shape.global_vocab <= shape.vocab) return kDefaultWorkspaceBudget;
+  const auto share =
+      static_cast<std::size_t>(static_cast<double>(kDefaultWorkspaceBudget) * static_cast<double>(shape.vocab) /
+                               static_cast<double>(shape.global_vocab));
+  return std::max(share, kMinAutoWorkspaceBudget);
+}
+
 // Chooses the schedule, creates the GEMMs, lays out the workspace. shape's
 // *_ld must be resolved (no zeros). scale_out: the plan's groups (their
 // exchanges take workspace); forced: use this block choice, no search.

@@ -199,6 +199,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->shape = shape;  // strides already resolved by the caller
   p->config = config;
   p->options = options;
+  p->options.workspace_budget = plan_workspace_budget(shape, options);  // describe() and refusals name it
   p->scale_out = std::move(scale_out);
   p->rows = shape.batch * shape.seq_len;
   p->schedule.vocab_tile = plan_vocab_tile(shape, options);
@@ -217,7 +218,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   const bool sequence = needs_whole_sequences(config);
   // A top-entropy mask needs every row's entropy: two passes unless one block holds them all.
   const bool all_rows = needs_all_rows(config);
-  const std::size_t budget = options.workspace_budget;
+  const std::size_t budget = p->options.workspace_budget;
   const std::size_t block_budget = budget - budget / kSlotBudgetDivisor;
   const std::int64_t cap = options.forward_only ? kMaxForwardOnlyBlock : std::numeric_limits<std::int64_t>::max();
   std::int64_t limit = options.token_block > 0 ? options.token_block : 0;
