@@ -40,9 +40,10 @@ struct BatchSpec {
 struct HostBatch {
   std::vector<std::int32_t> ids;
   std::vector<float> mask, advantages, old_logp, ref_logp, is_weight;
-  oracle::Problem problem;  // logits filled by the caller (logits level) or by lm_head_logits
+  std::vector<std::int64_t> sequence_offsets;  // packed rows (test_packed.cpp); empty: B x T
+  oracle::Problem problem;                     // logits filled by the caller (logits level) or by lm_head_logits
 
-  BatchInputs view() const { return {ids, mask, advantages, old_logp, ref_logp, is_weight}; }
+  BatchInputs view() const { return {ids, mask, advantages, old_logp, ref_logp, is_weight, sequence_offsets}; }
 };
 
 inline std::string describe(const BatchSpec& s) {

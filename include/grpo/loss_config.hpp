@@ -107,15 +107,25 @@ struct LossConfig {
   float logit_scale = 1.0F;
 };
 
-// The per-token tensors of one micro-batch of B sequences of T tokens (N = B * T rows).
-// Spans are contiguous float32/int32 arrays; an empty span means "absent".
+// The per-token tensors of one micro-batch: B sequences of T tokens (N = B * T
+// rows, padded with masked rows), or S sequences packed back to back in N rows
+// (sequence_offsets). Spans are contiguous float32/int32/int64 arrays; an
+// empty span means "absent". "Per sequence" below is [B], or [S] when packed.
 struct BatchInputs {
   std::span<const std::int32_t> ids;  // [N] chosen token; never read on masked rows
   std::span<const float> mask;        // [N], each 0 or 1
-  std::span<const float> advantages;  // [B] (per sequence) or [N] (per token)
+  std::span<const float> advantages;  // per sequence or [N] (per token)
   std::span<const float> old_logp;    // [N] or empty (on-policy: r = 1, gradient flows)
   std::span<const float> ref_logp;    // [N], required when beta != 0
-  std::span<const float> is_weight;   // [N], [B] or empty; no gradient flows into it
+  std::span<const float> is_weight;   // [N], per sequence, or empty; no gradient flows into it
+  // Packed sequences (flash-attention's cu_seqlens): [S + 1] offsets, sequence
+  // i the rows [offsets[i], offsets[i + 1]); offsets[0] = 0, strictly
+  // increasing, offsets[S] = N. The shape is then one row of N tokens (batch =
+  // 1, seq_len = N). Every per-sequence rule (grpo / sapo's mean, sequence-level
+  // IS, vespo's weight, the off-policy mask, the B of grpo / luspo / dr_grpo's
+  // normalizers and of the clip ratios over sequences) follows them. Empty: the
+  // shape's B sequences of T rows.
+  std::span<const std::int64_t> sequence_offsets;
 };
 
 // Per-token outputs. logp is always written (trainers keep it as next epoch's

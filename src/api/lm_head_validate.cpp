@@ -312,7 +312,7 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
   const double fan_in = std::max(n_valid, 2.0);
   const double operand_max =
       std::max({1.0, static_cast<double>(bounds.max_hidden), static_cast<double>(bounds.max_weight)});
-  const double limit = check_coefficient_bound(spec.config, s.batch, magnitudes, fan_in, operand_max,
+  const double limit = check_coefficient_bound(spec.config, magnitudes.sequences, magnitudes, fan_in, operand_max,
                                                2.0 * static_cast<double>(bounds.x_bound));
   // grad_scale multiplies every coefficient: above 1 it shrinks the room. The
   // policy part is linear in the advantages, so the same check with them
@@ -322,7 +322,7 @@ double validate_lm_head_call(const LmHeadCallSpec& spec, const LmHeadInputs& in,
   BatchMagnitudes scaled = magnitudes;
   scaled.max_abs_advantage *= g;
   try {
-    check_coefficient_bound(spec.config, s.batch, scaled, fan_in, operand_max,
+    check_coefficient_bound(spec.config, scaled.sequences, scaled, fan_in, operand_max,
                             2.0 * static_cast<double>(bounds.x_bound) * g);
   } catch (const Error& e) {
     throw Error("grad_scale", "grad_scale " + std::to_string(in.grad_scale) + " with " + e.what());

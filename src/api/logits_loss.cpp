@@ -94,7 +94,7 @@ double validate_logits_call(const LogitsShape& shape, const LossConfig& config, 
   detail::check_no_overlap(span_range(outputs.tokens.kl), "kl", out_range, "dlogits");
   detail::check_output_vs_batch(out_range, "dlogits", batch, false);
   // Each dlogits element is one term: |c_t| / tau (plus the entropy bonus's, bounded by the spread of x).
-  return detail::check_coefficient_bound(config, shape.batch, magnitudes, 1.0, 1.0,
+  return detail::check_coefficient_bound(config, magnitudes.sequences, magnitudes, 1.0, 1.0,
                                          config.entropy_coef != 0.0F ? 2.0 * x_bound(config, logits) : 0.0);
 }
 

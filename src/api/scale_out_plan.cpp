@@ -229,7 +229,7 @@ CallFacts call_facts(const LmHeadPlanData& p, const LmHeadInputs& in, std::span<
   // The generic head's mask is optional: without one every row is valid.
   const auto valid = [&](std::size_t r) { return b.mask.empty() || b.mask[r] != 0.0F; };
   CallFacts f;
-  f.batch = p.shape.batch;
+  f.batch = b.sequence_offsets.empty() ? p.shape.batch : static_cast<std::int64_t>(b.sequence_offsets.size()) - 1;
   for (std::size_t r = 0; r < b.ids.size(); ++r) f.num_valid += valid(r) ? 1 : 0;
   if (p.scale_out->vocab) {
     Fnv fnv;
@@ -243,6 +243,7 @@ CallFacts call_facts(const LmHeadPlanData& p, const LmHeadInputs& in, std::span<
     fnv.add_span(b.old_logp);
     fnv.add_span(b.ref_logp);
     fnv.add_span(b.is_weight);
+    fnv.add_span(b.sequence_offsets);
     f.batch_hash = fnv.h;
     // Masked rows' upstream gradients are ignored: they may differ too.
     Fnv up;
@@ -467,12 +468,13 @@ GlobalCounts agree_on_call(const LmHeadPlanData& plan, const LmHeadInputs& input
         if (all[q].facts.batch_hash != all[0].facts.batch_hash) {
           // The generic log-prob head has no advantages (the loss requires them).
           const bool generic = inputs.batch.advantages.empty();
-          status = refusal(so.vocab, q, generic ? "ids" : "batch",
-                           generic ? "its ids of valid rows or mask differ from rank 0's: every rank of a vocab group "
-                                     "holds the same rows"
-                                   : "its per-token inputs (ids of valid rows, mask, advantages, old_logp, ref_logp, "
-                                     "is_weight) differ from rank 0's: every rank of a vocab group holds the same "
-                                     "rows");
+          status = refusal(
+              so.vocab, q, generic ? "ids" : "batch",
+              generic ? "its ids of valid rows or mask differ from rank 0's: every rank of a vocab group "
+                        "holds the same rows"
+                      : "its per-token inputs (ids of valid rows, mask, advantages, old_logp, ref_logp, "
+                        "is_weight, sequence_offsets) differ from rank 0's: every rank of a vocab group holds the same "
+                        "rows");
         } else if (all[q].facts.upstream_hash != all[0].facts.upstream_hash) {
           status = refusal(so.vocab, q, "dlogp",
                            "its upstream gradients (dlogp, dentropy) of valid rows differ from rank 0's: every rank of "

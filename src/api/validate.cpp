@@ -181,26 +181,55 @@ std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* name) {
   return out;
 }
 
+std::int64_t validate_sequence_offsets(std::span<const std::int64_t> offsets, std::int64_t batch, std::int64_t rows) {
+  if (offsets.empty()) return batch;
+  if (batch != 1) {
+    throw Error(
+        "sequence_offsets",
+        "packed sequences take shape.batch = 1 (the N rows as one row of seq_len = N), got " + std::to_string(batch));
+  }
+  if (offsets.size() < 2) {
+    throw Error("sequence_offsets", "has " + std::to_string(offsets.size()) +
+                                        " element(s): S + 1 offsets of S >= 1 sequences, 0 first and N last");
+  }
+  if (offsets[0] != 0) throw Error("sequence_offsets", "starts at " + std::to_string(offsets[0]) + ", not at 0");
+  for (std::size_t i = 1; i < offsets.size(); ++i) {
+    if (offsets[i] <= offsets[i - 1]) {
+      throw Error("sequence_offsets", "element " + std::to_string(i) + " = " + std::to_string(offsets[i]) +
+                                          " is not above element " + std::to_string(i - 1) + " = " +
+                                          std::to_string(offsets[i - 1]) +
+                                          ": offsets must increase (a sequence holds at least one row)");
+    }
+  }
+  if (offsets.back() != rows) {
+    throw Error("sequence_offsets",
+                "ends at " + std::to_string(offsets.back()) + ", not at the " + std::to_string(rows) + " rows (N)");
+  }
+  return static_cast<std::int64_t>(offsets.size()) - 1;
+}
+
 BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t seq_len, std::int64_t vocab,
                                const BatchInputs& in) {
   const std::int64_t rows = batch * seq_len;
   check_size(in.ids.size(), rows, "ids");
   check_size(in.mask.size(), rows, "mask");
-  if (static_cast<std::int64_t>(in.advantages.size()) != batch &&
+  const std::int64_t sequences = validate_sequence_offsets(in.sequence_offsets, batch, rows);
+  const char* const per = in.sequence_offsets.empty() ? " (per sequence) or " : " (per packed sequence) or ";
+  if (static_cast<std::int64_t>(in.advantages.size()) != sequences &&
       static_cast<std::int64_t>(in.advantages.size()) != rows) {
     throw Error("advantages", "has " + std::to_string(in.advantages.size()) + " elements, expected " +
-                                  std::to_string(batch) + " (per sequence) or " + std::to_string(rows) +
-                                  " (per token)");
+                                  std::to_string(sequences) + per + std::to_string(rows) + " (per token)");
   }
   if (!in.old_logp.empty()) check_size(in.old_logp.size(), rows, "old_logp");
   if (config.beta != 0.0F && in.ref_logp.empty()) throw Error("ref_logp", "is required when beta != 0");
   if (!in.ref_logp.empty()) check_size(in.ref_logp.size(), rows, "ref_logp");
-  if (!in.is_weight.empty() && static_cast<std::int64_t>(in.is_weight.size()) != batch &&
+  if (!in.is_weight.empty() && static_cast<std::int64_t>(in.is_weight.size()) != sequences &&
       static_cast<std::int64_t>(in.is_weight.size()) != rows) {
     throw Error("is_weight", "has " + std::to_string(in.is_weight.size()) + " elements, expected " +
-                                 std::to_string(batch) + " or " + std::to_string(rows));
+                                 std::to_string(sequences) + per + std::to_string(rows) + " (per token)");
   }
   BatchMagnitudes mag;
+  mag.sequences = sequences;
   for (std::int64_t r = 0; r < rows; ++r) {
     const float m = in.mask[r];
     if (m != 0.0F && m != 1.0F) throw Error("mask", "element " + std::to_string(r) + " is not 0 or 1");
@@ -304,9 +333,13 @@ void check_output_vs_batch(const ByteRange& output, const char* output_name, con
   const bool exactly_old_logp = may_be_old_logp && !in.old_logp.empty() &&
                                 output.first == reinterpret_cast<const std::byte*>(in.old_logp.data()) &&
                                 output.last == range(in.old_logp).last;
-  const std::pair<ByteRange, const char*> inputs[] = {
-      {range(in.ids), "ids"},           {range(in.mask), "mask"},         {range(in.advantages), "advantages"},
-      {range(in.old_logp), "old_logp"}, {range(in.ref_logp), "ref_logp"}, {range(in.is_weight), "is_weight"}};
+  const std::pair<ByteRange, const char*> inputs[] = {{range(in.ids), "ids"},
+                                                      {range(in.mask), "mask"},
+                                                      {range(in.advantages), "advantages"},
+                                                      {range(in.old_logp), "old_logp"},
+                                                      {range(in.ref_logp), "ref_logp"},
+                                                      {range(in.is_weight), "is_weight"},
+                                                      {range(in.sequence_offsets), "sequence_offsets"}};
   for (const auto& [input, name] : inputs) {
     if (exactly_old_logp && input.first == output.first) continue;
     if (overlaps(output, input)) {

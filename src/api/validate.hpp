@@ -33,10 +33,11 @@ struct BatchMagnitudes {
   double max_abs_advantage = 0.0;
   double max_is_weight = 1.0;
   std::int64_t num_valid = 0;
+  std::int64_t sequences = 0;  // B, or S packed (BatchInputs::sequence_offsets)
 };
 
-// Sizes, mask values, finiteness of the per-token tensors, and ids in [0, vocab)
-// on valid rows.
+// Sizes, mask values, finiteness of the per-token tensors, ids in [0, vocab)
+// on valid rows, and packed sequence offsets (with batch = 1 only).
 BatchMagnitudes validate_batch(const LossConfig& config, std::int64_t batch, std::int64_t seq_len, std::int64_t vocab,
                                const BatchInputs& inputs);
 

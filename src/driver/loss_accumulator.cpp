@@ -66,12 +66,16 @@ void LossAccumulator::set_entropy_threshold(const float* entropy, float* scratch
 
 LossAccumulator::LossAccumulator(const LossConfig& config, std::int64_t batch, std::int64_t seq_len,
                                  const BatchInputs& inputs, double max_abs_coef)
-    : config_(config), batch_(batch), seq_len_(seq_len), in_(inputs), max_abs_coef_(max_abs_coef) {
+    : LossAccumulator(config, Sequences(batch, seq_len, inputs.sequence_offsets), inputs, max_abs_coef) {}
+
+LossAccumulator::LossAccumulator(const LossConfig& config, const Sequences& seqs, const BatchInputs& inputs,
+                                 double max_abs_coef)
+    : config_(config), seqs_(seqs), batch_(seqs.count()), in_(inputs), max_abs_coef_(max_abs_coef) {
   per_sequence_clip_ = config.importance_sampling_level == IsLevel::sequence &&
-                       inputs.advantages.size() == static_cast<std::size_t>(batch);
+                       inputs.advantages.size() == static_cast<std::size_t>(batch_);
   for (const float m : inputs.mask) num_valid_ += m != 0.0F ? 1 : 0;
   entropy_mask_ = needs_all_rows(config);
-  set_norm(batch, num_valid_);
+  set_norm(batch_, num_valid_);
 }
 
 void LossAccumulator::set_norm(std::int64_t batch, std::int64_t num_valid) {
@@ -99,21 +103,22 @@ void LossAccumulator::use_global_counts(std::int64_t global_batch, std::int64_t 
   set_norm(global_batch, global_valid);
 }
 
-double LossAccumulator::advantage(std::int64_t row) const {
-  return in_.advantages.size() == static_cast<std::size_t>(batch_) ? in_.advantages[row / seq_len_]
-                                                                   : in_.advantages[row];
+double LossAccumulator::per_row(std::span<const float> v, std::int64_t row) const {
+  return v.size() == static_cast<std::size_t>(batch_) ? v[static_cast<std::size_t>(seqs_.of_row(row))]
+                                                      : v[static_cast<std::size_t>(row)];
 }
 
+double LossAccumulator::advantage(std::int64_t row) const { return per_row(in_.advantages, row); }
+
 double LossAccumulator::is_weight(std::int64_t row) const {
-  if (in_.is_weight.empty()) return 1.0;
-  return in_.is_weight.size() == static_cast<std::size_t>(batch_) ? in_.is_weight[row / seq_len_] : in_.is_weight[row];
+  return in_.is_weight.empty() ? 1.0 : per_row(in_.is_weight, row);
 }
 
 double LossAccumulator::seq_norm(std::int64_t row) {
-  const std::int64_t seq = row / seq_len_;
+  const std::int64_t seq = seqs_.of_row(row);
   if (seq != norm_seq_) {
     double valid = 0.0;
-    for (std::int64_t t = seq * seq_len_; t < (seq + 1) * seq_len_; ++t) valid += in_.mask[t];
+    for (std::int64_t t = seqs_.begin(seq); t < seqs_.end(seq); ++t) valid += in_.mask[t];
     norm_seq_ = seq;
     norm_seq_value_ = 1.0 / std::max(valid, 1.0);
   }
@@ -147,7 +152,7 @@ void LossAccumulator::add_rows(std::int64_t r0, std::int64_t r1, const float* lo
   std::int64_t r = r0;
   while (r < r1) {
     // One sequence when a token needs its sequence, else one token.
-    const std::int64_t end = whole ? r + seq_len_ : r + 1;
+    const std::int64_t end = whole ? seqs_.end(seqs_.of_row(r)) : r + 1;
     double q_seq = 0.0;
     bool seq_flows = true;
     double log_w_sum = 0.0;   // vespo: sum_t m_t (clamp(log r_t) + clamp(log is_weight_t))

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <span>
 
+#include "driver/sequences.hpp"
 #include "grpo/loss_config.hpp"
 
 namespace grpo::detail {
@@ -31,6 +32,8 @@ class LossAccumulator {
   // KL term can exceed it.
   LossAccumulator(const LossConfig& config, std::int64_t batch, std::int64_t seq_len, const BatchInputs& inputs,
                   double max_abs_coef);
+  // seqs: the call's sequences (its shape's, or inputs.sequence_offsets).
+  LossAccumulator(const LossConfig& config, const Sequences& seqs, const BatchInputs& inputs, double max_abs_coef);
 
   // Rows [r0, r1): logp and entropy indexed by r - r0. Writes coef[r - r0] and
   // kl[r - r0] (the per-token KL term; kl may be null), nothing else: the
@@ -78,10 +81,12 @@ class LossAccumulator {
   // 1 / max(|o_i|, 1) for the sequence of `row`; rows arrive in order, so it is
   // recomputed once per sequence (no per-batch allocation).
   double seq_norm(std::int64_t row);
+  // Per-sequence or per-token input v's value at `row`.
+  double per_row(std::span<const float> v, std::int64_t row) const;
 
   LossConfig config_;
-  std::int64_t batch_;
-  std::int64_t seq_len_;
+  Sequences seqs_;
+  std::int64_t batch_;  // sequences: B, or S packed
   BatchInputs in_;
   std::int64_t norm_seq_ = -1;  // sequence whose norm is cached
   double norm_seq_value_ = 0.0;
