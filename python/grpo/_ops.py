@@ -237,11 +237,12 @@ def forget_loss_plan(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], *ar
 @torch.library.custom_op("grpo::lm_head_loss", mutates_args=())
 def lm_head_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, mask: Tensor,
                  advantages: Tensor, old_logp: Optional[Tensor], ref_logp: Optional[Tensor],
-                 is_weight: Optional[Tensor], num_items_in_batch: Optional[Tensor], spec: str
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 is_weight: Optional[Tensor], sequence_offsets: Optional[Tensor], num_items_in_batch: Optional[Tensor],
+                 spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused loss: (loss, logp, entropy, kl, metrics, stats, dhidden, dweight, dbias).
 
-    hidden [N, H] rows; entropy / kl / the gradients are empty when the spec
+    hidden [N, H] rows; sequence_offsets: packed sequences' [S + 1] offsets
+    (cu_seqlens) or None; entropy / kl / the gradients are empty when the spec
     does not ask for them. See grpo.torch.lm_head_grpo_loss.
     """
     s = json.loads(spec)
@@ -267,7 +268,9 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Te
         stats = grpo.StepStats()
         m = plan.execute(cache.workspace, hidden=hidden.detach(), weight=weight.detach(), ids=ids32, mask=_f32(mask),
                          advantages=_f32(advantages), logp=logp, bias=None if bias is None else bias.detach(),
-                         old_logp=_f32(old_logp), ref_logp=_f32(ref_logp), is_weight=_f32(is_weight), entropy=entropy,
+                         old_logp=_f32(old_logp), ref_logp=_f32(ref_logp), is_weight=_f32(is_weight),
+                         sequence_offsets=None if sequence_offsets is None else
+                         sequence_offsets.to(torch.int64).contiguous(), entropy=entropy,
                          kl=kl, dhidden=dhidden, dweight=dweight, dbias=dbias, grad_scale=scale, stats=stats)
     except _fields.Refusal as refusal:
         raise refused_keyword(refusal, names) from None
@@ -282,7 +285,8 @@ def lm_head_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Te
 
 
 @lm_head_loss.register_fake
-def _(hidden, weight, bias, ids, mask, advantages, old_logp, ref_logp, is_weight, num_items_in_batch, spec):
+def _(hidden, weight, bias, ids, mask, advantages, old_logp, ref_logp, is_weight, sequence_offsets, num_items_in_batch,
+      spec):
     s = json.loads(spec)
     n, h = hidden.shape
     v = weight.shape[0]
@@ -309,8 +313,8 @@ def _loss_setup(ctx, inputs, output):
     # torch refuses a second backward without retain_graph and an input
     # modified in place since the forward.
     ctx.grads = list(output[6:9])
-    ctx.save_for_backward(*inputs[:10])
-    ctx.spec = inputs[10]
+    ctx.save_for_backward(*inputs[:11])
+    ctx.spec = inputs[11]
 
 
 def _scaled(grads: list, g: Tensor) -> list:
@@ -325,7 +329,7 @@ def _loss_backward(ctx, g, *_unused):
     grads = ctx.grads
     ctx.grads = None
     if g is None:
-        return (None,) * 11
+        return (None,) * 12
     if grads is None:  # a second backward (retain_graph=True)
         _warn_rerun()
         grads = list(torch.ops.grpo.lm_head_loss.default(*saved, ctx.spec)[6:9])
@@ -334,7 +338,7 @@ def _loss_backward(ctx, g, *_unused):
     bias = saved[2]
     return (dhidden if need_h and dhidden.numel() else None,
             dweight if need_w and dweight.numel() else None,
-            dbias.to(bias.dtype) if need_b and dbias.numel() else None) + (None,) * 8
+            dbias.to(bias.dtype) if need_b and dbias.numel() else None) + (None,) * 9
 
 
 lm_head_loss.register_autograd(_loss_backward, setup_context=_loss_setup)

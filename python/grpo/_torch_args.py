@@ -38,6 +38,7 @@ def refused_keyword(refusal: _fields.Refusal, names: Optional[dict[str, str]] = 
 # came from; the call's gradient scale is 1 / num_items_in_batch.
 _CORE_NAMES = {"hidden": "hidden", "weight": "weight", "bias": "bias", "ids": "ids", "mask": "mask",
                "advantages": "advantages", "old_logp": "old_logp", "ref_logp": "ref_logp", "is_weight": "is_weight",
+               "sequence_offsets": "sequence_offsets",
                "shape.batch": "hidden", "shape.seq_len": "hidden", "shape.hidden": "hidden",
                "shape.vocab": "weight", "grad_scale": "num_items_in_batch", "dhidden": "hidden",
                "dweight": "weight", "dlogp": "dlogp", "dentropy": "dentropy"}

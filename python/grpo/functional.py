@@ -119,6 +119,8 @@ def lm_head_grpo_loss(
     old_logp: Optional[torch.Tensor] = None,
     ref_logp: Optional[torch.Tensor] = None,
     is_weight: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
     loss_type: str = "grpo",
     importance_sampling_level: str = "token",
     epsilon_low: float = 0.2,
@@ -162,7 +164,19 @@ def lm_head_grpo_loss(
     hidden [B, T, H] or [B*T, H] and weight [V, H] (lm_head.weight), both
     float32 or both bfloat16, unit inner stride (any row stride); bias [V];
     ids / mask [B, T]; advantages [B] or [B, T]; old_logp / ref_logp [B, T];
-    is_weight [B, T], [B, 1] or [B]. dapo / cispo / vespo need num_items_in_batch
+    is_weight [B, T], [B, 1] or [B].
+
+    Packed sequences (no padding, as flash-attention's varlen path and HF's
+    packing collators give them): hidden [1, N, H] or [N, H] holding S
+    sequences back to back, and either cu_seqlens (int [S + 1]: 0, the running
+    sums of the lengths, N) or position_ids ([1, N] or [N], restarting at 0
+    where each sequence starts: HF's packed position_ids; its values are read
+    eagerly, so under torch.compile pass cu_seqlens). ids / mask / old_logp /
+    ref_logp [1, N] or [N]; advantages [S] or per token; is_weight [S], [S, 1]
+    or per token. Every per-sequence rule follows the sequences; the result
+    equals the padded call on the same tokens (docs/semantics.md).
+
+    dapo / cispo / vespo need num_items_in_batch
     (the global valid-token count: a number or a one-element tensor); dr_grpo
     needs max_completion_length; luspo needs importance_sampling_level=
     "sequence". Every grpo.LossConfig field has a keyword here
@@ -200,16 +214,16 @@ def lm_head_grpo_loss(
     """
     values = _fields.loss_values(locals())  # the LossConfig keywords as given, by field name
     names = {k: k for k in ("hidden", "weight", "bias", "ids", "mask", "advantages", "old_logp", "ref_logp",
-                            "is_weight", "num_items_in_batch", "loss_scale", "vocab_group", "data_group",
-                            "vocab_start")}
+                            "is_weight", "cu_seqlens", "position_ids", "num_items_in_batch", "loss_scale",
+                            "vocab_group", "data_group", "vocab_start")}
     if _names:
         names.update(_names)
     plan_values = dict(num_threads=num_threads, workspace_budget=workspace_budget, token_block=token_block,
                        vocab_tile=vocab_tile, grad_filter=grad_filter)
     args = dict(hidden=hidden, weight=weight, ids=ids, mask=mask, advantages=advantages, bias=bias, old_logp=old_logp,
-                ref_logp=ref_logp, is_weight=is_weight, num_items_in_batch=num_items_in_batch, loss_scale=loss_scale,
-                return_entropy=return_entropy, plan_cache=plan_cache, values=values, plan_values=plan_values,
-                names=names)
+                ref_logp=ref_logp, is_weight=is_weight, cu_seqlens=cu_seqlens, position_ids=position_ids,
+                num_items_in_batch=num_items_in_batch, loss_scale=loss_scale, return_entropy=return_entropy,
+                plan_cache=plan_cache, values=values, plan_values=plan_values, names=names)
     op_args, shape = _prepare_over_groups(_prepare_loss, args, weight, vocab_group, data_group, vocab_start,
                                           names["vocab_start"], _ops.loss_plan_cached, _ops.forget_loss_plan)
     loss, logp, entropy, kl, metrics, stats, _dh, _dw, _db = _ops.lm_head_loss(*op_args)
@@ -254,9 +268,51 @@ def _prepare_over_groups(prepare, args: dict, weight, vocab_group, data_group, v
     return prepared
 
 
-def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_logp, is_weight, num_items_in_batch,
-                  loss_scale, return_entropy, plan_cache, values, plan_values, names, groups):
-    """lm_head_grpo_loss's checks (nothing read from a tensor's values) and the op's arguments: (args, (B, T, V, H))."""
+def packed_sequences(cu_seqlens, position_ids, hidden, names: dict) -> Optional[tuple]:
+    """Packed sequences' (offsets [S + 1] int64, S, N), from cu_seqlens or position_ids; None when neither is given.
+
+    cu_seqlens' values are checked by the library (0 first, increasing, N
+    last: refusals name it); position_ids' are read here (eager)."""
+    if cu_seqlens is None and position_ids is None:
+        return None
+    if cu_seqlens is not None and position_ids is not None:
+        raise refuse(names["position_ids"], f"is given with {names['cu_seqlens']}: pass one of them")
+    if hidden.dim() == 3 and hidden.shape[0] != 1:
+        raise refuse(names["hidden"], f"has shape {list(hidden.shape)}: packed sequences are one row of N tokens, "
+                     "[1, N, H] or [N, H]")
+    if hidden.dim() not in (2, 3):
+        raise refuse(names["hidden"], f"must be [1, N, H] or [N, H] with packed sequences, got {hidden.dim()} "
+                     "dimensions")
+    n = hidden.shape[-2]
+    name = names["cu_seqlens"] if cu_seqlens is not None else names["position_ids"]
+    given = cu_seqlens if cu_seqlens is not None else position_ids
+    check_cpu(given, name)
+    if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+        raise refuse(name, f"must have an integer dtype, got {given.dtype}", grpo.ArgumentTypeError)
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise refuse(name, f"has shape {list(cu_seqlens.shape)}, expected [S + 1] offsets of S >= 1 sequences")
+        return cu_seqlens.detach(), cu_seqlens.shape[0] - 1, n
+    check_shape(position_ids, name, (1, n), (n,))
+    positions = position_ids.detach().reshape(-1)
+    if n and int(positions[0]) != 0:
+        raise refuse(name, f"starts at position {int(positions[0])}: the packed row's first sequence starts at 0")
+    starts = torch.nonzero(positions == 0).flatten().to(torch.int64)
+    return torch.cat([starts, torch.tensor([n], dtype=torch.int64)]), starts.shape[0], n
+
+
+def check_sequence_offsets(offsets: torch.Tensor, n: int, name: str) -> None:
+    """Packed offsets' values, read here (where the library does not see them): 0 first, increasing, N last."""
+    o = offsets.to(torch.int64)
+    if int(o[0]) != 0 or int(o[-1]) != n or bool((o.diff() <= 0).any()):
+        shown = o.tolist() if o.numel() <= 16 else o[:8].tolist() + ["..."] + o[-4:].tolist()
+        raise refuse(name, f"must start at 0, increase and end at the N = {n} tokens, got {shown}")
+
+
+def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_logp, is_weight, cu_seqlens, position_ids,
+                  num_items_in_batch, loss_scale, return_entropy, plan_cache, values, plan_values, names, groups):
+    """lm_head_grpo_loss's checks (nothing read from a tensor's values but position_ids') and the op's arguments:
+    (args, (B, T, V, H))."""
     loss_type = values["loss_type"]
     _check_keywords(values, plan_values, names)
     if not (isinstance(loss_scale, (int, float)) and math.isfinite(loss_scale)):
@@ -266,8 +322,11 @@ def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_log
         check_cpu(t, names[key])
         check_float(t, names[key])
     check_cpu(ids, names["ids"])
-    # B and T: from hidden when it is [B, T, H], else from ids [B, T].
-    if hidden.dim() == 3:
+    packed = packed_sequences(cu_seqlens, position_ids, hidden, names)
+    # B and T: from hidden when it is [B, T, H], else from ids [B, T]; packed: one row of N.
+    if packed is not None:
+        b, s = 1, packed[2]
+    elif hidden.dim() == 3:
         b, s = hidden.shape[:2]
     elif ids.dim() == 2:
         b, s = ids.shape
@@ -281,16 +340,21 @@ def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_log
     rows = as_rows(hidden, names["hidden"], b * s)
     check_head(rows, weight, bias, names)
 
-    tokens = (b, s)
-    ids_ = per_token(ids, names["ids"], tokens, integer=True)
+    # Per-token shapes, and per-sequence ones: [B] (padded) or [S] (packed).
+    tokens = ((b, s),) if packed is None else ((1, s), (s,))
+    seqs = b if packed is None else packed[1]
+    ids_ = per_token(ids, names["ids"], *tokens, integer=True)
     if groups:
         # The op's int32 conversion refuses int64 ids beyond int32: done here, where the groups agree on it.
         ids_ = _ops.int32_ids(ids_, names["ids"])
-    mask_ = per_token(mask, names["mask"], tokens)
-    adv_ = per_token(advantages, names["advantages"], tokens, (b,))
-    old_ = per_token(old_logp, names["old_logp"], tokens)
-    ref_ = per_token(ref_logp, names["ref_logp"], tokens)
-    isw_ = per_token(is_weight, names["is_weight"], tokens, (b, 1), (b,))
+    mask_ = per_token(mask, names["mask"], *tokens)
+    adv_ = per_token(advantages, names["advantages"], *tokens, (seqs,))
+    old_ = per_token(old_logp, names["old_logp"], *tokens)
+    ref_ = per_token(ref_logp, names["ref_logp"], *tokens)
+    isw_ = per_token(is_weight, names["is_weight"], *tokens, (seqs, 1), (seqs,))
+    offsets = None if packed is None else packed[0]
+    if packed is not None:
+        names = dict(names, sequence_offsets=names["cu_seqlens"] if cu_seqlens is not None else names["position_ids"])
     items = _num_items(num_items_in_batch, names["num_items_in_batch"])
     if loss_type in _DAPO_LIKE and items is None:
         raise refuse(names["num_items_in_batch"], f"is required for loss_type '{loss_type}' "
@@ -302,8 +366,8 @@ def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_log
                      frozen=frozen_head(weight, bias), dweight=weight.requires_grad,
                      dweight_dtype=_ops.dweight_dtype(weight), entropy=bool(return_entropy),
                      kl=float(values["beta"]) != 0.0, loss_scale=float(loss_scale), cache=cache_handle, **groups)
-    return (rows, weight, bias, ids_, mask_, adv_, old_, ref_, isw_, items, spec), (b, s, weight.shape[0],
-                                                                                   rows.shape[1])
+    return (rows, weight, bias, ids_, mask_, adv_, old_, ref_, isw_, offsets, items, spec), (b, s, weight.shape[0],
+                                                                                            rows.shape[1])
 
 
 
@@ -346,6 +410,8 @@ def fused_log_probs(
     vocab_group: Any = None,
     data_group: Any = None,
     vocab_start: Optional[int] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Per-token log-probabilities (and entropy) of an LM head, without the [N, V] logits.
 
@@ -404,7 +470,18 @@ def fused_log_probs(
     summed over every rank's rows). The forward and the backward are then
     collective (eager only: every rank runs both, in the same order); a
     refusal on any rank raises on every rank.
+
+    Packed sequences: the head is per token, so a packed row (hidden [1, N,
+    H] or [N, H]) needs nothing more. cu_seqlens / position_ids are accepted,
+    so that one call site serves both layouts, and checked as
+    lm_head_grpo_loss checks them (values read eagerly); they change no
+    output.
     """
+    if cu_seqlens is not None or position_ids is not None:
+        names = dict(_LOG_PROB_NAMES, cu_seqlens="cu_seqlens", position_ids="position_ids")
+        offsets, _count, n = packed_sequences(cu_seqlens, position_ids, hidden, names)
+        if cu_seqlens is not None:
+            check_sequence_offsets(offsets, n, "cu_seqlens")
     args = dict(hidden=hidden, weight=weight, bias=bias, labels=labels, temperature=temperature, outputs=outputs,
                 mask=mask, temperature_on_logp=temperature_on_logp, logit_softcap=logit_softcap,
                 logit_scale=logit_scale, num_threads=num_threads, workspace_budget=workspace_budget,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Any, Optional
@@ -12,7 +13,7 @@ import grpo
 from grpo import _fields
 from grpo._ops import METRIC_FIELDS
 from grpo._torch_args import refuse as _refuse, refused_keyword as _refused_keyword
-from grpo.functional import lm_head_grpo_loss
+from grpo.functional import check_sequence_offsets, lm_head_grpo_loss, packed_sequences
 
 __all__ = ["LmHeadGRPOLoss"]
 
@@ -35,7 +36,29 @@ _LIGER_NAMES = {
     "importance_sampling_level": "importance_sampling_level",
     "num_items_in_batch": "num_items_in_batch",
     "kl_bias_correction": "use_bias_correction_kl",
+    "cu_seqlens": "cu_seqlens",
+    "position_ids": "position_ids",
 }
+
+
+class _Packed:
+    """A packed row's sequences ([1, N] tensors holding S sequences at offsets [S + 1]), for the drop-in's
+    per-sequence metrics and vllm_is_ratio rule: each token's sequence, and per-sequence sums."""
+
+    def __init__(self, offsets: torch.Tensor, count: int, n: int, name: str):
+        # Read here: the library checks them too, but after the metrics would have used them.
+        check_sequence_offsets(offsets, n, name)
+        o = offsets.to(torch.int64)
+        self.offsets, self.count = o, count
+        self.index = torch.repeat_interleave(torch.arange(count), o.diff())  # [N]: each token's sequence
+
+    def sums(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N] -> [S]: the sum over each sequence's tokens."""
+        return torch.zeros(self.count, dtype=x.dtype).index_add_(0, self.index, x.reshape(-1))
+
+    def spread(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        """[S] -> [1, N]: each token takes its sequence's value."""
+        return per_sequence.reshape(-1)[self.index].reshape(1, -1)
 
 
 class LmHeadGRPOLoss(torch.nn.Module):
@@ -165,7 +188,12 @@ class LmHeadGRPOLoss(torch.nn.Module):
         ref_bias=None,
         vllm_is_ratio=None,
         num_items_in_batch=None,
+        *,
+        cu_seqlens=None,
+        position_ids=None,
     ):
+        """Liger's forward; cu_seqlens / position_ids (keyword-only, grpo's): packed sequences, _input [1, N, H]
+        and per-sequence advantages / vllm_is_ratio [S] (see lm_head_grpo_loss)."""
         self._check_settings()
         # Liger reads ref_per_token_logps only when use_ref_model; otherwise the
         # reference is the policy itself (KL = 0, no KL gradient).
@@ -184,12 +212,18 @@ class LmHeadGRPOLoss(torch.nn.Module):
         beta = float(self.beta) if ref is not None else 0.0
         if _input is None or _input.dim() != 3:
             raise _refuse("_input", "must be [B, T, H]")
+        packed = None
+        if cu_seqlens is not None or position_ids is not None:
+            offsets, count, n = packed_sequences(cu_seqlens, position_ids, _input, _LIGER_NAMES)
+            packed = functools.partial(_Packed, offsets, count, n,
+                                       "cu_seqlens" if cu_seqlens is not None else "position_ids")
+            cu_seqlens, position_ids = offsets, None  # position_ids read once
 
         is_weight = vllm_is_ratio
         if self.loss_type == "luspo":
             self._check_luspo(beta, vllm_is_ratio)
         if self.loss_type == "vespo" and vllm_is_ratio is not None:
-            is_weight = self._vespo_is_weight(vllm_is_ratio, attention_mask)
+            is_weight = self._vespo_is_weight(vllm_is_ratio, attention_mask, packed)
         if self.loss_type in ("dapo", "cispo", "vespo"):
             num_items = self._dapo_normalizer(attention_mask, num_items_in_batch, self.data_group)
         else:
@@ -209,14 +243,14 @@ class LmHeadGRPOLoss(torch.nn.Module):
             vespo_lambda_neg=self.vespo_lambda_neg, num_threads=self.num_threads,
             workspace_budget=self.workspace_budget, plan_cache=self.plan_cache, grad_filter=self.grad_filter,
             vocab_group=self.vocab_group, data_group=self.data_group, vocab_start=self.vocab_start,
-            _names=_LIGER_NAMES)
+            cu_seqlens=cu_seqlens, _names=_LIGER_NAMES)
 
         metrics = []
         if self.beta != 0.0:
             # grpo's kl_mean is Liger's KL metric: the mean of the term added
             # (times r under use_bias_correction_kl); 0 without a reference.
             metrics.append(result.metrics_tensor[_KL_MEAN] if result.kl is not None else torch.zeros(()))
-        metrics.append(self._liger_clip_metric(result, attention_mask, advantages, old_per_token_logps))
+        metrics.append(self._liger_clip_metric(result, attention_mask, advantages, old_per_token_logps, packed))
         return result.loss, tuple(metrics)
 
     @staticmethod
@@ -233,11 +267,11 @@ class LmHeadGRPOLoss(torch.nn.Module):
                           "positions too; pass one ratio per sequence ([B] or [B, 1])", NotImplementedError)
 
     @staticmethod
-    def _vespo_is_weight(vllm_is_ratio, attention_mask):
+    def _vespo_is_weight(vllm_is_ratio, attention_mask, packed=None):
         """Liger's vespo adds sum_t clamp(log r_t) over every position of vllm_is_ratio (masked ones too) to
         log w; grpo adds it over valid tokens. [B] / [B, 1]: the ratio goes on each sequence's first valid
         token (1 elsewhere), which adds its log once, as Liger does. [B, T]: refused unless every masked
-        position's ratio adds nothing (is 1)."""
+        position's ratio adds nothing (is 1). packed: [S] / [S, 1] per sequence, [1, N] per token."""
         if not isinstance(vllm_is_ratio, torch.Tensor) or not isinstance(attention_mask, torch.Tensor):
             return vllm_is_ratio
         mask = attention_mask.detach().to(torch.float32)
@@ -248,6 +282,16 @@ class LmHeadGRPOLoss(torch.nn.Module):
             if bool((masked_log != 0).any()):
                 raise _refuse("vllm_is_ratio", "vespo: masked positions carry ratios != 1, which Liger 0.8.5 adds "
                               "to log w and grpo does not", NotImplementedError)
+            return vllm_is_ratio
+        if packed is not None:
+            if ratio.dim() in (1, 2) and ratio.shape[0] == ratio.numel() and ratio.numel() != mask.numel():
+                seqs = packed()
+                m = mask.reshape(1, -1)
+                if ratio.numel() != seqs.count:
+                    return vllm_is_ratio  # a wrong shape: lm_head_grpo_loss names it
+                before = (m.cumsum(-1) - m).reshape(-1)[seqs.offsets[:-1]]  # valid tokens before each sequence
+                first = (m.cumsum(-1) - seqs.spread(before) == 1) & (m != 0)
+                return torch.where(first, seqs.spread(ratio), torch.ones_like(m))
             return vllm_is_ratio
         if ratio.dim() in (1, 2) and ratio.shape[0] == mask.shape[0] and ratio.numel() == mask.shape[0]:
             first = (mask.cumsum(-1) == 1) & (mask != 0)
@@ -279,18 +323,21 @@ class LmHeadGRPOLoss(torch.nn.Module):
             return torch.clamp(total.detach().to(torch.float64).reshape(()) / world_size, min=1.0)
         return max(float(total) / world_size, 1.0)
 
-    def _ratio(self, result, attention_mask, old) -> torch.Tensor:
-        """Liger's coef_1 = exp(log r): per token, or per sequence ([B, 1]) at sequence level."""
+    def _ratio(self, result, attention_mask, old, seqs: Optional[_Packed] = None) -> torch.Tensor:
+        """Liger's coef_1 = exp(log r): per token, or per sequence ([B, 1]) at sequence level (packed: each
+        token its sequence's, [1, N])."""
         logp = result.per_token_logps.double()
         if old is None:
             return torch.ones_like(logp)
-        log_ratio = logp - old.detach().double()
+        log_ratio = logp - old.detach().double().reshape(logp.shape)
         if self.importance_sampling_level == "sequence":
-            m = attention_mask.double()
+            m = attention_mask.double().reshape(logp.shape)
+            if seqs is not None:
+                return torch.exp(seqs.spread(seqs.sums(log_ratio * m) / seqs.sums(m).clamp(min=1.0)))
             log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
         return torch.exp(log_ratio)
 
-    def _liger_clip_metric(self, result, attention_mask, advantages, old) -> torch.Tensor:
+    def _liger_clip_metric(self, result, attention_mask, advantages, old, packed=None) -> torch.Tensor:
         # Token level: grpo's clip_ratio_region is Liger's metric (for cispo
         # too: r > epsilon_high with A > 0). sapo: Liger reports 0. Sequence
         # level: grpo reports the fraction of sequences (as TRL logs it),
@@ -299,10 +346,14 @@ class LmHeadGRPOLoss(torch.nn.Module):
             return torch.zeros(())
         if self.importance_sampling_level != "sequence":
             return result.metrics_tensor[_CLIP_RATIO_REGION]
-        m = attention_mask.double()
+        seqs = None if packed is None else packed()
+        m = attention_mask.double().reshape(result.per_token_logps.shape)
         adv = advantages.detach().double()
-        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-        r = self._ratio(result, attention_mask, old)
+        if seqs is not None:
+            adv = seqs.spread(adv) if adv.numel() == seqs.count and adv.numel() != m.numel() else adv.reshape(m.shape)
+        else:
+            adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        r = self._ratio(result, attention_mask, old, seqs)
         clipped = ((r < 1.0 - self.epsilon_low) & (adv < 0)) | ((r > 1.0 + self.epsilon_high) & (adv > 0))
         clipped = clipped.expand_as(m)
         return ((clipped * m).sum() / m.sum().clamp(min=1.0)).to(torch.float32)

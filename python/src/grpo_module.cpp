@@ -156,10 +156,10 @@ template <typename T>
 std::span<T> flat(const OptArray& a, const char* name) {
   if (!a) return {};
   check_cpu(*a, name);
-  if (a->dtype() != nb::dtype<std::remove_const_t<T>>()) {
-    throw ArgumentTypeError{name, std::string("must be ") +
-                                      (std::is_same_v<std::remove_const_t<T>, float> ? "float32" : "int32") + ", got " +
-                                      dtype_name(a->dtype())};
+  using Elem = std::remove_const_t<T>;
+  if (a->dtype() != nb::dtype<Elem>()) {
+    const char* want = std::is_same_v<Elem, float> ? "float32" : std::is_same_v<Elem, std::int32_t> ? "int32" : "int64";
+    throw ArgumentTypeError{name, std::string("must be ") + want + ", got " + dtype_name(a->dtype())};
   }
   std::int64_t expected = 1;
   for (std::size_t i = a->ndim(); i-- > 0;) {
@@ -279,9 +279,9 @@ void timed(StepStats* stats, Call&& call) {
 grpo::Metrics execute_lm_head(const grpo::LmHeadLossPlan& plan, Workspace* workspace, const Array& hidden,
                               const Array& weight, const Array& ids, const Array& mask, const Array& advantages,
                               const Array& logp, const OptArray& bias, const OptArray& old_logp,
-                              const OptArray& ref_logp, const OptArray& is_weight, const OptArray& entropy,
-                              const OptArray& kl, const OptArray& dhidden, const OptArray& dweight,
-                              const OptArray& dbias, double grad_scale, StepStats* stats) {
+                              const OptArray& ref_logp, const OptArray& is_weight, const OptArray& sequence_offsets,
+                              const OptArray& entropy, const OptArray& kl, const OptArray& dhidden,
+                              const OptArray& dweight, const OptArray& dbias, double grad_scale, StepStats* stats) {
   grpo::LmHeadInputs in;
   in.grad_scale = grad_scale;
   in.hidden = in_matrix(hidden, "hidden");
@@ -298,6 +298,7 @@ grpo::Metrics execute_lm_head(const grpo::LmHeadLossPlan& plan, Workspace* works
   in.batch.old_logp = flat<const float>(old_logp, "old_logp");
   in.batch.ref_logp = flat<const float>(ref_logp, "ref_logp");
   in.batch.is_weight = flat<const float>(is_weight, "is_weight");
+  in.batch.sequence_offsets = flat<const std::int64_t>(sequence_offsets, "sequence_offsets");
 
   grpo::Metrics metrics;
   grpo::LmHeadOutputs out;
@@ -565,15 +566,17 @@ NB_MODULE(_core, m) {
       .def("execute", &execute_lm_head,
            "Validates, then computes (GIL released). Arrays are DLPack CPU arrays viewed in place: hidden [N, H] and "
            "weight (f32 or bf16, unit inner stride, the plan's row strides), bias [V], ids int32 [N], mask / "
-           "advantages / old_logp / ref_logp / is_weight float32 (contiguous); outputs logp / entropy / kl float32 "
+           "advantages / old_logp / ref_logp / is_weight float32 (contiguous), sequence_offsets int64 [S + 1] "
+           "(packed sequences, grpo::BatchInputs::sequence_offsets); outputs logp / entropy / kl float32 "
            "[N], dhidden, dweight (the options' dtypes), dbias float32 [V]. grad_scale multiplies every gradient "
            "(grpo::LmHeadInputs::grad_scale); stats, a StepStats, receives what the step executed and its wall time. "
            "Returns the Metrics; on a refusal no output was written.",
            "workspace"_a.none(), nb::kw_only(), "hidden"_a, "weight"_a, "ids"_a, "mask"_a, "advantages"_a, "logp"_a,
            "bias"_a.none() = nb::none(), "old_logp"_a.none() = nb::none(), "ref_logp"_a.none() = nb::none(),
-           "is_weight"_a.none() = nb::none(), "entropy"_a.none() = nb::none(), "kl"_a.none() = nb::none(),
-           "dhidden"_a.none() = nb::none(), "dweight"_a.none() = nb::none(), "dbias"_a.none() = nb::none(),
-           "grad_scale"_a = 1.0, "stats"_a.none() = nb::none());
+           "is_weight"_a.none() = nb::none(), "sequence_offsets"_a.none() = nb::none(),
+           "entropy"_a.none() = nb::none(), "kl"_a.none() = nb::none(), "dhidden"_a.none() = nb::none(),
+           "dweight"_a.none() = nb::none(), "dbias"_a.none() = nb::none(), "grad_scale"_a = 1.0,
+           "stats"_a.none() = nb::none());
 
   nb::class_<StepStats>(m, "StepStats",
                         "What one C++ call executed (grpo::LmHeadStepStats: GEMM rows, padding included, active rows, "

@@ -144,9 +144,15 @@ def test_opcheck_lm_head_loss(dtype):
     spec = spec_of(names=names, config=config, plan=dict(num_threads=1), batch=b, seq_len=t, grads=True,
                    frozen=False, dweight=True, dweight_dtype=str(dtype).removeprefix("torch."), entropy=True, kl=True,
                    loss_scale=0.5, cache=grpo.default_plan_cache().handle)
-    args = (rows, weight, bias, case.ids, case.mask, case.advantages, case.old_logp, case.ref_logp, None,
+    args = (rows, weight, bias, case.ids, case.mask, case.advantages, case.old_logp, case.ref_logp, None, None,
             torch.tensor(11.0, dtype=torch.float64), spec)
     torch.library.opcheck(torch.ops.grpo.lm_head_loss.default, args)
+    # Packed: the same rows as one row of b * t tokens in b sequences at their offsets.
+    packed_spec = spec_of(names=names, config=config, plan=dict(num_threads=1), batch=1, seq_len=b * t, grads=True,
+                          frozen=False, dweight=True, dweight_dtype=str(dtype).removeprefix("torch."), entropy=True,
+                          kl=True, loss_scale=0.5, cache=grpo.default_plan_cache().handle)
+    offsets = torch.arange(0, b * t + 1, t, dtype=torch.int64)
+    torch.library.opcheck(torch.ops.grpo.lm_head_loss.default, args[:9] + (offsets,) + args[10:11] + (packed_spec,))
 
 
 @DTYPES
