@@ -28,6 +28,11 @@ other method's to the fused C++ step (cpp):
               ratio is to the fused C++ step, the same three GEMM passes)
   eager_ce    torch 2.15's F.linear_cross_entropy, reduction="sum", no
               options (the logits materialized)
+  grpo_packed grpo_loss on packed sequences (needs --lengths): the batch's
+              valid tokens back to back in one row, cu_seqlens
+  grpo_unpadded  grpo_loss on the same tokens as one sequence (needs
+              --lengths): no offsets, the packed call's work without its
+              per-sequence rules
   grpo_vocab  grpo_loss vocabulary-parallel over torch.distributed: --ranks
               processes (default 2, gloo on loopback), each --threads /
               --ranks threads and a contiguous 1/ranks of W's rows (Megatron's
@@ -61,6 +66,12 @@ step, as Trainer's zero_grad(set_to_none=True)); reported: the median over
 --steps steps after one warm-up step. Own peak = VmHWM - VmRSS, with VmHWM
 restarted (/proc/self/clear_refs) once the inputs exist.
 
+--lengths L1,L2,... (or A-BxK: K lengths evenly from A to B): completions of
+those lengths; each shape's B and T become K and max(L), every method's
+batch is padded to T (mask 0 past each length: grpo_loss is the padded
+call), grpo_packed / grpo_unpadded take the same tokens unpadded, and no
+C++ row runs.
+
 Run it from the repository, set GRPO_REPO, or pass --microbench from a
 checkout's build (its configs are found beside it): the C++ configs are read
 from there. Shapes: "quick" (B=1 T=512 H=4096 V=151936), "headline" (B=1 T=8192 H=4096
@@ -75,6 +86,7 @@ method on 2 cores: run it alone on the machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -86,7 +98,8 @@ import tempfile
 import time
 
 METHODS = ("grpo_loss", "grpo_dropin", "grpo_head", "eager", "liger", "trl_head", "grpo_trl", "grpo_ce", "eager_ce",
-           "grpo_vocab")
+           "grpo_vocab", "grpo_packed", "grpo_unpadded")
+PACKED_METHODS = ("grpo_packed", "grpo_unpadded")
 SHAPES = {"quick": (1, 512, 4096, 151936), "headline": (1, 8192, 4096, 151936)}
 LOGIT_STD, OLD_NOISE, REF_NOISE = 3.0, 0.3, 0.1
 EPS = 0.2
@@ -291,12 +304,56 @@ def _trl_step(weight, ids, mask, adv, off_policy: bool, loss_type: str, beta: fl
     return step
 
 
+def parse_lengths(text: str) -> list[int]:
+    """--lengths: "L1,L2,..." or "A-BxK" (K lengths evenly spaced from A to B)."""
+    if "x" in text and "-" in text:
+        span, count = text.split("x")
+        lo, hi = (int(a) for a in span.split("-"))
+        k = int(count)
+        if k < 1 or not 1 <= lo <= hi:
+            raise ValueError(text)
+        return [lo + round(i * (hi - lo) / max(k - 1, 1)) for i in range(k)]
+    lengths = [int(a) for a in text.split(",")]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(text)
+    return lengths
+
+
+def _pack_inputs(x: dict, lengths: list[int], method: str) -> dict:
+    """The padded batch's valid tokens back to back ([1, N] rows); grpo_packed adds their cu_seqlens."""
+    import torch
+
+    b, t = x["ids"].shape
+    keep = torch.zeros(b, t, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        keep[i, :n] = True
+    rows = keep.reshape(-1).nonzero().flatten()
+    h = x["hidden"].shape[-1]
+    packed = {k: None if x[k] is None else x[k].reshape(-1)[rows].unsqueeze(0)
+              for k in ("ids", "mask", "old", "ref")}
+    packed["hidden"] = x["hidden"].detach().reshape(-1, h)[rows].unsqueeze(0).requires_grad_()
+    if method == "grpo_packed":
+        packed["cu_seqlens"] = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int64)
+        packed["adv"] = x["adv"].reshape(b, t)[:, 0].clone()  # per sequence, as packed trainers hand them
+    else:
+        packed["adv"] = x["adv"].reshape(-1)[rows].unsqueeze(0)
+    return packed
+
+
 def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps: int, threads: int,
-            workload: str) -> dict:
+            workload: str, lengths: list[int] | None = None) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     x = make_inputs(b, t, h, v, dtype_name, workload)
+    if lengths:
+        for i, n in enumerate(lengths):
+            x["mask"][i, n:] = 0.0  # padding
+        x["adv"] = x["adv"][:, :1].expand(b, t).clone()  # one advantage per completion, as GRPO has them
+    cu_seqlens = None
+    if method in PACKED_METHODS:
+        x.update(_pack_inputs(x, lengths, method))
+        cu_seqlens = x.get("cu_seqlens")
     hidden, weight, ids, mask, adv, old, ref = (x[k] for k in ("hidden", "weight", "ids", "mask", "adv", "old",
                                                                "ref"))
     loss_type, beta = x["loss_type"], x["beta"]
@@ -326,13 +383,14 @@ def _worker(method: str, b: int, t: int, h: int, v: int, dtype_name: str, steps:
         def step():
             logp, _ent = gt.fused_log_probs(hidden, weight, None, ids, on_stats=kernel.append)
             return _torch_loss(logp, old, ref, adv, mask, loss_type, beta)
-    elif method == "grpo_loss":
+    elif method in ("grpo_loss",) + PACKED_METHODS:
         import grpo.torch as gt
 
         def step():
             out = gt.lm_head_grpo_loss(hidden, weight, ids, mask, adv, old_logp=old, ref_logp=ref,
                                        loss_type=loss_type, beta=beta, epsilon_low=EPS, epsilon_high=EPS,
-                                       num_items_in_batch=num_items if loss_type == "dapo" else None)
+                                       num_items_in_batch=num_items if loss_type == "dapo" else None,
+                                       cu_seqlens=cu_seqlens)
             kernel.append(out.stats)
             return out.loss
     elif method == "grpo_vocab":
@@ -522,8 +580,9 @@ def markdown_table(results: list, cpu: str, threads: int, workload: str, dtype: 
     return "\n".join(lines)
 
 
-def _worker_command(worker: list, threads: int) -> list:
-    return [sys.executable, "-m", "grpo.bench", "--threads", str(threads), "--worker", *worker]
+def _worker_command(worker: list, threads: int, lengths: str | None = None) -> list:
+    return ([sys.executable, "-m", "grpo.bench", "--threads", str(threads)] +
+            (["--lengths", lengths] if lengths else []) + ["--worker", *worker])
 
 
 def _worker_result(worker: list, returncode: int, stdout: str, stderr: str) -> dict:
@@ -539,9 +598,9 @@ def _worker_result(worker: list, returncode: int, stdout: str, stderr: str) -> d
             "error": f"exit {returncode}: {tail[0]}"}
 
 
-def _run_worker(worker: list, threads: int) -> dict:
+def _run_worker(worker: list, threads: int, lengths: str | None = None) -> dict:
     """One method in its own process (its own peak RSS)."""
-    proc = subprocess.run(_worker_command(worker, threads), capture_output=True, text=True)
+    proc = subprocess.run(_worker_command(worker, threads, lengths), capture_output=True, text=True)
     return _worker_result(worker, proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -589,12 +648,24 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=2,
                         help="grpo_vocab's processes (each --threads / --ranks threads, at least 1)")
     parser.add_argument("--out", default="grpo_bench.json", help="JSON path; the PNG goes next to it")
+    parser.add_argument("--lengths", default=None,
+                        help="completion lengths L1,L2,... or A-BxK: a padded batch of them; grpo_packed / "
+                             "grpo_unpadded take its tokens unpadded (see the module docstring)")
     parser.add_argument("--worker", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    lengths = None
+    if args.lengths is not None:
+        try:
+            lengths = parse_lengths(args.lengths)
+        except ValueError:
+            parser.error(f"--lengths must be L1,L2,... or A-BxK with lengths >= 1, got {args.lengths!r}")
 
     if args.worker:
         method, b, t, h, v, dtype, steps, workload = args.worker
-        result = _worker(method, int(b), int(t), int(h), int(v), dtype, int(steps), args.threads, workload)
+        result = _worker(method, int(b), int(t), int(h), int(v), dtype, int(steps), args.threads, workload,
+                         lengths)
+        if lengths:
+            result["lengths"] = lengths
         print("GRPO_BENCH_RESULT " + json.dumps(result), flush=True)
         if method == "grpo_vocab":
             os._exit(0)  # torch 2.15's gloo process group can abort in its teardown at exit; the result is out
@@ -607,6 +678,14 @@ def main(argv=None) -> int:
     for m in methods:
         if m not in METHODS:
             parser.error(f"unknown method {m!r}")
+        if m in PACKED_METHODS and lengths is None:
+            parser.error(f"method {m} needs --lengths")
+    if lengths is not None:
+        # A padded batch of the completions: B = K, T = max(L); the C++ microbench has no such workload.
+        shapes = [(len(lengths), max(lengths), h, v) for _b, _t, h, v in shapes]
+        args.microbench = "none"
+        print(f"lengths {lengths}: {sum(lengths)} tokens, padded to {len(lengths)} x {max(lengths)} = "
+              f"{len(lengths) * max(lengths)} rows; one advantage per completion", flush=True)
     binary = _microbench_path(args.microbench)
     if args.microbench not in (None, "none") and binary is None:
         parser.error(f"--microbench {args.microbench!r} is not an executable")
@@ -646,7 +725,7 @@ def main(argv=None) -> int:
                 if one_process is not None and "error" not in r:
                     r["peak_ratio_vs_grpo_loss"] = r["peak_rise_mib"] / one_process["peak_rise_mib"]
             else:
-                r = _run_worker(worker, args.threads)
+                r = _run_worker(worker, args.threads, args.lengths)
             if "error" not in r:
                 # grpo_head against the C++ generic head; every other method against the fused C++ step.
                 ref = cpp_head if method == "grpo_head" else cpp
@@ -656,6 +735,13 @@ def main(argv=None) -> int:
                 one_process = r
             print(_line(r, cpp_head if method == "grpo_head" else cpp), flush=True)
             results.append(r)
+        unpadded = [r for r in results[-len(methods):] if r["method"] == "grpo_unpadded" and "error" not in r]
+        if unpadded:
+            # The packed claim: packed within 1.05x of one sequence of the same tokens, below the padded call.
+            for r in results[-len(methods):]:
+                if "step_s" in r:
+                    r["ratio_vs_unpadded"] = r["step_s"] / unpadded[0]["step_s"]
+                    print(f"  {r['method']:12s} / grpo_unpadded {r['ratio_vs_unpadded']:.3f}", flush=True)
     print(markdown_table(results, cpu, args.threads, args.workload, args.dtype), flush=True)
     with open(args.out, "w") as f:
         json.dump({"results": results, "threads": args.threads, "cpu_model": cpu, "workload": args.workload,

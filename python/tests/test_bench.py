@@ -116,3 +116,22 @@ def test_bench_refuses_zero_ranks(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "grpo.bench", "--ranks", "0", "--methods", "grpo_vocab"],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode != 0 and "--ranks must be >= 1, got 0" in proc.stderr
+
+
+def test_bench_lengths_packed_padded_unpadded(tmp_path):
+    """--lengths: a padded batch of those completions (grpo_loss), its tokens packed (grpo_packed: the padded
+    call's loss) and as one sequence (grpo_unpadded); ratios to the unpadded call."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "grpo.bench", "--shape", "1,8,16,64", "--lengths", "3-9x3",
+                           "--steps", "1", "--out", str(out), "--methods", "grpo_loss,grpo_packed,grpo_unpadded"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    padded, packed, unpadded = json.loads(out.read_text())["results"]
+    assert (padded["B"], padded["T"]) == (3, 9) and padded["lengths"] == [3, 6, 9]
+    assert packed["loss"] == padded["loss"]  # the same tokens, the same per-sequence rules
+    assert packed["active_rows"] == padded["active_rows"] == unpadded["active_rows"]
+    assert unpadded["ratio_vs_unpadded"] == 1.0
+    assert packed["ratio_vs_unpadded"] == pytest.approx(packed["step_s"] / unpadded["step_s"])
+    bad = subprocess.run([sys.executable, "-m", "grpo.bench", "--methods", "grpo_packed"], capture_output=True,
+                         text=True, cwd=REPO)
+    assert bad.returncode != 0 and "method grpo_packed needs --lengths" in bad.stderr
