@@ -6,8 +6,10 @@
 // per-token advantages and is_weight, the off-policy mask, a KL term.
 //   - rows of both calls in one token block: every output bitwise (the same
 //     active rows in the same GEMMs);
-//   - small token blocks (several sequences per block, sequences crossing
-//     blocks; sequence-level rules then take the two-pass schedule): logp,
+//   - small token blocks (several sequences per block; sequences crossing
+//     blocks, or, for rules that need whole sequences, blocks ending on
+//     sequence boundaries; with blocks shorter than a sequence those rules
+//     take the two-pass schedule): logp,
 //     entropy, kl, the loss and the metrics bitwise (the coefficient stage
 //     sums the same rows in the same order), dhidden bitwise (one row's sum
 //     over the vocabulary), and every output within the double oracle's bounds
@@ -185,6 +187,10 @@ TEST_P(PackedEqualsPadded, OneBlockBitwise) { expect_packed_equals_padded(GetPar
 TEST_P(PackedEqualsPadded, SequencesCrossingBlocks) { expect_packed_equals_padded(GetParam(), 32, DType::f32); }
 
 TEST_P(PackedEqualsPadded, SequencesCrossingBlocksBf16) { expect_packed_equals_padded(GetParam(), 32, DType::bf16); }
+
+// Blocks shorter than the longest sequence (24 rows): a rule that needs whole
+// sequences takes the two-pass schedule, packed and padded alike.
+TEST_P(PackedEqualsPadded, SequencesLongerThanBlocks) { expect_packed_equals_padded(GetParam(), 16, DType::f32); }
 
 INSTANTIATE_TEST_SUITE_P(
     Losses, PackedEqualsPadded,

@@ -225,3 +225,16 @@ def test_compiled_packed_call_equals_eager():
         loss.backward()
         grads.append((loss.detach(), xx.grad, ww.grad))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_whole_sequence_rules_take_one_pass_when_every_packed_sequence_fits_a_block():
+    """GSPO on packed sequences: blocks end on sequence boundaries, so with every sequence within a token
+    block the logits are computed once (fewer than 2N GEMM rows); with a block shorter than a sequence the
+    two-pass schedule computes them twice (at least 2N)."""
+    case = batch(torch.float32)
+    n = case["rows"].numel()
+    rows = {}
+    for token_block in (32, 16):  # the longest sequence has 24 tokens
+        out = run(case, "grpo", {"importance_sampling_level": "sequence"}, packed=True, token_block=token_block)[0]
+        rows[token_block] = out.stats["logits_gemm_rows"]
+    assert rows[32] < 2 * n <= rows[16], rows

@@ -6,7 +6,12 @@
 //             dhidden GEMMs (LmHeadStep).
 // Three GEMMs' worth of FLOPs: the logits are never recomputed unless
 // sequence-level importance sampling has sequences that span blocks.
+// Packed sequences (BatchInputs::sequence_offsets) whose coefficients need
+// whole sequences take blocks that end on sequence boundaries, so one pass
+// serves whenever every sequence fits a token block.
+#include <algorithm>
 #include <cstring>
+#include <span>
 
 #include "driver/lm_head_plan.hpp"
 #include "driver/lm_head_step.hpp"
@@ -15,6 +20,26 @@
 namespace grpo::detail {
 
 namespace {
+
+// The rows [b0, end) of the block starting at b0: at most nb rows, or (aligned)
+// the whole sequences of offsets that fit in them.
+std::int64_t block_end(std::int64_t b0, std::int64_t nb, std::int64_t rows, std::span<const std::int64_t> offsets,
+                       bool aligned) {
+  const std::int64_t end = std::min(b0 + nb, rows);
+  if (!aligned) return end;
+  return *(std::upper_bound(offsets.begin(), offsets.end(), end) - 1);  // the last sequence end <= end
+}
+
+// Whether packed sequences let a plan built for its two-pass schedule run one
+// pass: it took two passes for whole sequences alone (not for every row's
+// entropy), and every sequence fits a token block.
+bool sequences_fit_blocks(const LmHeadPlanData& p, std::span<const std::int64_t> offsets) {
+  if (!p.two_pass || offsets.empty() || !needs_whole_sequences(p.config) || needs_all_rows(p.config)) return false;
+  for (std::size_t i = 1; i < offsets.size(); ++i) {
+    if (offsets[i] - offsets[i - 1] > p.schedule.token_block) return false;
+  }
+  return true;
+}
 
 void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* workspace,
                 double max_abs_coef, const GlobalCounts& counts, StepExchange& exchange) {
@@ -42,11 +67,14 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
 
   // dLoss/dEnt per block row (entropy bonus only).
   float* const block_entropy_coef = step.regions.entropy_coef.empty() ? nullptr : step.regions.entropy_coef.data();
-  if (!p.two_pass) {
+  const std::span<const std::int64_t> offsets = inputs.batch.sequence_offsets;
+  const bool aligned = sequences_fit_blocks(p, offsets);
+  if (!p.two_pass || aligned) {
     // A block's outputs are written only after its coefficients read every
     // per-token input of its rows (logp may be the very array old_logp is).
-    for (std::int64_t b0 = 0; b0 < p.rows; b0 += nb) {
-      const std::int64_t rows = std::min(nb, p.rows - b0);
+    for (std::int64_t b0 = 0, b1 = 0; b0 < p.rows; b0 = b1) {
+      b1 = block_end(b0, nb, p.rows, offsets, aligned);
+      const std::int64_t rows = b1 - b0;
       step.forward(b0, rows, backward);
       // A top-entropy mask here means one block holds every row (see the schedule).
       if (needs_all_rows(p.config)) acc.set_entropy_threshold(row.entropy.data(), step.regions.quantile.data());
