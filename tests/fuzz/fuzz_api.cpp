@@ -219,6 +219,7 @@ struct Problem {
   bool has_bias = false;
   std::vector<std::int32_t> ids;
   std::vector<float> mask, advantages, old_logp, ref_logp, is_weight;
+  std::vector<std::int64_t> sequence_offsets;  // packed sequences, sometimes (fill_batch)
   // Outputs, each in its own buffer unless aliased.
   std::vector<float> logp, entropy, kl, dbias;
   Buffer dlogits_storage, dhidden_storage, dweight_storage;
@@ -274,9 +275,28 @@ grpo::LossConfig make_config(FuzzedDataProvider& fdp, std::int64_t rows, std::in
   return c;
 }
 
+// Packed sequences' offsets over the N rows: usually valid (0, increasing, N),
+// sometimes not (a repeat, a wrong end), sometimes with a batch of several rows.
+void fill_offsets(FuzzedDataProvider& fdp, Problem& p) {
+  p.sequence_offsets = {0};
+  for (std::int64_t r = 1; r < p.rows; ++r) {
+    if (fdp.ConsumeBool()) p.sequence_offsets.push_back(r);
+  }
+  p.sequence_offsets.push_back(p.rows);
+  switch (fdp.ConsumeIntegralInRange<int>(0, 7)) {
+    case 0: p.sequence_offsets.back() += 1; break;
+    case 1: p.sequence_offsets.insert(p.sequence_offsets.begin() + 1, 0); break;
+    case 2: p.sequence_offsets.front() = 1; break;
+    default: break;
+  }
+}
+
 void fill_batch(FuzzedDataProvider& fdp, Problem& p) {
+  const bool packed = fdp.ConsumeIntegralInRange<int>(0, 3) == 0;
+  if (packed) fill_offsets(fdp, p);
   const auto n = static_cast<std::size_t>(p.rows);
-  const auto b = static_cast<std::size_t>(p.batch);
+  // Per-sequence inputs: B sequences, or S packed ones.
+  const auto b = packed ? p.sequence_offsets.size() - 1 : static_cast<std::size_t>(p.batch);
   p.ids.resize(pick_size(fdp, n, b));
   for (auto& id : p.ids) {
     switch (fdp.ConsumeIntegralInRange<int>(0, 15)) {
@@ -319,11 +339,14 @@ void print_batch() {
   print_vector("old_logp", p.old_logp);
   print_vector("ref_logp", p.ref_logp);
   print_vector("is_weight", p.is_weight);
+  std::fprintf(stderr, "  sequence_offsets:");
+  for (auto o : p.sequence_offsets) std::fprintf(stderr, " %lld", static_cast<long long>(o));
+  std::fprintf(stderr, "\n");
   print_vector("logp", p.logp);
 }
 
 grpo::BatchInputs batch_view(const Problem& p) {
-  return {p.ids, p.mask, p.advantages, p.old_logp, p.ref_logp, p.is_weight};
+  return {p.ids, p.mask, p.advantages, p.old_logp, p.ref_logp, p.is_weight, p.sequence_offsets};
 }
 
 // Every byte the call may write, for the refusal check.
