@@ -124,6 +124,17 @@ def _run(rank, size, scenario, dtype, shards, out_dir):
             losses.append(out["loss"])
         torch.save({"losses": torch.stack(losses)}, os.path.join(out_dir, f"{rank}.pt"))
         return
+    if scenario == "packed_data":
+        # Data-parallel, each rank's sequences packed into one row with cu_seqlens: the global sequence count is
+        # the ranks' S summed (grpo's 1 / B and the clip ratios over sequences), not their shapes' batch of 1.
+        per = rows.stop - rows.start
+        flat = lambda t: t[rows].reshape(1, per * T, *t.shape[2:])  # noqa: E731
+        got = _call(case, flat(case.hidden), case.weight, case.bias, flat(case.ids), flat(case.mask),
+                    case.advantages[rows], flat(case.old_logp), flat(case.ref_logp), data_group=data,
+                    cu_seqlens=torch.arange(0, per * T + 1, T))
+        got.update(rows=(rows.start, rows.stop))
+        torch.save(got, os.path.join(out_dir, f"{rank}.pt"))
+        return
     if scenario == "dropin":  # Liger's module, dapo: the normalizer is the global count
         module = gt.LmHeadGRPOLoss(beta=0.04, loss_type="dapo", num_threads=1, data_group=data)
         x = case.hidden[rows].clone().requires_grad_()
@@ -205,6 +216,20 @@ def test_data_parallel_equals_one_process(dtype):
         torch.testing.assert_close(got["metrics"], one["metrics"], rtol=1e-6, atol=1e-7)
         _close(got["dweight"], one["dweight"], dtype, (rank, "dweight"))
         _close(got["dbias"], one["dbias"], dtype, (rank, "dbias"))
+
+
+def test_packed_data_parallel_equals_one_padded_process():
+    """Each rank's sequences packed (cu_seqlens): the loss and metrics are the one padded process's within
+    float32 roundings (the global sequence count is the ranks' S summed), per-token outputs bitwise."""
+    one = _single(torch.float32)
+    for rank, got in enumerate(_spawn(2, "packed_data", torch.float32)):
+        r0, r1 = got["rows"]
+        for key in ("logp", "entropy", "kl"):
+            assert torch.equal(got[key].reshape(-1), one[key][r0:r1].reshape(-1)), (rank, key)
+        torch.testing.assert_close(got["loss"], one["loss"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["metrics"], one["metrics"], rtol=1e-6, atol=1e-7)
+        _close(got["dhidden"].reshape(-1, H), one["dhidden"][r0:r1].reshape(-1, H), torch.float32, (rank, "dhidden"))
+        _close(got["dweight"], one["dweight"], torch.float32, (rank, "dweight"))
 
 
 @DTYPES
