@@ -43,7 +43,7 @@ struct GemmSpec {
   bool accumulate = false;  // c += a * b, else c = a * b
   bool has_bias = false;    // c += bias[j], bias is [1, N] contiguous
   DType bias_dtype = DType::f32;
-  int threads = 1;  // OpenMP threads oneDNN may use inside the call
+  int threads = 1;  // OpenMP threads oneDNN may use inside the call (ours run on the calling thread)
   SharedOperand shared = SharedOperand::none;
 };
 

@@ -5,8 +5,9 @@
 // (gemm_backends()):
 //   amx        our AMX-BF16 microkernels (gemm_amx.cpp): bf16 A and B, when the
 //              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
-//   avx2       our f32 FMA microkernels, bf16 widened as it is packed
-//              (gemm_avx2.cpp): bf16 or f32 on CPUs with AVX2 and no AVX-512,
+//   avx2       our f32 FMA microkernels over the same blocked GEMM, bf16
+//              widened as it is packed (gemm_avx2.cpp): bf16 or f32 on CPUs
+//              with AVX2 and no AVX-512,
 //              where oneDNN 2.6 has no bf16 matmul and its f32 one is not
 //              batch-invariant; elsewhere only when forced
 //   avx512fma  the blocked GEMM in f32 FMAs on bf16 widened as it is packed
@@ -83,10 +84,10 @@ class GemmBackend {
   virtual GemmTraits traits() const = 0;
   virtual std::size_t scratchpad_bytes() const = 0;
   // scratch: scratchpad_bytes() bytes, 64-byte aligned. On the calling
-  // thread alone when spec.threads is 1 (every call of the fused plans); a
-  // spec with threads > 1 (the unfused baselines' whole-matrix calls) may
-  // use that many: oneDNN its OpenMP team, avx2 its TBB column runs in the
-  // caller's arena (gemm_avx2_blocking.hpp).
+  // thread alone, except oneDNN's for a spec with threads > 1 (the unfused
+  // baselines' whole-matrix calls), which may use that many OpenMP threads;
+  // ours always run on the calling thread (the baselines split C's columns
+  // over their threads for them).
   // packed: null, or the spec's shared operand as pack_shared() left it.
   virtual void run(const void* a, const void* b, void* c, const void* bias, void* scratch,
                    const void* packed) const = 0;
