@@ -76,28 +76,22 @@ struct Avx2Micro {
     };
     __m256 c00 = init(0, 0), c01 = init(0, 1), c10 = init(1, 0), c11 = init(1, 1), c20 = init(2, 0), c21 = init(2, 1);
     __m256 c30 = init(3, 0), c31 = init(3, 1), c40 = init(4, 0), c41 = init(4, 1), c50 = init(5, 0), c51 = init(5, 1);
-    // One k: rows' values 2 floats apart at xk, Y's 16 at yk.
+    // One k: rows' values 2 floats apart at xk, Y's 16 at yk; a row's two
+    // accumulators take its broadcast value times each half of Y.
     const auto step = [&](const float* xk, const float* yk) {
       const __m256 b0 = _mm256_loadu_ps(yk);
       const __m256 b1 = _mm256_loadu_ps(yk + 8);
-      __m256 x = _mm256_broadcast_ss(xk);
-      c00 = _mm256_fmadd_ps(x, b0, c00);
-      c01 = _mm256_fmadd_ps(x, b1, c01);
-      x = _mm256_broadcast_ss(xk + 2);
-      c10 = _mm256_fmadd_ps(x, b0, c10);
-      c11 = _mm256_fmadd_ps(x, b1, c11);
-      x = _mm256_broadcast_ss(xk + 4);
-      c20 = _mm256_fmadd_ps(x, b0, c20);
-      c21 = _mm256_fmadd_ps(x, b1, c21);
-      x = _mm256_broadcast_ss(xk + 6);
-      c30 = _mm256_fmadd_ps(x, b0, c30);
-      c31 = _mm256_fmadd_ps(x, b1, c31);
-      x = _mm256_broadcast_ss(xk + 8);
-      c40 = _mm256_fmadd_ps(x, b0, c40);
-      c41 = _mm256_fmadd_ps(x, b1, c41);
-      x = _mm256_broadcast_ss(xk + 10);
-      c50 = _mm256_fmadd_ps(x, b0, c50);
-      c51 = _mm256_fmadd_ps(x, b1, c51);
+      const auto row = [&](const float* xr, __m256& lo, __m256& hi) {
+        const __m256 x = _mm256_broadcast_ss(xr);
+        lo = _mm256_fmadd_ps(x, b0, lo);
+        hi = _mm256_fmadd_ps(x, b1, hi);
+      };
+      row(xk, c00, c01);
+      row(xk + 2, c10, c11);
+      row(xk + 4, c20, c21);
+      row(xk + 6, c30, c31);
+      row(xk + 8, c40, c41);
+      row(xk + 10, c50, c51);
     };
     // k ascending: each pair's k, then its k + 1.
 #pragma GCC unroll 2

@@ -94,6 +94,19 @@ struct Blocking {
   std::int64_t n_blocks() const { return (ny + nc - 1) / nc; }
 };
 
+// What an epilogue (gemm_epilogue_*.hpp) knows of C: the spec (C's dtype and
+// strides, bias, accumulate) and the orientation the product ran in (X's
+// rows are C's rows unless swapped).
+class EpilogueTarget {
+ public:
+  EpilogueTarget(const GemmSpec& spec, const Blocking& b) : spec_(spec), swapped_(b.swapped), mx_(b.mx), ny_(b.ny) {}
+
+ protected:
+  GemmSpec spec_;
+  bool swapped_ = false;
+  std::int64_t mx_ = 0, ny_ = 0;  // X's rows, Y's columns
+};
+
 // spec: A and B with one contiguous dimension each (serves(), or f32 ones
 // for a micro that packs f32 sources).
 Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro);

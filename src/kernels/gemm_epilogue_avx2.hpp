@@ -21,9 +21,9 @@
 namespace grpo::kernels::blocked {
 namespace {
 
-class Avx2Epilogue {
+class Avx2Epilogue : EpilogueTarget {
  public:
-  Avx2Epilogue(const GemmSpec& spec, const Blocking& b) : spec_(spec), swapped_(b.swapped), mx_(b.mx), ny_(b.ny) {}
+  using EpilogueTarget::EpilogueTarget;
 
   // A finished group: X rows [xr0, xr0 + g) x Y columns [yc0, yc0 + 16),
   // acc[r][h] holding row r's columns 8 h .. 8 h + 7.
@@ -93,10 +93,6 @@ class Avx2Epilogue {
     }
     return _mm256_load_ps(b);
   }
-
-  GemmSpec spec_;
-  bool swapped_ = false;
-  std::int64_t mx_ = 0, ny_ = 0;
 };
 
 }  // namespace

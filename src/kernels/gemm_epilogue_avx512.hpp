@@ -23,9 +23,9 @@
 namespace grpo::kernels::blocked {
 namespace {
 
-class Avx512Epilogue {
+class Avx512Epilogue : EpilogueTarget {
  public:
-  Avx512Epilogue(const GemmSpec& spec, const Blocking& b) : spec_(spec), swapped_(b.swapped), mx_(b.mx), ny_(b.ny) {}
+  using EpilogueTarget::EpilogueTarget;
 
   // One finished 16 x 16 accumulator tile (tmp, X rows xr0.., Y columns yc0..)
   // into C: transposed back when swapped; + bias, + C when accumulating;
@@ -149,11 +149,6 @@ class Avx512Epilogue {
       _mm256_mask_storeu_epi16(dst, cmask, to_bf16(v));
     }
   }
-
- private:
-  GemmSpec spec_;
-  bool swapped_ = false;
-  std::int64_t mx_ = 0, ny_ = 0;
 };
 
 }  // namespace
