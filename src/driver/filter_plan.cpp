@@ -144,8 +144,9 @@ void create_filter_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* pack
   const bool dweight = !p.options.frozen_weight;
   for (const std::int64_t k : p.row_ladder.entries()) {
     if (dweight) {
-      f.dweight_kept.push_back(make.make(dweight_kept_spec(p, k)));
-      *packed = std::max(*packed, f.dweight_kept.back()->shared_packed_bytes());
+      kernels::GemmSizes kept;
+      f.dweight_kept.push_back(make.make(dweight_kept_spec(p, k), &kept));
+      *packed = std::max(*packed, kept.shared_packed_bytes);
     }
     auto& dhk = f.dhidden_kept.emplace_back();
     dhk.full = make.make(dhidden_kept_spec(p, k, chunk));
