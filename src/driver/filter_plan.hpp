@@ -159,8 +159,9 @@ std::unique_ptr<FilterPlan> make_filter_plan(const LmHeadShape& shape, const LmH
 bool filter_gemms_m_independent(const LmHeadPlanData& p, std::int64_t chunk);
 // The filter's GEMMs for the plan's block and row ladder (p.filter set).
 void create_filter_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* packed);
-// Its regions (kept_columns, kept_lo, tail) and the bytes its per-slot
-// buffers need of a slot's GEMM tile.
+// Its regions (kept_columns, kept_lo, tail), its uses of the block and stage
+// buffers (RegionUse), and the bytes its per-slot buffers need of a slot's
+// GEMM tile.
 void book_filter(const LmHeadPlanData& p, WorkspaceRegistry& w);
 std::size_t filter_slot_tile_bytes(const LmHeadPlanData& p);
 
@@ -263,6 +264,12 @@ struct FilterRegions {
   KeptColumns kept;
   KeptRemainders kept_lo;
   TailRegions tail;
+  // Its uses of the block and stage buffers (RegionUse), each empty when not booked:
+  std::span<std::byte> kept_dlogits;     // the block's first bytes: [rows, kept_cap] dlogits, compacted in place
+  std::span<std::byte> kept_remainders;  // then [rows, kept_cap] bf16 remainders (bf16 dlogits)
+  std::span<std::byte> tail_sketch;      // [kTailRows, V / tail_stride] dlogits dtype
+  std::span<std::byte> tail_apply;       // [V, kTailApplyLd] dlogits dtype
+  std::span<std::byte> tail_probes;      // [kTailRows, hidden_ld] input dtype
 };
 
 }  // namespace grpo::detail
