@@ -240,6 +240,13 @@ void book_filter(const LmHeadPlanData& p, WorkspaceRegistry& w) {
        {0, vt * kc * sizeof(float), alignof(float)},
        {0, vt * sizeof(std::int32_t), alignof(std::int32_t)}}};
   w.book_slot_pieces(FilterSlotUse::kTailTerms, tail_terms);
+  const auto kept_tile = static_cast<std::size_t>(f.kept_tile);
+  const std::array<WorkspacePiece, 1> kept_dweight{{{0, kept_tile * h * sizeof(float)}}};
+  w.book_slot_pieces(FilterSlotUse::kKeptDweight, kept_dweight);
+  const std::array<WorkspacePiece, 1> kept_w{{{0, kept_tile * static_cast<std::size_t>(p.hidden_chunk) * in}}};
+  w.book_slot_pieces(FilterSlotUse::kKeptW, kept_w);
+  const std::array<WorkspacePiece, 1> project{{{0, static_cast<std::size_t>(kTailRows) * vt * sizeof(float)}}};
+  w.book_slot_pieces(FilterSlotUse::kTailProject, project);
   // The block buffer's dlogits compacted to the kept columns, in place, and
   // their remainders after them.
   const auto cap = static_cast<std::size_t>(f.kept_cap);

@@ -167,12 +167,15 @@ std::size_t filter_slot_tile_bytes(const LmHeadPlanData& p);
 
 // The filter's uses of a slot's GEMM tile booked in pieces
 // (WorkspaceRegistry::book_slot_pieces), and their pieces:
-//   marked_row  one row's f32 dlogits [tile], its own marks [tile] and their
-//               columns [tile] (bf16 dlogits: FilteredBackward::tile_dlogits)
-//   tail_terms  a tile's dW coordinates [tile, kTailPairProbes], the kept
-//               columns' A rows [tile, kTailCoords] and places [tile] (tail_block)
+//   marked_row    one row's f32 dlogits [tile], its own marks [tile] and their
+//                 columns [tile] (bf16 dlogits: FilteredBackward::tile_dlogits)
+//   tail_terms    a tile's dW coordinates [tile, kTailPairProbes], the kept
+//                 columns' A rows [tile, kTailCoords] and places [tile] (tail_block)
+//   kept_dweight  a group of kept columns' f32 dW rows [kept_tile, H] (backward_kept)
+//   kept_w        their W rows of a hidden chunk [kept_tile, hidden_chunk], input dtype
+//   tail_project  W's projection on the basis and probes [kTailRows, tile] f32 (prepare)
 struct FilterSlotUse {
-  static constexpr std::size_t kMarkedRow = 0, kTailTerms = 1;
+  static constexpr std::size_t kMarkedRow = 0, kTailTerms = 1, kKeptDweight = 2, kKeptW = 3, kTailProject = 4;
   static constexpr std::size_t kRow = 0, kOwnMarks = 1, kFound = 2;   // marked_row's pieces
   static constexpr std::size_t kCoords = 0, kKeptA = 1, kKeptAt = 2;  // tail_terms'
 };

@@ -55,7 +55,7 @@ void FilteredBackward::prepare() {
   for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
     const std::int64_t c0 = j * vt;
     const std::int64_t cols = std::min(vt, vocab - c0);
-    float* tile = slot_tile(slot);  // [kTailRows, cols]
+    auto* tile = slot_piece<float>(slot, FilterSlotUse::kTailProject, 0);  // [kTailRows, cols]
     bindings.at(*f_.tail_project.pick(j == p.tiles - 1), slot)
         .run(probes, weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
     for (std::int64_t c = 0; c < cols; ++c) {

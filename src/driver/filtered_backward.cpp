@@ -265,7 +265,7 @@ void FilteredBackward::backward_kept(std::int64_t padded, std::int64_t na, std::
     const kernels::Gemm& gemm = *f_.dweight_kept[p.row_ladder.index_of(padded)];
     const void* packed = dense_.pack_active_rows(gemm);
     for_each_item(groups, p.schedule.slots, [&](std::int64_t g, int slot) {
-      float* rows = slot_tile(slot);  // [kept_tile, H]
+      auto* rows = slot_piece<float>(slot, FilterSlotUse::kKeptDweight, 0);  // [kept_tile, H]
       dweight_clock.time([&] {
         bindings.at(gemm, slot).run(group_dlogits(g), ws.hidden_act.data(), rows, nullptr, slot_scratch(slot), packed);
         if (with_lo) {
@@ -294,7 +294,7 @@ void FilteredBackward::backward_kept(std::int64_t padded, std::int64_t na, std::
     const std::int64_t h0 = chunk * p.hidden_chunk;
     const std::int64_t cols = std::min(p.hidden_chunk, hidden - h0);
     const kernels::Gemm& gemm = *gemms.pick(chunk == p.hidden_chunks - 1);
-    auto* w_rows = reinterpret_cast<std::byte*>(slot_tile(slot));  // [kept_tile, hidden_chunk], input dtype
+    auto* w_rows = slot_piece<std::byte>(slot, FilterSlotUse::kKeptW, 0);  // [kept_tile, hidden_chunk], input dtype
     const std::size_t row_bytes = static_cast<std::size_t>(p.hidden_chunk) * in_size;
     dhidden_clock.time([&] {
       for (std::int64_t g = 0; g < groups; ++g) {
