@@ -52,8 +52,7 @@ WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) 
   }
   w.book(Region::entropy_coef, p.entropy_bonus ? sizeof(float) : 0);
   w.book(Region::quantile, 0, needs_all_rows(p.config) ? rows * sizeof(float) : 0);
-  w.book(Region::exchange, p.scale_out ? p.scale_out->bytes_per_row() : 0,
-         p.scale_out ? p.scale_out->fixed_bytes() : 0);
+  if (p.scale_out) w.book_pieces(Region::exchange, p.scale_out->workspace_pieces());
   w.book_slot(slot_tile_bytes(p), p.max_scratchpad);
   return w;
 }
