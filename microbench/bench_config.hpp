@@ -59,8 +59,9 @@ struct BenchConfig {
   int unfused_gemms_steps = 1;  // best of this many runs of them
   AllocatorKind allocator = AllocatorKind::caching;
   int threads = 0;  // 0 = every core of the current task_arena
-  // GRPO_GEMM for this run's plans (amx | onednn | reference; empty = the
-  // library's own choice), so ours and oneDNN's compare in one invocation.
+  // GRPO_GEMM for this run's plans (a name of the library's backend table;
+  // empty = the library's own choice), so ours and oneDNN's compare in one
+  // invocation.
   std::string gemm_backend;
   int warmup = 1;  // untimed steps after the (separately timed) first call
   int steps = 3;   // timed steps

@@ -64,7 +64,13 @@ int run(int argc, char** argv) {
   CLI::App app{"The fused bf16 step's three GEMMs alone, one thread, per GEMM backend"};
   std::int64_t tokens = 512, hidden = 4096, vocab = 151936, tile = 2048, chunk = 2048;
   int reps = 5;
-  std::vector<std::string> backends{"onednn", "avx512bf16", "avx512fma", "amx"};
+  // Default: every backend of the library's table but the reference loops
+  // (hours at these shapes); "all": every one.
+  std::vector<std::string> backends{"default"};
+  std::string names;
+  for (const grpo::kernels::GemmBackendEntry& e : grpo::kernels::gemm_backends()) {
+    names += std::string(names.empty() ? "" : ", ") + e.name;
+  }
   app.add_option("--tokens", tokens, "T: rows of the token block")->check(CLI::PositiveNumber);
   app.add_option("--hidden", hidden, "H")->check(CLI::PositiveNumber);
   app.add_option("--vocab", vocab, "V (dhidden's K)")->check(CLI::PositiveNumber);
@@ -72,8 +78,15 @@ int run(int argc, char** argv) {
   app.add_option("--hidden-chunk", chunk, "hidden columns per dhidden GEMM")->check(CLI::PositiveNumber);
   app.add_option("--reps", reps, "timed runs per case (best of)")->check(CLI::PositiveNumber);
   app.add_option("--backends", backends,
-                 "amx, avx2, avx512fma, avx512bf16, onednn, reference (each skipped where the CPU lacks it)");
+                 names + " (each skipped where the CPU lacks it); all: every one; default: all but reference");
   CLI11_PARSE(app, argc, argv);
+  if (backends.size() == 1 && (backends[0] == "all" || backends[0] == "default")) {
+    const bool all = backends[0] == "all";
+    backends.clear();
+    for (const grpo::kernels::GemmBackendEntry& e : grpo::kernels::gemm_backends()) {
+      if (all || e.kind != GemmBackendKind::reference) backends.emplace_back(e.name);
+    }
+  }
   if (tile > vocab || chunk > hidden) {
     std::fprintf(stderr, "grpo-gemm-bench: --vocab-tile must be <= --vocab and --hidden-chunk <= --hidden\n");
     return 2;

@@ -14,13 +14,13 @@ using blocked::View;
 
 template <class XLayout>
 void pack_x_as(const std::uint16_t* x, View v, std::int64_t rows, std::int64_t kb, std::uint16_t* out) {
-  const blocked::Packer<XLayout, blocked::YVnni<Bf16>> packer(v, View{1, 1});
+  const blocked::Avx512Packer<XLayout, blocked::YVnni<Bf16>> packer(v, View{1, 1});
   packer.pack_x(x, 0, rows, 0, kb, round_up(kb, kKStep), out);
 }
 
 template <class YLayout>
 void pack_y_as(const std::uint16_t* y, View v, std::int64_t kb, std::int64_t nb, std::uint16_t* out) {
-  const blocked::Packer<blocked::XTiles, YLayout> packer(View{1, 1}, v);
+  const blocked::Avx512Packer<blocked::XTiles, YLayout> packer(View{1, 1}, v);
   packer.pack_y(y, 0, kb, round_up(kb, kKStep), 0, nb, round_up(nb, kPanel), out);
 }
 

@@ -1,7 +1,10 @@
-// The blocked GEMM's packers (src/kernels/gemm_pack_avx512.hpp) callable
-// from the packing tests (test_gemm_packing.cpp), which are compiled for any
-// x86-64: gemm_pack_hooks.cpp alone is compiled with AVX-512. Call only where
-// testing::amx_emulation_runs() (the CPU has AVX-512F/BW/DQ/VL).
+// The blocked GEMM's packers (src/kernels/gemm_pack_avx512.hpp,
+// gemm_pack_avx2.hpp) callable from the packing tests
+// (test_gemm_packing.cpp), which are compiled for any x86-64:
+// gemm_pack_hooks.cpp alone is compiled with AVX-512, gemm_pack_hooks_avx2.cpp
+// with AVX2 and FMA. Call the first's only where
+// testing::amx_emulation_runs() (the CPU has AVX-512F/BW/DQ/VL), the
+// second's only where avx2_gemm_usable().
 #pragma once
 
 #include <cstdint>
@@ -19,5 +22,14 @@ void pack_x_panel(PackedX layout, const std::uint16_t* x, std::int64_t rs, std::
 // packed as one block into out.
 void pack_y_block(PackedY layout, const std::uint16_t* y, std::int64_t rs, std::int64_t cs, std::int64_t kb,
                   std::int64_t nb, std::uint16_t* out);
+
+// The avx2 micro's layouts (gemm_avx2_micro.hpp): X rows [0, rows) (<= 24) x
+// k [0, kb) as one panel of XRowGroups<6, F32>; Y k [0, kb) x columns
+// [0, nb) as one block of YVnni<F32>. Sources of bf16 (f32 false) or f32
+// elements, addressed as above.
+void pack_x_panel_avx2(const void* x, bool f32, std::int64_t rs, std::int64_t cs, std::int64_t rows, std::int64_t kb,
+                       float* out);
+void pack_y_block_avx2(const void* y, bool f32, std::int64_t rs, std::int64_t cs, std::int64_t kb, std::int64_t nb,
+                       float* out);
 
 }  // namespace grpo::kernels::testing

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "baseline/baseline_gemm.hpp"
 #include "gemm_amx_emulated.hpp"
 #include "kernels/cpu.hpp"
 #include "kernels/gemm.hpp"
@@ -130,11 +131,14 @@ std::unique_ptr<GemmBackend> make_backend(const Tested& t, const GemmSpec& spec)
   return gemm_backend(t.kind).make(nullptr, spec, nullptr);
 }
 
-// Our blocked microkernel backends (gemm_blocked.hpp): bf16 A and B alone.
+// Our blocked microkernel backends (gemm_blocked.hpp).
 bool blocked_microkernel(const Tested& t) {
   const GemmBackendKind kind = t.kind;
-  return kind == GemmBackendKind::amx || kind == GemmBackendKind::avx512_bf16 || kind == GemmBackendKind::avx512_fma;
+  return kind == GemmBackendKind::amx || kind == GemmBackendKind::avx512_bf16 || kind == GemmBackendKind::avx512_fma ||
+         kind == GemmBackendKind::avx2;
 }
+// Those of them that take bf16 A and B alone (avx2 takes f32 too).
+bool bf16_only(const Tested& t) { return blocked_microkernel(t) && t.kind != GemmBackendKind::avx2; }
 
 // The runnable ones of them (the emulated amx among them where it runs).
 std::vector<Tested> microkernel_backends() {
@@ -201,7 +205,7 @@ void expect_matches_reference(const Case& cs, const std::vector<Tested>& backend
   for (const Tested& kind : backends) {
     Buffer c = c0;
     if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
-      if (kind.kind != GemmBackendKind::onednn && !(blocked_microkernel(kind) && cs.in_dtype == DType::f32)) {
+      if (kind.kind != GemmBackendKind::onednn && !(bf16_only(kind) && cs.in_dtype == DType::f32)) {
         ADD_FAILURE() << to_string(kind) << " refused a spec it should serve";
       }
       continue;
@@ -351,10 +355,9 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
     Buffer b = make(DType::bf16, k, n, b_t, 0, rng);
     for (const Tested& kind : runnable_backends()) {
       // Ours (the reference is invariant by its loops; oneDNN is not).
-      if (!blocked_microkernel(kind) && kind.kind != GemmBackendKind::avx2) continue;
-      auto run_rows = [&](std::int64_t r0, std::int64_t rows, int threads) {
+      if (!blocked_microkernel(kind)) continue;
+      auto run_rows = [&](std::int64_t r0, std::int64_t rows) {
         GemmSpec spec;
-        spec.threads = threads;
         spec.a = {DType::bf16, rows, k, k, 1};
         spec.b = b.op;
         spec.c = {DType::f32, rows, n, n, 1};
@@ -367,17 +370,30 @@ TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
                 nullptr);
         return c;
       };
-      const std::vector<float> all = run_rows(0, 160, 1);
-      const std::vector<float> head = run_rows(0, 7, 1);
-      const std::vector<float> mid = run_rows(100, 7, 1);
+      const std::vector<float> all = run_rows(0, 160);
+      const std::vector<float> head = run_rows(0, 7);
+      const std::vector<float> mid = run_rows(100, 7);
       EXPECT_EQ(0, std::memcmp(all.data(), head.data(), head.size() * sizeof(float))) << "b_t " << b_t;
       EXPECT_EQ(0, std::memcmp(all.data() + 100 * n, mid.data(), mid.size() * sizeof(float)))
           << to_string(kind) << " b_t " << b_t;
-      // The avx2 backend splits C's columns over spec.threads (the
-      // baseline's whole-batch calls): the same bits on any count.
-      if (kind.kind == GemmBackendKind::avx2) {
-        const std::vector<float> two = run_rows(0, 160, 2);
-        EXPECT_EQ(0, std::memcmp(all.data(), two.data(), all.size() * sizeof(float))) << "avx2 2 threads b_t " << b_t;
+      // The unfused baseline splits C's columns over its threads for our
+      // backends (baseline_gemm.hpp): the same bits on any count.
+      if (!kind.emulated) {
+        for (const int threads : {2, 3, 7}) {
+          GemmSpec spec;
+          spec.threads = threads;
+          spec.a = {DType::bf16, 160, k, k, 1};
+          spec.b = b.op;
+          spec.c = {DType::f32, 160, n, n, 1};
+          const GemmEngine engine;
+          const grpo::detail::BaselineGemm split(engine, spec, kind.kind);
+          std::vector<std::byte> scratch(split.scratchpad_bytes() + 64);
+          auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
+          std::vector<float> c(static_cast<std::size_t>(160 * n));
+          split.run(a.b16.data(), b.data(), c.data(), nullptr, reinterpret_cast<void*>((p + 63) / 64 * 64));
+          EXPECT_EQ(0, std::memcmp(all.data(), c.data(), all.size() * sizeof(float)))
+              << to_string(kind) << " split over " << threads << " threads, b_t " << b_t;
+        }
       }
     }
   }
@@ -423,7 +439,6 @@ class TestedGemm {
 // whole), for either operand, both layouts, and shapes that split K and N
 // into blocks (K = 4200 is past the shared Y's k block; 4096 x 1100 bf16 is
 // past the 8 MiB of a shared Y taken whole).
-// (The avx2 backend packs nothing once: it widens its panels as it goes.)
 TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
   const std::vector<Tested> ours = microkernel_backends();
   if (ours.empty()) GTEST_SKIP() << "no microkernel backend runs on this CPU: " << amx_unusable_reason();
@@ -491,7 +506,8 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
 // (GemmTraits::max_shared_rows) so that a call at the cap keeps its scratch
 // (packed panels, partial sums) within 16 MiB: 1024 rows for avx512bf16 (its
 // shared Y taken whole, 8 MiB), 512 for avx512fma (f32), 640 for amx (Y in
-// L2 blocks, 5 MiB of partial sums).
+// L2 blocks, 5 MiB of partial sums), 608 for avx2 (the same, its 2048 X rows
+// padded to panels of 24).
 TEST(GemmTester, SharedRowCapBoundsACallsScratch) {
   const std::vector<Tested> ours = microkernel_backends();
   if (ours.empty()) GTEST_SKIP() << "no microkernel backend runs on this CPU: " << amx_unusable_reason();
@@ -507,6 +523,7 @@ TEST(GemmTester, SharedRowCapBoundsACallsScratch) {
     SCOPED_TRACE(to_string(kind));
     const std::int64_t cap = make_backend(kind, spec_of(160))->traits().max_shared_rows;
     const std::int64_t expected = kind.kind == GemmBackendKind::amx          ? 640
+                                  : kind.kind == GemmBackendKind::avx2       ? 608
                                   : kind.kind == GemmBackendKind::avx512_fma ? 512
                                                                              : 1024;
     EXPECT_EQ(cap, expected);

@@ -7,7 +7,6 @@
 
 #include <cstdint>
 
-#include "kernels/gemm_avx2_blocking.hpp"
 #include "kernels/gemm_blocking.hpp"
 
 namespace grpo::kernels::blocked {
@@ -15,12 +14,18 @@ namespace {
 
 // The micros' shapes as they declare them (gemm_micro.hpp's micro_shape):
 // amx bf16 tiles staged through memory with a 64-byte tile configuration;
-// avx512bf16 bf16 groups, Y taken whole; avx512fma the same in f32.
+// avx512bf16 bf16 groups, Y taken whole; avx512fma the same in f32; avx2 f32
+// in panels of 24 rows and Y blocks of 256 KiB, Y never whole.
 constexpr MicroShape kAmx{
     .x_elem_bytes = 2, .y_elem_bytes = 2, .whole_shared_y = false, .staged_floats = kStagedFloats, .state_bytes = 64};
 constexpr MicroShape kBf16{.x_elem_bytes = 2, .y_elem_bytes = 2, .whole_shared_y = true};
 constexpr MicroShape kFma{.x_elem_bytes = 4, .y_elem_bytes = 4, .whole_shared_y = true};
-constexpr MicroShape kShapes[] = {kAmx, kBf16, kFma};
+constexpr MicroShape kAvx2{.x_elem_bytes = 4,
+                           .y_elem_bytes = 4,
+                           .panel_rows = 24,
+                           .y_block_bytes = std::size_t{256} << 10,
+                           .whole_shared_y = false};
+constexpr MicroShape kShapes[] = {kAmx, kBf16, kFma, kAvx2};
 
 GemmSpec spec_of(std::int64_t m, std::int64_t k, std::int64_t n, bool a_t, bool b_t,
                  SharedOperand shared = SharedOperand::none) {
@@ -68,7 +73,8 @@ TEST(GemmBlocking, YBlocksFitTheirBudgetOnTileEdges) {
           EXPECT_LE(b.nc, round_up(b.ny, kPanel));
           // An L2 block, or Y taken whole (within the wide-Y budget).
           const auto y = static_cast<std::size_t>(b.kc * b.nc * micro.y_elem_bytes);
-          EXPECT_LE(y, b.nc == round_up(b.ny, kPanel) ? std::max(kYBlockBytes, kWideYBytes) : kYBlockBytes);
+          EXPECT_LE(y,
+                    b.nc == round_up(b.ny, kPanel) ? std::max(micro.y_block_bytes, kWideYBytes) : micro.y_block_bytes);
           EXPECT_EQ(b.y_bytes % kAlignBytes, 0U);
           // Partial sums only when K is split.
           EXPECT_EQ(b.acc_bytes == 0, b.kc >= b.k);
@@ -98,11 +104,13 @@ TEST(GemmBlocking, ScratchIsItsParts) {
 // in k blocks of kSharedKBlock (= H here, so no partial sums) up to
 // kSharedYWholeBytes: 8 MiB / (4096 x 2 bytes) = 1024 rows in bf16, 512 in
 // f32. AMX keeps L2 blocks and caps the partial sums at kSharedAccBytes:
-// 5 MiB / (2048 x 4 bytes) = 640 rows.
+// 5 MiB / (2048 x 4 bytes) = 640 rows; avx2 likewise, its 2048 X rows padded
+// to panels of 24: 5 MiB / (2064 x 4 bytes), 608 rows.
 TEST(GemmBlocking, SharedRowCaps) {
   EXPECT_EQ(plan_blocking(forward(160), kBf16).max_shared_rows, 1024);
   EXPECT_EQ(plan_blocking(forward(160), kFma).max_shared_rows, 512);
   EXPECT_EQ(plan_blocking(forward(160), kAmx).max_shared_rows, 640);
+  EXPECT_EQ(plan_blocking(forward(160), kAvx2).max_shared_rows, 608);
   const Blocking whole = plan_blocking(forward(1024), kBf16);
   EXPECT_EQ(whole.kc, 4096);
   EXPECT_EQ(whole.nc, 1024);
@@ -132,11 +140,14 @@ TEST(GemmBlocking, XWholeOnlyAcrossColumnBlocks) {
     for (const GemmSpec& spec : {forward(640), dhidden(512), spec_of(33, 3000, 256, false, false),
                                  spec_of(40, 640, 1100, false, false), spec_of(40000, 512, 3000, false, false)}) {
       const Blocking b = plan_blocking(spec, micro);
-      const std::int64_t mx32 = round_up(b.mx, kPanel);
+      const std::int64_t mx_padded = round_up(b.mx, micro.panel_rows);
       const bool several = b.nc < round_up(b.ny, kPanel);
-      const bool fits = static_cast<std::size_t>(mx32 * b.kc * micro.x_elem_bytes) <= kXWholeBytes;
+      const bool fits = static_cast<std::size_t>(mx_padded * b.kc * micro.x_elem_bytes) <= kXWholeBytes;
       EXPECT_EQ(b.x_whole, several && fits);
-      EXPECT_EQ(b.x_bytes, align_up(static_cast<std::size_t>((b.x_whole ? mx32 : kPanel) * b.kc * micro.x_elem_bytes)));
+      EXPECT_EQ(b.x_bytes, align_up(static_cast<std::size_t>((b.x_whole ? mx_padded : micro.panel_rows) * b.kc *
+                                                             micro.x_elem_bytes)));
+      // Partial sums for whole panels of X rows by whole blocks of Y columns.
+      if (b.acc_bytes > 0) EXPECT_EQ(b.acc_bytes, align_up(static_cast<std::size_t>(mx_padded * b.acc_ld) * 4));
     }
   }
 }
@@ -151,36 +162,15 @@ TEST(GemmBlocking, ServesBf16WithOneContiguousDimension) {
   EXPECT_FALSE(serves(strided));
 }
 
-// The avx2 backend's blocking (gemm_avx2_blocking.hpp): K up to kKcSingle
-// in one block, longer K in equal blocks of at most kKcMax (so no block is a
-// sliver); a thread's columns whole kNr panels, no thread without columns;
-// the scratch its parts.
-TEST(GemmBlocking, Avx2KBlocksColumnRunsAndScratch) {
-  for (const std::int64_t k : {1, 767, 768, 769, 1025, 4096, 151936}) {
-    for (const std::int64_t n : {1, 16, 17, 100, 2048}) {
-      for (const int threads : {1, 2, 3, 7}) {
-        GemmSpec spec = spec_of(70, k, n, false, false);
-        spec.threads = threads;
-        const avx2::Blocking b = avx2::plan_blocking(spec);
-        SCOPED_TRACE(testing::Message() << "K " << k << " N " << n << " threads " << threads);
-        const std::int64_t blocks = (k + b.kc - 1) / b.kc;
-        if (k <= avx2::kKcSingle) {
-          EXPECT_EQ(b.kc, k);
-        } else {
-          EXPECT_LE(b.kc, avx2::kKcMax);
-          EXPECT_GT(k - (blocks - 1) * b.kc, b.kc - blocks);  // equal blocks: the last short by < one per block
-        }
-        EXPECT_EQ(b.acc_bytes == 0, blocks == 1);
-        EXPECT_EQ(b.cols_per_thread % avx2::kNr, 0);
-        EXPECT_GE(b.threads, 1);
-        EXPECT_LE(b.threads, threads);
-        EXPECT_GE(b.cols_per_thread * b.threads, n);
-        EXPECT_LT((b.threads - 1) * b.cols_per_thread, n);
-        EXPECT_EQ(b.mc % avx2::kMr, 0);
-        EXPECT_EQ(b.scratch_bytes(), b.acc_bytes + (b.b_bytes + b.a_bytes + b.tile_bytes) * b.threads);
-      }
-    }
-  }
+// serves_bf16_or_f32 (the avx2 backend's): f32 or bf16 A and B, with the
+// same contiguity rules as serves().
+TEST(GemmBlocking, ServesF32OrBf16WithOneContiguousDimension) {
+  GemmSpec mixed = spec_of(7, 9, 11, false, true);
+  mixed.a.dtype = DType::f32;
+  EXPECT_TRUE(serves_bf16_or_f32(mixed));
+  EXPECT_FALSE(serves(mixed));
+  mixed.b.row_stride = 2;  // B [9, 11] with neither stride 1
+  EXPECT_FALSE(serves_bf16_or_f32(mixed));
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// The blocked GEMM's packing alone (src/kernels/gemm_pack_avx512.hpp, through
-// gemm_pack_hooks.hpp): every layout a micro may declare (gemm_micro.hpp),
+// The blocked GEMM's packing alone (src/kernels/gemm_pack_avx512.hpp and
+// gemm_pack_avx2.hpp, through gemm_pack_hooks.hpp): every layout a micro
+// declares (gemm_micro.hpp), the avx2 one's from bf16 and from f32 sources,
 // from K-contiguous and from transposed sources whose padding holds NaN,
 // at the layouts' own edges (8-row groups, 16-row tiles, 32-row panels, k
 // pairs, 32-k steps), against the layout written out as plain index
@@ -14,6 +15,7 @@
 
 #include "gemm_amx_emulated.hpp"
 #include "gemm_pack_hooks.hpp"
+#include "kernels/gemm_backend.hpp"
 
 namespace grpo::kernels::testing {
 namespace {
@@ -137,6 +139,84 @@ TEST(GemmPacking, YBlocksInVnniRows) {
               // row's 16 k values, then its 16 k + 1 values.
               const std::int64_t row = (n / 16) * (kb32 / 2) * 32 + (k / 2) * 32;
               const std::uint16_t got = f32 ? out.f32_at(row + (k % 2) * 16 + n % 16) : out[row + (n % 16) * 2 + k % 2];
+              if (got != want) {
+                ++bad;
+                ADD_FAILURE() << "Y(" << k << ", " << n << ") packed as 0x" << std::hex << got << ", want 0x" << want;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The avx2 micro's sources: s's elements as f32 (exact), the padding NaN.
+std::vector<float> widened(const Source& s) {
+  std::vector<float> out(s.data.size());
+  for (std::size_t i = 0; i < s.data.size(); ++i) {
+    const std::uint32_t bits = static_cast<std::uint32_t>(s.data[i]) << 16;
+    std::memcpy(&out[i], &bits, sizeof(float));
+  }
+  return out;
+}
+
+// XRowGroups<6, F32> panels of 24 rows (the avx2 micro's): per group of 6
+// rows, [k pair][6 rows][2] f32, from bf16 and from f32 sources.
+TEST(GemmPacking, Avx2XPanelsInRowGroupsOfSix) {
+  if (!avx2_gemm_usable()) GTEST_SKIP() << "the avx2 packer is AVX2 code; this CPU has no AVX2 and FMA";
+  std::mt19937 rng(2031);
+  for (const bool f32 : {false, true}) {
+    for (const bool kcontig : {true, false}) {
+      for (const std::int64_t rows : {1, 5, 6, 7, 11, 12, 13, 23, 24}) {
+        for (const std::int64_t kb : {1, 2, 3, 7, 8, 9, 31, 32, 33, 65}) {
+          SCOPED_TRACE(std::string(f32 ? "f32" : "bf16") + (kcontig ? " K-contiguous" : " transposed") + " rows " +
+                       std::to_string(rows) + " kb " + std::to_string(kb) + " (seed 2031)");
+          const Source x = make_source(rows, kb, kcontig, rng);
+          const std::vector<float> xf = widened(x);
+          const std::int64_t kb32 = round_up(kb, 32);
+          Packed out(24 * kb32 * 2);
+          pack_x_panel_avx2(f32 ? static_cast<const void*>(xf.data()) : x.data.data(), f32, x.rs, x.cs, rows, kb,
+                            reinterpret_cast<float*>(out.data()));
+          int bad = 0;
+          for (std::int64_t r = 0; r < 24 && bad < 3; ++r) {
+            for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
+              const std::uint16_t want = r < rows && k < kb ? x.at(r, k) : 0;
+              const std::uint16_t got = out.f32_at((r / 6) * 6 * kb32 + (k / 2) * 12 + (r % 6) * 2 + k % 2);
+              if (got != want) {
+                ++bad;
+                ADD_FAILURE() << "X(" << r << ", " << k << ") packed as 0x" << std::hex << got << ", want 0x" << want;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// YVnni<F32> blocks (the avx2 micro's): per 16 columns, [kb32][16] f32.
+TEST(GemmPacking, Avx2YBlocksAsF32Rows) {
+  if (!avx2_gemm_usable()) GTEST_SKIP() << "the avx2 packer is AVX2 code; this CPU has no AVX2 and FMA";
+  std::mt19937 rng(2032);
+  for (const bool f32 : {false, true}) {
+    for (const bool ncontig : {true, false}) {
+      for (const std::int64_t nb : {1, 15, 16, 17, 31, 32, 33, 64}) {
+        for (const std::int64_t kb : {1, 2, 3, 7, 8, 9, 31, 32, 33, 65}) {
+          SCOPED_TRACE(std::string(f32 ? "f32" : "bf16") + (ncontig ? " N-contiguous" : " transposed") + " nb " +
+                       std::to_string(nb) + " kb " + std::to_string(kb) + " (seed 2032)");
+          const Source y = make_source(kb, nb, ncontig, rng);
+          const std::vector<float> yf = widened(y);
+          const std::int64_t kb32 = round_up(kb, 32);
+          const std::int64_t nb32 = round_up(nb, 32);
+          Packed out(nb32 * kb32 * 2);
+          pack_y_block_avx2(f32 ? static_cast<const void*>(yf.data()) : y.data.data(), f32, y.rs, y.cs, kb, nb,
+                            reinterpret_cast<float*>(out.data()));
+          int bad = 0;
+          for (std::int64_t n = 0; n < nb32 && bad < 3; ++n) {
+            for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
+              const std::uint16_t want = n < nb && k < kb ? y.at(k, n) : 0;
+              const std::uint16_t got = out.f32_at((n / 16) * kb32 * 16 + k * 16 + n % 16);
               if (got != want) {
                 ++bad;
                 ADD_FAILURE() << "Y(" << k << ", " << n << ") packed as 0x" << std::hex << got << ", want 0x" << want;

@@ -15,7 +15,6 @@
 namespace grpo::detail {
 namespace {
 
-using kernels::Gemm;
 using kernels::GemmOperand;
 using kernels::GemmSpec;
 
@@ -30,19 +29,6 @@ FullBuffers allocate(const LmHeadBaselineData& d, Allocator& a) {
       static_cast<std::size_t>(d.shape.batch * d.shape.seq_len) * static_cast<std::size_t>(d.shape.vocab);
   return {Buffer(a, elems * size_of(d.options.logits_dtype), "logits"),
           Buffer(a, elems * size_of(d.dlogits_dtype), "dlogits"), Buffer(a, d.max_scratchpad)};
-}
-
-// oneDNN's matmul over the whole batch, as an eager framework runs; where
-// oneDNN has none for the spec on this CPU (bf16 without AVX-512), the
-// default list's backend (ours for AVX2 there, multi-threaded over
-// spec.threads).
-std::unique_ptr<Gemm> baseline_gemm(const kernels::GemmEngine& engine, const GemmSpec& spec) {
-  try {
-    return std::make_unique<Gemm>(engine, spec, kernels::GemmBackendKind::onednn);
-  } catch (const Error& e) {
-    if (e.kind() != ErrorKind::unsupported) throw;
-    return std::make_unique<Gemm>(engine, spec);
-  }
 }
 
 void run_backward_gemms(const LmHeadBaselineData& d, const LmHeadInputs& in, const LmHeadOutputs& out,
@@ -68,7 +54,7 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
   // The baseline runs what an eager framework runs: oneDNN's matmul over the
   // whole batch, multi-threaded, whatever GRPO_GEMM says (our backends run
   // one call per thread, inside the fused plans' tasks), except where oneDNN
-  // has no kernel for the spec (baseline_gemm).
+  // has no kernel for the spec (BaselineGemm, baseline_gemm.hpp).
   d->engine = std::make_unique<kernels::GemmEngine>();
   const LmHeadShape& s = d->shape;
   const std::int64_t n = s.batch * s.seq_len;
@@ -81,7 +67,7 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
   logits.has_bias = s.has_bias;
   logits.bias_dtype = s.bias_dtype;
   logits.threads = d->threads;
-  d->logits = baseline_gemm(*d->engine, logits);
+  d->logits = std::make_unique<BaselineGemm>(*d->engine, logits);
   std::size_t scratch = d->logits->scratchpad_bytes();
   if (!options.forward_only) {
     GemmSpec dh;
@@ -90,7 +76,7 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
               : GemmOperand{s.dtype, s.vocab, s.hidden, 1, s.weight_ld};
     dh.c = {options.dhidden_dtype, n, s.hidden, s.hidden, 1};
     dh.threads = d->threads;
-    d->dhidden = baseline_gemm(*d->engine, dh);
+    d->dhidden = std::make_unique<BaselineGemm>(*d->engine, dh);
     GemmSpec dw;
     if (vm) {
       dw.a = {d->dlogits_dtype, s.vocab, n, 1, s.vocab};
@@ -103,7 +89,7 @@ std::unique_ptr<LmHeadBaselineData> build_lm_head_baseline(const LmHeadShape& sh
     }
     dw.accumulate = options.accumulate_weight_grads;
     dw.threads = d->threads;
-    d->dweight = baseline_gemm(*d->engine, dw);
+    d->dweight = std::make_unique<BaselineGemm>(*d->engine, dw);
     scratch = std::max({scratch, d->dhidden->scratchpad_bytes(), d->dweight->scratchpad_bytes()});
   }
   d->max_scratchpad = scratch;

@@ -1,11 +1,12 @@
 // The unfused LM-head baseline: full logits by one oneDNN matmul, the unfused
 // logits-level baseline on them, then dhidden and dweight by two matmuls on
-// the materialized dlogits. Every matmul runs with oneDNN's own OpenMP team
-// (the caller's thread cap), as a framework's matmul would.
+// the materialized dlogits. Every matmul runs multi-threaded (the caller's
+// thread cap), as a framework's matmul would (baseline_gemm.hpp).
 #pragma once
 
 #include <memory>
 
+#include "baseline/baseline_gemm.hpp"
 #include "grpo/baseline.hpp"
 #include "kernels/gemm.hpp"
 
@@ -18,9 +19,9 @@ struct LmHeadBaselineData {
   int threads = 1;
   DType dlogits_dtype = DType::f32;  // = input dtype: the backward GEMMs' operand type
   std::unique_ptr<kernels::GemmEngine> engine;
-  std::unique_ptr<kernels::Gemm> logits;
-  std::unique_ptr<kernels::Gemm> dhidden;
-  std::unique_ptr<kernels::Gemm> dweight;
+  std::unique_ptr<BaselineGemm> logits;
+  std::unique_ptr<BaselineGemm> dhidden;
+  std::unique_ptr<BaselineGemm> dweight;
   std::size_t max_scratchpad = 0;
 };
 

@@ -144,8 +144,9 @@ void create_filter_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* pack
   const bool dweight = !p.options.frozen_weight;
   for (const std::int64_t k : p.row_ladder.entries()) {
     if (dweight) {
-      f.dweight_kept.push_back(make.make(dweight_kept_spec(p, k)));
-      *packed = std::max(*packed, f.dweight_kept.back()->shared_packed_bytes());
+      kernels::GemmSizes kept;
+      f.dweight_kept.push_back(make.make(dweight_kept_spec(p, k), &kept));
+      *packed = std::max(*packed, kept.shared_packed_bytes);
     }
     auto& dhk = f.dhidden_kept.emplace_back();
     dhk.full = make.make(dhidden_kept_spec(p, k, chunk));
@@ -239,6 +240,31 @@ void book_filter(const LmHeadPlanData& p, WorkspaceRegistry& w) {
        {0, vt * kc * sizeof(float), alignof(float)},
        {0, vt * sizeof(std::int32_t), alignof(std::int32_t)}}};
   w.book_slot_pieces(FilterSlotUse::kTailTerms, tail_terms);
+  const auto kept_tile = static_cast<std::size_t>(f.kept_tile);
+  const std::array<WorkspacePiece, 1> kept_dweight{{{0, kept_tile * h * sizeof(float)}}};
+  w.book_slot_pieces(FilterSlotUse::kKeptDweight, kept_dweight);
+  const std::array<WorkspacePiece, 1> kept_w{{{0, kept_tile * static_cast<std::size_t>(p.hidden_chunk) * in}}};
+  w.book_slot_pieces(FilterSlotUse::kKeptW, kept_w);
+  const std::array<WorkspacePiece, 1> project{{{0, static_cast<std::size_t>(kTailRows) * vt * sizeof(float)}}};
+  w.book_slot_pieces(FilterSlotUse::kTailProject, project);
+  // The block buffer's dlogits compacted to the kept columns, in place, and
+  // their remainders after them.
+  const auto cap = static_cast<std::size_t>(f.kept_cap);
+  const std::array<WorkspacePiece, 2> kept_dl{
+      {{cap * dl, 0}, {f.kept_lo_cap > 0 ? cap * sizeof(std::uint16_t) : 0, 0}}};
+  w.book_use(RegionUse::kept_dlogits, Region::block, kept_dl);
+  if (f.tail_rank > 0) {
+    const auto rows = static_cast<std::size_t>(kTailRows);
+    const auto sampled = static_cast<std::size_t>((p.shape.vocab + f.tail_stride - 1) / f.tail_stride);
+    const std::array<WorkspacePiece, 1> sketch{{{0, rows * sampled * dl}}};
+    w.book_use(RegionUse::tail_sketch, Region::block, sketch);
+    const std::array<WorkspacePiece, 1> probes{{{0, rows * static_cast<std::size_t>(p.shape.hidden_ld) * in}}};
+    w.book_use(RegionUse::tail_probes, Region::stage, probes);
+    if (!p.options.frozen_weight) {
+      const std::array<WorkspacePiece, 1> apply{{{0, vocab * static_cast<std::size_t>(kTailApplyLd) * dl}}};
+      w.book_use(RegionUse::tail_apply, Region::block, apply);
+    }
+  }
 }
 
 std::size_t filter_slot_tile_bytes(const LmHeadPlanData& p) {
@@ -287,6 +313,11 @@ FilterRegions::FilterRegions(std::byte* ws, const WorkspaceLayout& l) {
   piece(&t.partial, TailPiece::partial);
   piece(&t.err_h, TailPiece::err_h);
   piece(&t.err_w, TailPiece::err_w);
+  kept_dlogits = l.use_piece<std::byte>(ws, RegionUse::kept_dlogits, 0);
+  kept_remainders = l.use_piece<std::byte>(ws, RegionUse::kept_dlogits, 1);
+  tail_sketch = l.use_piece<std::byte>(ws, RegionUse::tail_sketch, 0);
+  tail_apply = l.use_piece<std::byte>(ws, RegionUse::tail_apply, 0);
+  tail_probes = l.use_piece<std::byte>(ws, RegionUse::tail_probes, 0);
 }
 
 }  // namespace grpo::detail

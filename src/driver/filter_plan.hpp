@@ -159,19 +159,23 @@ std::unique_ptr<FilterPlan> make_filter_plan(const LmHeadShape& shape, const LmH
 bool filter_gemms_m_independent(const LmHeadPlanData& p, std::int64_t chunk);
 // The filter's GEMMs for the plan's block and row ladder (p.filter set).
 void create_filter_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* packed);
-// Its regions (kept_columns, kept_lo, tail) and the bytes its per-slot
-// buffers need of a slot's GEMM tile.
+// Its regions (kept_columns, kept_lo, tail), its uses of the block and stage
+// buffers (RegionUse), and the bytes its per-slot buffers need of a slot's
+// GEMM tile.
 void book_filter(const LmHeadPlanData& p, WorkspaceRegistry& w);
 std::size_t filter_slot_tile_bytes(const LmHeadPlanData& p);
 
 // The filter's uses of a slot's GEMM tile booked in pieces
 // (WorkspaceRegistry::book_slot_pieces), and their pieces:
-//   marked_row  one row's f32 dlogits [tile], its own marks [tile] and their
-//               columns [tile] (bf16 dlogits: FilteredBackward::tile_dlogits)
-//   tail_terms  a tile's dW coordinates [tile, kTailPairProbes], the kept
-//               columns' A rows [tile, kTailCoords] and places [tile] (tail_block)
+//   marked_row    one row's f32 dlogits [tile], its own marks [tile] and their
+//                 columns [tile] (bf16 dlogits: FilteredBackward::tile_dlogits)
+//   tail_terms    a tile's dW coordinates [tile, kTailPairProbes], the kept
+//                 columns' A rows [tile, kTailCoords] and places [tile] (tail_block)
+//   kept_dweight  a group of kept columns' f32 dW rows [kept_tile, H] (backward_kept)
+//   kept_w        their W rows of a hidden chunk [kept_tile, hidden_chunk], input dtype
+//   tail_project  W's projection on the basis and probes [kTailRows, tile] f32 (prepare)
 struct FilterSlotUse {
-  static constexpr std::size_t kMarkedRow = 0, kTailTerms = 1;
+  static constexpr std::size_t kMarkedRow = 0, kTailTerms = 1, kKeptDweight = 2, kKeptW = 3, kTailProject = 4;
   static constexpr std::size_t kRow = 0, kOwnMarks = 1, kFound = 2;   // marked_row's pieces
   static constexpr std::size_t kCoords = 0, kKeptA = 1, kKeptAt = 2;  // tail_terms'
 };
@@ -263,6 +267,12 @@ struct FilterRegions {
   KeptColumns kept;
   KeptRemainders kept_lo;
   TailRegions tail;
+  // Its uses of the block and stage buffers (RegionUse), each empty when not booked:
+  std::span<std::byte> kept_dlogits;     // the block's first bytes: [rows, kept_cap] dlogits, compacted in place
+  std::span<std::byte> kept_remainders;  // then [rows, kept_cap] bf16 remainders (bf16 dlogits)
+  std::span<std::byte> tail_sketch;      // [kTailRows, V / tail_stride] dlogits dtype
+  std::span<std::byte> tail_apply;       // [V, kTailApplyLd] dlogits dtype
+  std::span<std::byte> tail_probes;      // [kTailRows, hidden_ld] input dtype
 };
 
 }  // namespace grpo::detail

@@ -30,7 +30,7 @@ void FilteredBackward::prepare() {
   // W's rows (their shared directions are every row's).
   const std::int64_t sampled = (vocab + f_.tail_stride - 1) / f_.tail_stride;
   for_each_item(kTailRows, p.schedule.slots, [&](std::int64_t r, int /*slot*/) {
-    std::byte* row = ws.block.data() + static_cast<std::size_t>(r * sampled) * dl_size;
+    std::byte* row = fws_.tail_sketch.data() + static_cast<std::size_t>(r * sampled) * dl_size;
     for (std::int64_t m = 0; m < sampled; ++m) {
       const float sgn = r < k ? tail_sign(m * f_.tail_stride, r) : 0.0F;
       if (dl == DType::bf16) {
@@ -43,21 +43,21 @@ void FilteredBackward::prepare() {
   for_each_item(p.hidden_chunks, p.schedule.slots, [&](std::int64_t chunk, int slot) {
     const std::int64_t h0 = chunk * p.hidden_chunk;
     bindings.at(*f_.tail_sketch.pick(chunk == p.hidden_chunks - 1), slot)
-        .run(ws.block.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
+        .run(fws_.tail_sketch.data(), weight_at_hidden(h0), ws.dhidden_act.data() + h0, nullptr, slot_scratch(slot));
   });
   // B_w and the guard's probes as hidden rows [kTailRows, hidden_ld] in
   // the stage buffer (rows past kc zero).
   constexpr std::int64_t kc = kTailCoords;
+  std::byte* probes = fws_.tail_probes.data();
   fill_probes(ws.dhidden_act.data(), hidden, k, kc, hidden);
-  std::memset(ws.stage.data(), 0, static_cast<std::size_t>(kTailRows) * act_row_bytes);
-  tail_basis(ws.dhidden_act.data(), hidden, kc, k, hidden, t.work, ws.stage.data(), p.shape.hidden_ld, p.shape.dtype,
-             t.dual_w);
+  std::memset(probes, 0, static_cast<std::size_t>(kTailRows) * act_row_bytes);
+  tail_basis(ws.dhidden_act.data(), hidden, kc, k, hidden, t.work, probes, p.shape.hidden_ld, p.shape.dtype, t.dual_w);
   for_each_item(p.tiles, p.schedule.slots, [&](std::int64_t j, int slot) {
     const std::int64_t c0 = j * vt;
     const std::int64_t cols = std::min(vt, vocab - c0);
-    float* tile = slot_tile(slot);  // [kTailRows, cols]
+    auto* tile = slot_piece<float>(slot, FilterSlotUse::kTailProject, 0);  // [kTailRows, cols]
     bindings.at(*f_.tail_project.pick(j == p.tiles - 1), slot)
-        .run(ws.stage.data(), weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
+        .run(probes, weight_at_vocab(c0), tile, nullptr, slot_scratch(slot), nullptr);
     for (std::int64_t c = 0; c < cols; ++c) {
       for (std::int64_t r = 0; r < kc; ++r) tail_store(t.coord, (c0 + c) * kc + r, tile[r * cols + c], dl);
     }
@@ -85,7 +85,7 @@ void FilteredBackward::finish() {
     const std::int64_t cols = std::min(vt, vocab - c0);
     bool any = false;
     for (std::int64_t c = c0; c < c0 + cols; ++c) {
-      std::byte* row = ws.block.data() + static_cast<std::size_t>(c * kTailApplyLd) * dl_size;
+      std::byte* row = fws_.tail_apply.data() + static_cast<std::size_t>(c * kTailApplyLd) * dl_size;
       std::memset(row, 0, static_cast<std::size_t>(kTailApplyLd) * dl_size);
       if (t.left[c] == 0) continue;
       any = true;
@@ -100,7 +100,7 @@ void FilteredBackward::finish() {
       }
     }
     if (!any) return;
-    const std::byte* c_rows = ws.block.data() + static_cast<std::size_t>(c0 * kTailApplyLd) * dl_size;
+    const std::byte* c_rows = fws_.tail_apply.data() + static_cast<std::size_t>(c0 * kTailApplyLd) * dl_size;
     auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * dw_size;
     const bool vm = vocab_major;
     dweight_clock.time([&] {

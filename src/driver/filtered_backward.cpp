@@ -213,18 +213,17 @@ void FilteredBackward::backward_kept(std::int64_t padded, std::int64_t na, std::
                                      const bool* dweight_written) {
   const bool with_lo = f_.kept_lo_cap > 0;
   const std::int64_t hidden = p.shape.hidden;
-  const std::int64_t vocab = p.shape.vocab;
   const std::int64_t cap = f_.kept_cap;
   const std::int64_t groups = kept_groups(kept);
   const std::int32_t* column = fws_.kept.column.data();
   const std::size_t esz = dl_size;
-  std::byte* dl = ws.block.data();
+  std::byte* dl = fws_.kept_dlogits.data();  // the block buffer's first bytes
   dlogits_clock.time([&] {
     // Element (i, c) moves from i V + column[c] to i cap + c: never past where
     // it came from, never onto an element not yet moved (cap <= V, columns ascending).
     for (std::int64_t i = 0; i < padded; ++i) {
       std::byte* to = dl + static_cast<std::size_t>(i * cap) * esz;
-      const std::byte* from = dl + static_cast<std::size_t>(i * vocab) * esz;
+      const std::byte* from = block_at(i, 0, esz);
       if (esz == 2) {
         auto* t = reinterpret_cast<std::uint16_t*>(to);
         const auto* f = reinterpret_cast<const std::uint16_t*>(from);
@@ -238,11 +237,11 @@ void FilteredBackward::backward_kept(std::int64_t padded, std::int64_t na, std::
                   static_cast<std::size_t>(groups * f_.kept_tile - kept) * esz);
     }
     if (!with_lo) return;
-    // The remainders, from each row's list to its kept columns' places past
-    // the compacted matrix (the block's second half: 2 cap <= V).
+    // The remainders, from each row's list to its kept columns' places, in
+    // a matrix of their own after the compacted one (2 cap <= V).
     std::int32_t* index = fws_.kept.index.data();
     for (std::int64_t c = 0; c < kept; ++c) index[column[c]] = static_cast<std::int32_t>(c);
-    auto* to = reinterpret_cast<std::uint16_t*>(dl) + padded * cap;
+    auto* to = reinterpret_cast<std::uint16_t*>(fws_.kept_remainders.data());
     const KeptRemainders& lo = fws_.kept_lo;
     for (std::int64_t i = 0; i < padded; ++i) {
       std::uint16_t* t = to + i * cap;
@@ -255,7 +254,7 @@ void FilteredBackward::backward_kept(std::int64_t padded, std::int64_t na, std::
   });
   const auto group_dlogits = [&](std::int64_t g) { return dl + static_cast<std::size_t>(g * f_.kept_tile) * esz; };
   const auto group_lo = [&](std::int64_t g) {
-    return dl + static_cast<std::size_t>(padded * cap + g * f_.kept_tile) * esz;
+    return fws_.kept_remainders.data() + static_cast<std::size_t>(g * f_.kept_tile) * esz;
   };
 
   if (dweight) {
@@ -266,7 +265,7 @@ void FilteredBackward::backward_kept(std::int64_t padded, std::int64_t na, std::
     const kernels::Gemm& gemm = *f_.dweight_kept[p.row_ladder.index_of(padded)];
     const void* packed = dense_.pack_active_rows(gemm);
     for_each_item(groups, p.schedule.slots, [&](std::int64_t g, int slot) {
-      float* rows = slot_tile(slot);  // [kept_tile, H]
+      auto* rows = slot_piece<float>(slot, FilterSlotUse::kKeptDweight, 0);  // [kept_tile, H]
       dweight_clock.time([&] {
         bindings.at(gemm, slot).run(group_dlogits(g), ws.hidden_act.data(), rows, nullptr, slot_scratch(slot), packed);
         if (with_lo) {
@@ -295,7 +294,7 @@ void FilteredBackward::backward_kept(std::int64_t padded, std::int64_t na, std::
     const std::int64_t h0 = chunk * p.hidden_chunk;
     const std::int64_t cols = std::min(p.hidden_chunk, hidden - h0);
     const kernels::Gemm& gemm = *gemms.pick(chunk == p.hidden_chunks - 1);
-    auto* w_rows = reinterpret_cast<std::byte*>(slot_tile(slot));  // [kept_tile, hidden_chunk], input dtype
+    auto* w_rows = slot_piece<std::byte>(slot, FilterSlotUse::kKeptW, 0);  // [kept_tile, hidden_chunk], input dtype
     const std::size_t row_bytes = static_cast<std::size_t>(p.hidden_chunk) * in_size;
     dhidden_clock.time([&] {
       for (std::int64_t g = 0; g < groups; ++g) {

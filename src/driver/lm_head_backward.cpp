@@ -29,11 +29,13 @@ void create_dense_backward_gemms(LmHeadPlanData& p, GemmFactory& make, std::size
   DenseBackwardPlan& b = p.backward;
   for (const std::int64_t k : p.row_ladder.entries()) {
     auto& dw = b.dweight.emplace_back();
+    kernels::GemmSizes full;
     for (int acc = 0; acc < 2 && !p.options.frozen_weight; ++acc) {
-      dw.full[acc] = make.make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1));
+      dw.full[acc] = make.make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, vt, acc == 1),
+                               acc == 0 ? &full : nullptr);
       dw.last[acc] = make.make(dw_tile.spec(p.dlogits_dtype, p.options.dweight_dtype, k, last_tile, acc == 1));
     }
-    if (!p.options.frozen_weight) *packed = std::max(*packed, dw.full[0]->shared_packed_bytes());
+    if (!p.options.frozen_weight) *packed = std::max(*packed, full.shared_packed_bytes);
     auto& dh = b.dhidden.emplace_back();
     dh.full = make.make(dhidden_spec(s, p.dlogits_dtype, k, chunk));
     dh.last = make.make(dhidden_spec(s, p.dlogits_dtype, k, last_chunk));

@@ -26,24 +26,25 @@ void create_forward_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* pac
   const std::int64_t vt = p.schedule.vocab_tile;
   const std::int64_t last_tile = s.vocab - (p.tiles - 1) * vt;
   ForwardPlan& f = p.forward;
-  f.gemms.full = make.make(forward_spec(s, p.forward_rows, vt, vt));
+  kernels::GemmSizes full;
+  f.gemms.full = make.make(forward_spec(s, p.forward_rows, vt, vt), &full);
   f.gemms.last = make.make(forward_spec(s, p.forward_rows, last_tile, last_tile));
   // Full and last tiles pack the shared hidden rows alike (only W's side differs).
-  *packed = std::max(
-      *packed, static_cast<std::size_t>(p.block_rows_alloc / p.forward_rows) * f.gemms.full->shared_packed_bytes());
+  *packed = std::max(*packed, static_cast<std::size_t>(p.block_rows_alloc / p.forward_rows) * full.shared_packed_bytes);
   // A shorter last block, when the block's forward calls are ours (rows
   // independent of M): GEMMs of its own, as many calls as a block's at most,
   // so it computes its rows (rounded up to kRowQuantum), not the block's
   // (T = 8192 in 640-row blocks: 512 rows, not 640, in the last).
   const std::int64_t block = p.schedule.token_block;
   const std::int64_t tail_rows = round_up(p.rows - (p.rows - 1) / block * block, kRowQuantum);
-  if (tail_rows < p.block_rows_alloc && f.gemms.full->traits().m_independent) {
+  if (tail_rows < p.block_rows_alloc && full.traits.m_independent) {
     const std::int64_t calls = calls_of(tail_rows, p.forward_rows);
     f.tail_block = tail_rows;
     f.tail_rows = rows_per_call(tail_rows, p.forward_rows);
-    f.tail.full = make.make(forward_spec(s, f.tail_rows, vt, vt));
+    kernels::GemmSizes tail;
+    f.tail.full = make.make(forward_spec(s, f.tail_rows, vt, vt), &tail);
     f.tail.last = make.make(forward_spec(s, f.tail_rows, last_tile, last_tile));
-    *packed = std::max(*packed, static_cast<std::size_t>(calls) * f.tail.full->shared_packed_bytes());
+    *packed = std::max(*packed, static_cast<std::size_t>(calls) * tail.shared_packed_bytes);
   }
 }
 

@@ -263,15 +263,20 @@ struct DweightTile {
 
 // Builds a plan's GEMMs (lm_head_schedule.cpp): each indexed for the plan's
 // bindings, the largest scratchpad any of them asks (with its shared operand
-// packed) kept for the slots.
+// packed) kept for the slots. Or, sizing (build false), builds none and asks
+// kernels::gemm_sizes what each would need: the planner's block search sizes
+// every try that way and builds the GEMMs once, for the block it chose.
 class GemmFactory {
  public:
-  explicit GemmFactory(LmHeadPlanData& plan) : plan_(plan) {}
-  std::unique_ptr<kernels::Gemm> make(const kernels::GemmSpec& spec);
+  GemmFactory(LmHeadPlanData& plan, bool build) : plan_(plan), build_(build) {}
+  // The GEMM of spec (null when sizing); sizes, when given, gets what it
+  // needs (the same built or not).
+  std::unique_ptr<kernels::Gemm> make(const kernels::GemmSpec& spec, kernels::GemmSizes* sizes = nullptr);
   std::size_t max_scratchpad() const { return scratch_; }
 
  private:
   LmHeadPlanData& plan_;
+  bool build_ = true;
   std::size_t scratch_ = 0;
 };
 
@@ -281,9 +286,10 @@ kernels::GemmSpec forward_spec(const LmHeadShape& s, std::int64_t rows, std::int
 // dhidden chunk: dl [k, V] (ld V) x W[:, chunk] [V, cols] -> f32 [k, cols] (ld H) (lm_head_backward.cpp).
 kernels::GemmSpec dhidden_spec(const LmHeadShape& s, DType dl_dtype, std::int64_t k, std::int64_t cols);
 
-// Each phase's GEMMs for the plan's block (the plan's core already chosen),
-// and its regions of the step's workspace. packed: the bytes of the packed
-// hidden rows, raised to what the phase's GEMMs need.
+// Each phase's GEMMs for the plan's block (the plan's core already chosen;
+// null ones when the factory only sizes them), and its regions of the step's
+// workspace. packed: the bytes of the packed hidden rows, raised to what the
+// phase's GEMMs need.
 void create_forward_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* packed);
 void book_forward(const LmHeadPlanData& p, bool packed_estimate, WorkspaceRegistry& w);
 void create_dense_backward_gemms(LmHeadPlanData& p, GemmFactory& make, std::size_t* packed);

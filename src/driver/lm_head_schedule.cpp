@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -51,8 +52,7 @@ WorkspaceRegistry book_workspace(const LmHeadPlanData& p, bool packed_estimate) 
   }
   w.book(Region::entropy_coef, p.entropy_bonus ? sizeof(float) : 0);
   w.book(Region::quantile, 0, needs_all_rows(p.config) ? rows * sizeof(float) : 0);
-  w.book(Region::exchange, p.scale_out ? p.scale_out->bytes_per_row() : 0,
-         p.scale_out ? p.scale_out->fixed_bytes() : 0);
+  if (p.scale_out) w.book_pieces(Region::exchange, p.scale_out->workspace_pieces());
   w.book_slot(slot_tile_bytes(p), p.max_scratchpad);
   return w;
 }
@@ -97,15 +97,18 @@ std::size_t bytes_since(const MemorySample& before) {
   return std::max(growth(before.heap, now.heap), growth(before.anon_resident, now.anon_resident));
 }
 
-// Builds every phase's GEMMs for the plan's block; returns the bytes they took (bytes_since).
-std::size_t create_gemms(LmHeadPlanData& p) {
-  // Every GEMM of an earlier try of the block, gone before this one builds its own.
+// Every phase's GEMMs for the plan's block, built (build) or only sized:
+// the row ladder, the slots' scratchpad and the packed hidden rows' bytes
+// either way. Returns the bytes the built GEMMs took (bytes_since), 0 when
+// sizing.
+std::size_t create_gemms(LmHeadPlanData& p, bool build) {
+  // Every GEMM of an earlier try of the block, gone before this one makes its own.
   p.gemms.clear();
   p.forward = {};
   p.backward = {};
   if (p.filter) p.filter->release_gemms();
   const MemorySample before = sample_memory();
-  GemmFactory make(p);
+  GemmFactory make(p, build);
   std::size_t packed = 0;
   create_forward_gemms(p, make, &packed);
   p.row_ladder = RowLadder();
@@ -128,7 +131,7 @@ std::size_t create_gemms(LmHeadPlanData& p) {
   }
   p.max_scratchpad = make.max_scratchpad();
   p.packed_hidden_bytes = packed;
-  return bytes_since(before);
+  return build ? bytes_since(before) : 0;
 }
 
 std::string budget_error(std::size_t budget, std::size_t need) {
@@ -141,10 +144,20 @@ std::string budget_error(std::size_t budget, std::size_t need) {
 LmHeadPlanData::LmHeadPlanData() = default;
 LmHeadPlanData::~LmHeadPlanData() = default;
 
-std::unique_ptr<Gemm> GemmFactory::make(const GemmSpec& spec) {
+std::unique_ptr<Gemm> GemmFactory::make(const GemmSpec& spec, kernels::GemmSizes* sizes) {
+  if (!build_) {
+    const kernels::GemmSizes z = kernels::gemm_sizes(*plan_.engine, spec);
+    // The step runs every GEMM with a shared operand on it packed.
+    scratch_ = std::max(scratch_, z.scratchpad_bytes_with_packed);
+    if (sizes != nullptr) *sizes = z;
+    return nullptr;
+  }
   auto g = std::make_unique<Gemm>(*plan_.engine, spec);
-  // The step runs every GEMM with a shared operand on it packed.
   scratch_ = std::max(scratch_, g->scratchpad_bytes_with_packed());
+  if (sizes != nullptr) {
+    *sizes = {g->backend(), g->scratchpad_bytes(), g->shared_packed_bytes(), g->scratchpad_bytes_with_packed(),
+              g->traits()};
+  }
   g->set_index(plan_.gemms.size());
   plan_.gemms.push_back(g.get());
   return g;
@@ -302,7 +315,7 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     p->schedule.token_block = block;
     if (whole_block) p->forward_rows = rows_per_call(round_up(block, kRowQuantum), forward_cap);
     p->block_rows_alloc = round_up(block, p->forward_rows);
-    p->schedule.plan_bytes = create_gemms(*p);
+    create_gemms(*p, /*build=*/false);
     const WorkspaceRegistry regions = book_workspace(*p, /*packed_estimate=*/false);
     // Slots (concurrent tile tasks): one per thread, as many as the budget
     // holds beside everything else, at least one.
@@ -316,6 +329,15 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
     const std::int64_t step = whole_block ? kRowQuantum : p->forward_rows;
     if (nb <= step) throw Error("options.workspace_budget", budget_error(budget, p->layout.total));
     nb -= step;
+  }
+  // The block chosen: its GEMMs, built once. They need what the size query
+  // said (kernels::gemm_sizes picks the backend a Gemm would take and
+  // computes its bytes as the backend does); the layout above relies on it.
+  const std::size_t sized_scratchpad = p->max_scratchpad;
+  const std::size_t sized_packed = p->packed_hidden_bytes;
+  p->schedule.plan_bytes = create_gemms(*p, /*build=*/true);
+  if (p->max_scratchpad != sized_scratchpad || p->packed_hidden_bytes != sized_packed) {
+    throw std::logic_error("grpo: the GEMMs built need other bytes than kernels::gemm_sizes said");
   }
   p->threads = threads;
   p->bindings.reset(p->gemms, p->schedule.slots);

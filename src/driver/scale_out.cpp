@@ -15,14 +15,11 @@
 namespace grpo::detail {
 namespace {
 
-constexpr std::size_t kAlign = 64;
 constexpr std::int64_t kSegmentFloats = static_cast<std::int64_t>(kReduceSegmentBytes / sizeof(float));
 // The local additions of a reduction run in tasks of this many floats (64 KiB
 // of each rank's copy): enough to amortize a task, small enough to spread a
 // 8 MiB segment over the threads.
 constexpr std::int64_t kSumTask = 16384;
-
-std::size_t align_up(std::size_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
 void copy_text(char* dst, std::size_t size, const std::string& text) {
   const std::size_t n = std::min(size - 1, text.size());
@@ -151,30 +148,19 @@ std::size_t ScaleOutPlan::record_bytes() const {
   return static_cast<std::size_t>(tiles_max) * sizeof(kernels::RowStats) + sizeof(float);
 }
 
-std::size_t ScaleOutPlan::fixed_bytes() const {
-  // Two reduction buffers; the alignment slack of the three per-row regions.
-  return 2 * align_up(static_cast<std::size_t>(reduce_floats) * sizeof(float)) + 3 * kAlign;
+std::array<WorkspacePiece, ExchangeRegions::kPieces> ScaleOutPlan::workspace_pieces() const {
+  const std::size_t reduce = static_cast<std::size_t>(reduce_floats) * sizeof(float);
+  const std::size_t record = vocab ? record_bytes() : 0;
+  const std::size_t ranks = vocab ? static_cast<std::size_t>(vocab.size) : 0;
+  const std::size_t merged = vocab ? static_cast<std::size_t>(global_tiles) * sizeof(kernels::RowStats) : 0;
+  return {{{0, reduce}, {0, reduce}, {record, 0}, {record * ranks, 0}, {merged, 0}}};
 }
 
-std::size_t ScaleOutPlan::bytes_per_row() const {
-  if (!vocab) return 0;
-  return record_bytes() * static_cast<std::size_t>(1 + vocab.size) +
-         static_cast<std::size_t>(global_tiles) * sizeof(kernels::RowStats);
-}
-
-std::size_t ScaleOutPlan::merged_offset(std::int64_t rows_alloc) const {
-  const auto rows = static_cast<std::size_t>(rows_alloc);
-  const std::size_t send = 2 * align_up(static_cast<std::size_t>(reduce_floats) * sizeof(float));
-  const std::size_t recv = send + align_up(rows * record_bytes());
-  return recv + align_up(rows * record_bytes() * static_cast<std::size_t>(vocab.size));
-}
-
-std::byte* ScaleOutPlan::exchange_row_stats(std::byte* ws, std::int64_t rows_alloc, std::int64_t rows,
-                                            std::int64_t local_tiles, const kernels::RowStats* tile_stats,
-                                            const float* target) const {
+const std::byte* ScaleOutPlan::exchange_row_stats(const ExchangeRegions& x, std::int64_t rows, std::int64_t local_tiles,
+                                                  const kernels::RowStats* tile_stats, const float* target) const {
   const std::size_t record = record_bytes();
-  std::byte* send = ws + 2 * align_up(static_cast<std::size_t>(reduce_floats) * sizeof(float));
-  std::byte* recv = send + align_up(static_cast<std::size_t>(rows_alloc) * record);
+  std::byte* send = x.records_send.data();
+  std::byte* recv = x.records_recv.data();
   const kernels::RowStats none;
   for (std::int64_t r = 0; r < rows; ++r) {
     std::byte* rec = send + static_cast<std::size_t>(r) * record;
@@ -190,11 +176,11 @@ std::byte* ScaleOutPlan::exchange_row_stats(std::byte* ws, std::int64_t rows_all
   return recv;
 }
 
-void ScaleOutPlan::sum_in_rank_order(const Group& group, float* values, std::int64_t count, std::byte* ws,
+void ScaleOutPlan::sum_in_rank_order(const Group& group, float* values, std::int64_t count, const ExchangeRegions& x,
                                      int threads) const {
   if (group.size == 1 || count == 0) return;
-  auto* send = reinterpret_cast<float*>(ws);
-  auto* recv = reinterpret_cast<float*>(ws + align_up(static_cast<std::size_t>(reduce_floats) * sizeof(float)));
+  float* send = x.reduce_send.data();
+  float* recv = x.reduce_recv.data();
   const auto bytes = [](std::int64_t n) { return static_cast<std::size_t>(n) * sizeof(float); };
   reduce_segments(
       group, count, values, send, recv, threads,
@@ -202,10 +188,11 @@ void ScaleOutPlan::sum_in_rank_order(const Group& group, float* values, std::int
       [&](std::int64_t at, std::int64_t n, const float* src) { std::memcpy(values + at, src, bytes(n)); });
 }
 
-void ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrixView& m, std::byte* ws, int threads) const {
+void ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrixView& m, const ExchangeRegions& x,
+                                     int threads) const {
   if (group.size == 1 || m.rows == 0 || m.cols == 0) return;
-  auto* send = reinterpret_cast<float*>(ws);
-  auto* recv = reinterpret_cast<float*>(ws + align_up(static_cast<std::size_t>(reduce_floats) * sizeof(float)));
+  float* send = x.reduce_send.data();
+  float* recv = x.reduce_recv.data();
   const kernels::StageKernels& k = kernels::kernels();
   const std::size_t elem = size_of(m.dtype);
   // Element e of the flattened [rows, cols] view, then runs within one row.
@@ -266,10 +253,10 @@ void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outpu
   }
   if (outputs.metrics != nullptr && acc != nullptr) *outputs.metrics = acc->metrics(total);
   if (plan.options.forward_only || plan.options.frozen_weight) return;  // no dW, no dbias
-  std::byte* ws = workspace + plan.layout.at(Region::exchange);
-  so.sum_in_rank_order(so.data, outputs.dweight, ws, plan.schedule.slots);
+  const ExchangeRegions x(workspace, plan.layout);
+  so.sum_in_rank_order(so.data, outputs.dweight, x, plan.schedule.slots);
   if (!outputs.dbias.empty()) {
-    so.sum_in_rank_order(so.data, outputs.dbias.data(), static_cast<std::int64_t>(outputs.dbias.size()), ws,
+    so.sum_in_rank_order(so.data, outputs.dbias.data(), static_cast<std::int64_t>(outputs.dbias.size()), x,
                          plan.schedule.slots);
   }
 }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "driver/workspace_registry.hpp"
 #include "grpo/communicator.hpp"
 #include "grpo/lm_head_loss.hpp"
 #include "kernels/stage_kernels.hpp"
@@ -96,6 +98,23 @@ void gather(const Group& group, Status& status, const Facts& facts, Record<Facts
 // size() is out of range.
 Group make_group(const Communicator* comm, const char* name, const char* argument);
 
+// The scale-out exchanges' views of the step's workspace (Region::exchange,
+// booked in pieces by ScaleOutPlan::workspace_pieces, in this order); empty
+// without a plan over several processes.
+struct ExchangeRegions {
+  static constexpr std::size_t kReduceSend = 0, kReduceRecv = 1, kRecordsSend = 2, kRecordsRecv = 3, kMerged = 4,
+                               kPieces = 5;
+  ExchangeRegions(std::byte* ws, const WorkspaceLayout& l)
+      : reduce_send(l.piece<float>(ws, Region::exchange, kReduceSend)),
+        reduce_recv(l.piece<float>(ws, Region::exchange, kReduceRecv)),
+        records_send(l.piece<std::byte>(ws, Region::exchange, kRecordsSend)),
+        records_recv(l.piece<std::byte>(ws, Region::exchange, kRecordsRecv)),
+        merged(l.piece<kernels::RowStats>(ws, Region::exchange, kMerged)) {}
+  std::span<float> reduce_send, reduce_recv;        // the two reduction segments
+  std::span<std::byte> records_send, records_recv;  // per block row one outgoing, size() incoming records
+  std::span<kernels::RowStats> merged;              // per block row the merged [global_tiles] statistics
+};
+
 struct ScaleOutPlan {
   Group vocab;
   Group data;
@@ -116,11 +135,9 @@ struct ScaleOutPlan {
   mutable std::vector<std::byte> exchange;
   mutable std::mutex exchange_mutex;
 
-  // Workspace (the plan's Region::exchange): the two
-  // reduction segments, then per block row one outgoing and size() incoming
-  // records and the merged [global_tiles] statistics.
-  std::size_t fixed_bytes() const;
-  std::size_t bytes_per_row() const;
+  // Its pieces of the step's workspace (Region::exchange), in
+  // ExchangeRegions' order.
+  std::array<WorkspacePiece, ExchangeRegions::kPieces> workspace_pieces() const;
   std::size_t record_bytes() const;  // per row: tiles_max RowStats + the chosen logit
 
   // Vocabulary parallelism, the forward of `rows` block rows: every rank's
@@ -130,11 +147,10 @@ struct ScaleOutPlan {
   // chosen logit as the shard holding id_of(r) computed it (id_of(r) < 0: the
   // row is masked, target untouched). Returns the merged array.
   template <class IdOf>
-  const kernels::RowStats* gather_row_stats(std::byte* ws, std::int64_t rows_alloc, std::int64_t rows,
-                                            std::int64_t local_tiles, const kernels::RowStats* tile_stats,
-                                            float* target, IdOf&& id_of) const {
-    std::byte* recv = exchange_row_stats(ws, rows_alloc, rows, local_tiles, tile_stats, target);
-    auto* merged = reinterpret_cast<kernels::RowStats*>(ws + merged_offset(rows_alloc));
+  const kernels::RowStats* gather_row_stats(const ExchangeRegions& x, std::int64_t rows, std::int64_t local_tiles,
+                                            const kernels::RowStats* tile_stats, float* target, IdOf&& id_of) const {
+    const std::byte* recv = exchange_row_stats(x, rows, local_tiles, tile_stats, target);
+    kernels::RowStats* merged = x.merged.data();
     const std::size_t record = record_bytes();
     const std::size_t block = static_cast<std::size_t>(rows) * record;
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -166,14 +182,14 @@ struct ScaleOutPlan {
 
   // Sums count floats over `group` in rank order, in place: afterwards every
   // rank holds the same bits. threads: for the local additions.
-  void sum_in_rank_order(const Group& group, float* values, std::int64_t count, std::byte* ws, int threads) const;
+  void sum_in_rank_order(const Group& group, float* values, std::int64_t count, const ExchangeRegions& x,
+                         int threads) const;
   // The same for a matrix view (f32 or bf16: summed in f32, rounded once).
-  void sum_in_rank_order(const Group& group, const MutMatrixView& m, std::byte* ws, int threads) const;
+  void sum_in_rank_order(const Group& group, const MutMatrixView& m, const ExchangeRegions& x, int threads) const;
 
  private:
-  std::size_t merged_offset(std::int64_t rows_alloc) const;
-  std::byte* exchange_row_stats(std::byte* ws, std::int64_t rows_alloc, std::int64_t rows, std::int64_t local_tiles,
-                                const kernels::RowStats* tile_stats, const float* target) const;
+  const std::byte* exchange_row_stats(const ExchangeRegions& x, std::int64_t rows, std::int64_t local_tiles,
+                                      const kernels::RowStats* tile_stats, const float* target) const;
 };
 
 // Data parallelism, at the end of a step: exchanges the outcome (a refusal

@@ -30,7 +30,7 @@ class StepExchange {
       : plan_(plan),
         so_(plan.scale_out.get()),
         workspace_(workspace),
-        ws_(workspace + plan.layout.at(Region::exchange)),
+        regions_(workspace, plan.layout),
         first_token_(plan.shape.vocab_offset) {}
 
   // The column of W that holds token id; outside [0, V) when another shard holds it.
@@ -46,13 +46,12 @@ class StepExchange {
     *tiles_out = plan_.tiles;
     if (!vocab_sharded()) return tile_stats;
     *tiles_out = so_->global_tiles;
-    return so_->gather_row_stats(ws_, plan_.block_rows_alloc, rows, plan_.tiles, tile_stats, target,
-                                 static_cast<IdOf&&>(id_of));
+    return so_->gather_row_stats(regions_, rows, plan_.tiles, tile_stats, target, static_cast<IdOf&&>(id_of));
   }
 
   // count floats of dhidden partials (this shard's part of dlogits x W), summed over the vocab group.
   void sum_dhidden(float* dhidden, std::int64_t count) const {
-    if (vocab_sharded()) so_->sum_in_rank_order(so_->vocab, dhidden, count, ws_, plan_.schedule.slots);
+    if (vocab_sharded()) so_->sum_in_rank_order(so_->vocab, dhidden, count, regions_, plan_.schedule.slots);
   }
 
   // Before the first block: the data group's batch and valid-token counts
@@ -98,7 +97,7 @@ class StepExchange {
   const LmHeadPlanData& plan_;
   const ScaleOutPlan* so_;  // null: this process alone
   std::byte* workspace_;
-  std::byte* ws_;  // Region::exchange
+  ExchangeRegions regions_;  // of Region::exchange
   std::int64_t first_token_;
   bool ended_ = false;  // the end-of-step exchange began
 };

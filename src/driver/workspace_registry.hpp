@@ -6,7 +6,10 @@
 // search reads the per-row and fixed totals from the bookings, the plan lays
 // the regions and pieces out from the same bookings, and the step gets typed
 // views of them (StepRegions; the filter's FilterRegions), so a region's size
-// is written in one place and no phase computes another's offsets.
+// is written in one place and no phase computes another's offsets. A phase
+// that reuses another's region as scratch books that use too (book_use:
+// pieces laid out in the region and checked to fit in it), and the slots'
+// GEMM tiles likewise (book_slot_pieces).
 #pragma once
 
 #include <array>
@@ -47,6 +50,19 @@ enum class Region : std::uint8_t {
   count,          // the number of regions
 };
 inline constexpr std::size_t kRegionCount = static_cast<std::size_t>(Region::count);
+
+// Uses of a region's bytes by a phase while the region's own contents are
+// not needed (WorkspaceRegistry::book_use), each laid out in pieces from the
+// region's start and checked to fit in it:
+enum class RegionUse : std::uint8_t {
+  kept_dlogits,  // block: the kept columns' dlogits, compacted in place [rows, kept_cap], then their
+                 // bf16 remainders [rows, kept_cap] (the filtered backward's backward_kept)
+  tail_sketch,   // block: the sketch's sign matrix [kTailRows, V / tail_stride] (the filter's prepare)
+  tail_apply,    // block: the tail correction's dW rows [V, kTailApplyLd] (the filter's finish)
+  tail_probes,   // stage: the basis and probe rows [kTailRows, hidden_ld] (the filter's prepare)
+  count,
+};
+inline constexpr std::size_t kRegionUseCount = static_cast<std::size_t>(RegionUse::count);
 
 // Regions whose size grows with the token block: the search's estimate
 // allows each of them kWorkspaceAlign bytes for the rounding of its end.
@@ -92,6 +108,9 @@ struct WorkspaceLayout {
   std::size_t tile_bytes = 0;  // its GEMM tile part
   // Each use of a slot's tile booked in pieces (book_slot_pieces): their offsets in the tile.
   std::vector<std::vector<std::size_t>> slot_piece_offset;
+  // Each use of a region (book_use): its pieces' offsets and bytes.
+  std::array<std::vector<std::size_t>, kRegionUseCount> use_offset;
+  std::array<std::vector<std::size_t>, kRegionUseCount> use_bytes;
   std::size_t total = 0;
 
   std::size_t at(Region r) const { return offset[static_cast<std::size_t>(r)]; }
@@ -113,6 +132,13 @@ struct WorkspaceLayout {
     const auto at = static_cast<std::size_t>(r);
     if (i >= piece_offset[at].size()) return {};
     return {reinterpret_cast<T*>(ws + piece_offset[at][i]), piece_bytes[at][i] / sizeof(T)};
+  }
+  // Piece i of use u of a region, as T (empty when not booked).
+  template <class T>
+  std::span<T> use_piece(std::byte* ws, RegionUse u, std::size_t i) const {
+    const auto at = static_cast<std::size_t>(u);
+    if (i >= use_offset[at].size()) return {};
+    return {reinterpret_cast<T*>(ws + use_offset[at][i]), use_bytes[at][i] / sizeof(T)};
   }
 };
 
@@ -146,6 +172,14 @@ class WorkspaceRegistry {
   void book_slot_pieces(std::size_t use, std::span<const WorkspacePiece> pieces) {
     if (slot_uses_.size() <= use) slot_uses_.resize(use + 1);
     slot_uses_[use].assign(pieces.begin(), pieces.end());
+  }
+
+  // Use u of region `host` as pieces laid out from the host's start (the
+  // first piece on its first byte, whatever its contents: a use may
+  // transform them in place); they take no bytes of their own, and lay_out
+  // checks that they fit in the host.
+  void book_use(RegionUse u, Region host, std::span<const WorkspacePiece> pieces) {
+    uses_[static_cast<std::size_t>(u)] = {host, {pieces.begin(), pieces.end()}};
   }
 
   // Bytes the regions take per block row (slots excluded).
@@ -190,6 +224,18 @@ class WorkspaceRegistry {
       }
       if (piece_at > tile_bytes_) throw std::logic_error("a use of the slot's tile outgrows the tile");
     }
+    for (std::size_t u = 0; u < kRegionUseCount; ++u) {
+      const auto host = static_cast<std::size_t>(uses_[u].host);
+      std::size_t piece_at = l.offset[host];
+      for (const WorkspacePiece& piece : uses_[u].pieces) {
+        piece_at = round_up(piece_at, piece.align);
+        const std::size_t bytes = piece.per_row * static_cast<std::size_t>(rows) + piece.fixed;
+        l.use_offset[u].push_back(piece_at);
+        l.use_bytes[u].push_back(bytes);
+        piece_at += bytes;
+      }
+      if (piece_at > l.offset[host] + l.bytes[host]) throw std::logic_error("a use of a region outgrows the region");
+    }
     l.slots = at;
     l.total = at + slot_bytes_ * static_cast<std::size_t>(slots);
     return l;
@@ -202,8 +248,14 @@ class WorkspaceRegistry {
   };
   static std::size_t round_up(std::size_t bytes, std::size_t align) { return (bytes + align - 1) / align * align; }
 
+  struct Use {
+    Region host = Region::block;
+    std::vector<WorkspacePiece> pieces;  // none: not booked
+  };
+
   std::array<Booking, kRegionCount> bookings_{};
   std::array<std::vector<WorkspacePiece>, kRegionCount> pieces_;
+  std::array<Use, kRegionUseCount> uses_;
   std::vector<std::vector<WorkspacePiece>> slot_uses_;
   std::size_t tile_bytes_ = 0;
   std::size_t slot_bytes_ = 0;

@@ -43,7 +43,7 @@ struct GemmSpec {
   bool accumulate = false;  // c += a * b, else c = a * b
   bool has_bias = false;    // c += bias[j], bias is [1, N] contiguous
   DType bias_dtype = DType::f32;
-  int threads = 1;  // OpenMP threads oneDNN may use inside the call
+  int threads = 1;  // OpenMP threads oneDNN may use inside the call (ours run on the calling thread)
   SharedOperand shared = SharedOperand::none;
 };
 
@@ -125,9 +125,9 @@ GemmSizes gemm_sizes(const GemmEngine& engine, const GemmSpec& spec);
 // it (a plan sizes its schedule by them before creating its GEMMs).
 GemmTraits gemm_traits(const GemmSpec& spec);
 
-// The backend GRPO_GEMM names (amx, avx512bf16, avx512fma, avx2, onednn,
-// reference), or null for the default list. Read when a plan builds its
-// GEMMs: a plan keeps the backends it was built with.
+// The backend GRPO_GEMM names (a name of GRPO_GEMM_BACKENDS,
+// gemm_backend.hpp), or null for the default list. Read when a plan builds
+// its GEMMs: a plan keeps the backends it was built with.
 const char* forced_gemm_backend();
 
 // One caller's objects for one Gemm (oneDNN's stream and memory objects,

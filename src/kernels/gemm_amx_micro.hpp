@@ -22,7 +22,9 @@
 
 #include "kernels/amx_tile_config.hpp"
 #include "kernels/gemm_backend.hpp"
+#include "kernels/gemm_epilogue_avx512.hpp"
 #include "kernels/gemm_micro.hpp"
+#include "kernels/gemm_pack_avx512.hpp"
 
 namespace grpo::kernels::blocked {
 namespace {
@@ -37,8 +39,12 @@ struct AmxMicro {
   static constexpr std::int64_t kMr = kTile;
   static constexpr std::int64_t kNr = kTile;
   static constexpr std::int64_t kKr = kKStep;
+  static constexpr std::int64_t kPanelRows = kPanel;  // 2 x 2 accumulator tiles
+  static constexpr std::size_t kYBlockBytes = blocked::kYBlockBytes;
   using XLayout = XTiles;  // X always packed into 16 x 32 tiles
   using YLayout = YVnni<Bf16>;
+  using Packer = Avx512Packer<XLayout, YLayout>;
+  using Epilogue = Avx512Epilogue;
   using Output = StagedTiles;                   // finished tiles leave through tile stores
   static constexpr bool kWholeSharedY = false;  // measured on a Xeon with the L2-sized Y blocks
 

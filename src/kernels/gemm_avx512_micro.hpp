@@ -38,7 +38,9 @@
 #include <type_traits>
 
 #include "kernels/gemm_backend.hpp"
+#include "kernels/gemm_epilogue_avx512.hpp"
 #include "kernels/gemm_micro.hpp"
+#include "kernels/gemm_pack_avx512.hpp"
 
 namespace grpo::kernels::blocked {
 namespace {
@@ -61,11 +63,15 @@ struct Avx512Micro {
   static constexpr std::int64_t kMr = kGroupRows;
   static constexpr std::int64_t kNr = 2 * kTile;
   static constexpr std::int64_t kKr = 2;
+  static constexpr std::int64_t kPanelRows = kPanel;  // four groups
+  static constexpr std::size_t kYBlockBytes = blocked::kYBlockBytes;
   using Elem = std::conditional_t<kWiden, F32, Bf16>;  // X and Y packed as f32 when widening
   // X as [k pair][8 rows] per group; vdpbf16ps also reads K-contiguous X
   // rows where they are (MicroBlock::x_rs).
   using XLayout = XRowGroups<kGroupRows, Elem, !kWiden>;
   using YLayout = YVnni<Elem>;
+  using Packer = Avx512Packer<XLayout, YLayout>;
+  using Epilogue = Avx512Epilogue;
   using Output = DirectGroups;  // finished groups go from registers to C
   static constexpr bool kWholeSharedY = true;
 
@@ -142,7 +148,7 @@ struct Avx512Micro {
         group(acc, in_place, y0, y1, kb32);
       }
       if (last) {
-        sink.group(g, acc);
+        sink.group(g, 0, acc);
         continue;
       }
       for (int r = 0; r < kGroupRows; ++r) {

@@ -1,29 +1,12 @@
 // The GEMM backend seam. A GemmSpec (gemm.hpp) is fixed at plan time; a
 // backend built for it runs C (+)= A B (+ bias) on the caller's thread with
 // the caller's scratch, and allocates nothing per call. Every engine is one,
-// listed once, in priority order, in gemm_registry.cpp's table
-// (gemm_backends()):
-//   amx        our AMX-BF16 microkernels (gemm_amx.cpp): bf16 A and B, when the
-//              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
-//   avx2       our f32 FMA microkernels, bf16 widened as it is packed
-//              (gemm_avx2.cpp): bf16 or f32 on CPUs with AVX2 and no AVX-512,
-//              where oneDNN 2.6 has no bf16 matmul and its f32 one is not
-//              batch-invariant; elsewhere only when forced
-//   avx512fma  the blocked GEMM in f32 FMAs on bf16 widened as it is packed
-//              (gemm_avx512_fma.cpp): bf16 A and B on Intel CPUs with
-//              AVX-512 where amx does not serve (avx512_fma_is_default),
-//              elsewhere only when forced
-//   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): bf16 A
-//              and B on CPUs with AVX512-BF16 where amx does not serve
-//   onednn     oneDNN's matmul (gemm_onednn.cpp)
-//   reference  plain loops in f32, k ascending (gemm_reference.cpp): any spec,
-//              slow; the last resort (a spec oneDNN cannot create on this CPU
-//              lands here) and a comparison point for the tests
-// kernels::Gemm takes the first of the default list that serves the spec.
-// GRPO_GEMM=amx|avx512bf16|avx512fma|avx2|onednn|reference forces one (as
-// GRPO_SIMD does for the stage kernels; amx heads the default list anyway);
-// a forced backend that cannot serve a spec falls back to onednn, then
-// reference.
+// listed once, in priority order, in GRPO_GEMM_BACKENDS (below), whose rows
+// gemm_registry.cpp's table (gemm_backends()) holds. kernels::Gemm takes the
+// first of the default list that serves the spec. GRPO_GEMM=<a name of the
+// list> forces one (as GRPO_SIMD does for the stage kernels; amx heads the
+// default list anyway); a forced backend that cannot serve a spec falls back
+// to onednn, then reference.
 #pragma once
 
 #include <cstddef>
@@ -37,7 +20,44 @@ namespace grpo::kernels {
 struct GemmSpec;
 class GemmEngine;
 
-enum class GemmBackendKind : std::uint8_t { amx, avx512_bf16, avx512_fma, avx2, onednn, reference };
+// The one list of GEMM backends, in the default list's priority order:
+//   amx        our AMX-BF16 microkernels (gemm_amx.cpp): bf16 A and B, when the
+//              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
+//   avx2       our f32 FMA microkernels over the same blocked GEMM, bf16
+//              widened as it is packed (gemm_avx2.cpp): bf16 or f32 on CPUs
+//              with AVX2 and no AVX-512, where oneDNN 2.6 has no bf16 matmul
+//              and its f32 one is not batch-invariant; elsewhere only when
+//              forced
+//   avx512fma  the blocked GEMM in f32 FMAs on bf16 widened as it is packed
+//              (gemm_avx512_fma.cpp): bf16 A and B on Intel CPUs with
+//              AVX-512 where amx does not serve (avx512_fma_is_default),
+//              elsewhere only when forced
+//   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): bf16 A
+//              and B on CPUs with AVX512-BF16 where amx does not serve
+//   onednn     oneDNN's matmul (gemm_onednn.cpp)
+//   reference  plain loops in f32, k ascending (gemm_reference.cpp): any spec,
+//              slow; the last resort (a spec oneDNN cannot create on this CPU
+//              lands here) and a comparison point for the tests
+// A row is X(kind, name, in_default_list, unusable, make, fixed_traits): the
+// GemmBackendKind enumerator, then GemmBackendEntry's columns (below). Here
+// the kinds alone are expanded (the enum); gemm_registry.cpp, where the
+// gates and makers the other columns name are defined, expands whole rows
+// into the table (gemm_backends()) and says why each row is where it is.
+// Adding a backend is adding its row.
+#define GRPO_GEMM_BACKENDS(X)                                                                       \
+  X(amx, "amx", amx_usable, amx_reason, (gated<amx_usable, detail::make_amx_gemm_on_cpu>), nullptr) \
+  X(avx2, "avx2", avx2_gemm_is_default, (unless<avx2_gemm_usable, kNoAvx2>),                        \
+    (gated<avx2_gemm_usable, detail::make_avx2_gemm_on_cpu>), nullptr)                              \
+  X(avx512_fma, "avx512fma", avx512_fma_is_default, (unless<avx512_fma_usable, kNoAvx512>),         \
+    (gated<avx512_fma_usable, detail::make_avx512_fma_gemm_on_cpu>), nullptr)                       \
+  X(avx512_bf16, "avx512bf16", avx512_bf16_usable, (unless<avx512_bf16_usable, kNoAvx512Bf16>),     \
+    (gated<avx512_bf16_usable, detail::make_avx512_bf16_gemm_on_cpu>), nullptr)                     \
+  X(onednn, "onednn", always, no_reason, onednn, onednn_traits)                                     \
+  X(reference, "reference", always, no_reason, reference, nullptr)
+
+#define GRPO_GEMM_KIND(kind, ...) kind,
+enum class GemmBackendKind : std::uint8_t { GRPO_GEMM_BACKENDS(GRPO_GEMM_KIND) };
+#undef GRPO_GEMM_KIND
 
 const char* to_string(GemmBackendKind kind);
 
@@ -83,10 +103,10 @@ class GemmBackend {
   virtual GemmTraits traits() const = 0;
   virtual std::size_t scratchpad_bytes() const = 0;
   // scratch: scratchpad_bytes() bytes, 64-byte aligned. On the calling
-  // thread alone when spec.threads is 1 (every call of the fused plans); a
-  // spec with threads > 1 (the unfused baselines' whole-matrix calls) may
-  // use that many: oneDNN its OpenMP team, avx2 its TBB column runs in the
-  // caller's arena (gemm_avx2_blocking.hpp).
+  // thread alone, except oneDNN's for a spec with threads > 1 (the unfused
+  // baselines' whole-matrix calls), which may use that many OpenMP threads;
+  // ours always run on the calling thread (the baselines split C's columns
+  // over their threads for them).
   // packed: null, or the spec's shared operand as pack_shared() left it.
   virtual void run(const void* a, const void* b, void* c, const void* bias, void* scratch,
                    const void* packed) const = 0;

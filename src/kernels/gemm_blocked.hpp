@@ -1,18 +1,17 @@
-// The blocked bf16 GEMM shared by our microkernel backends (gemm_amx.cpp,
-// gemm_avx512_bf16.cpp, gemm_avx512_fma.cpp): C (+)= A B (+ bias), A and B
-// bf16, C f32 or bf16, on the calling thread. This file is the driver loop
-// (oneDNN's brgemm_matmul.cpp, ruy's trmul): the blocking is
-// gemm_blocking.hpp's (pure, tested without the ISA), the packing
-// gemm_pack_avx512.hpp's (chosen by the micro's declared layouts,
-// gemm_micro.hpp), the epilogue gemm_epilogue_avx512.hpp's, and a micro
-// supplies the 32 x 32 block (gemm_amx_micro.hpp, gemm_avx512_micro.hpp).
+// The blocked GEMM shared by our microkernel backends (gemm_amx.cpp,
+// gemm_avx512_bf16.cpp, gemm_avx512_fma.cpp, gemm_avx2.cpp): C (+)= A B
+// (+ bias) on the calling thread. This file is the driver loop (oneDNN's
+// brgemm_matmul.cpp, ruy's trmul), the same for every ISA: the blocking is
+// gemm_blocking.hpp's (pure, tested without the ISA), the packing and the
+// epilogue are the micro's ISA's (gemm_pack_avx512.hpp and
+// gemm_epilogue_avx512.hpp, gemm_pack_avx2.hpp and gemm_epilogue_avx2.hpp),
+// the packing chosen by the micro's declared layouts (gemm_micro.hpp), and
+// a micro supplies the kPanelRows x 32 block (gemm_amx_micro.hpp,
+// gemm_avx512_micro.hpp, gemm_avx2_micro.hpp).
 //
-// Only for translation units compiled with AVX-512F/BW/DQ/VL, and for a
-// micro of AVX512-BF16 or AMX instructions with those too; everything is in
+// Only for translation units compiled for the micro's ISA; everything is in
 // an unnamed namespace (one copy per such unit).
 #pragma once
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <concepts>
@@ -22,25 +21,24 @@
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 #include "kernels/gemm_blocking.hpp"
-#include "kernels/gemm_epilogue_avx512.hpp"
 #include "kernels/gemm_micro.hpp"
-#include "kernels/gemm_pack_avx512.hpp"
 #include "kernels/prefetch.hpp"
 
 namespace grpo::kernels::blocked {
 namespace {
 
 // Where a DirectGroups micro's finished row groups go: C, through the
-// epilogue, from registers.
+// epilogue, from registers (sums: the ISA's accumulators of one group).
+template <class Epilogue>
 struct GroupSink {
   const Epilogue& out;
   std::int64_t xr0;  // the block's first X row and Y column
   std::int64_t yc0;
   void* c;
   const void* bias;
-  template <std::int64_t g>
-  void group(std::int64_t r, const __m512 (&sums)[g][2]) const {
-    out.store_group(xr0 + r, yc0, sums, c, bias);
+  template <class Sums>
+  void group(std::int64_t r, std::int64_t col, const Sums& sums) const {
+    out.store_group(xr0 + r, yc0 + col, sums, c, bias);
   }
 };
 
@@ -51,7 +49,8 @@ struct StagedSink {
 };
 
 template <class Micro>
-using SinkFor = std::conditional_t<std::is_same_v<typename Micro::Output, DirectGroups>, GroupSink, StagedSink>;
+using SinkFor = std::conditional_t<std::is_same_v<typename Micro::Output, DirectGroups>,
+                                   GroupSink<typename Micro::Epilogue>, StagedSink>;
 
 // The micro contract of gemm_micro.hpp.
 template <class M>
@@ -64,8 +63,12 @@ concept GemmMicro = requires(void* state, const MicroBlock& blk, SinkFor<M>& sin
   { M::kMr } -> std::convertible_to<std::int64_t>;
   { M::kNr } -> std::convertible_to<std::int64_t>;
   { M::kKr } -> std::convertible_to<std::int64_t>;
+  { M::kPanelRows } -> std::convertible_to<std::int64_t>;
+  { M::kYBlockBytes } -> std::convertible_to<std::size_t>;
   { M::XLayout::kInPlace } -> std::convertible_to<bool>;
   typename M::YLayout::Elem;
+  typename M::Packer;
+  typename M::Epilogue;
   M::begin(state);
   M::end();
   M::block(blk, sink);
@@ -75,6 +78,8 @@ template <GemmMicro Micro>
 class BlockedGemm final : public GemmBackend {
  public:
   static constexpr MicroShape kShape = micro_shape<Micro>();
+  static constexpr std::int64_t kRows = Micro::kPanelRows;  // X rows of a block (its Y columns: kPanel)
+  static_assert(kRows % Micro::kMr == 0);
 
   explicit BlockedGemm(const GemmSpec& spec)
       : spec_(spec), b_(plan_blocking(spec, kShape)), pack_(b_.x, b_.y), out_(spec, b_) {}
@@ -82,8 +87,7 @@ class BlockedGemm final : public GemmBackend {
   GemmBackendKind kind() const override { return Micro::kKind; }
   GemmTile tile() const override { return {.mr = Micro::kMr, .nr = Micro::kNr, .kr = Micro::kKr}; }
   std::size_t shared_packed_bytes() const override { return blocked::shared_packed_bytes(spec_, b_); }
-  void pack_shared(const void* operand, void* packed) const override {
-    const auto* y = static_cast<const std::uint16_t*>(operand);
+  void pack_shared(const void* y, void* packed) const override {
     auto* out = static_cast<std::byte*>(packed);
     for (std::int64_t k0 = 0; k0 < b_.k; k0 += b_.kc) {
       const std::int64_t kb = std::min(b_.kc, b_.k - k0);
@@ -101,8 +105,8 @@ class BlockedGemm final : public GemmBackend {
   std::size_t scratchpad_bytes_with_packed() const override { return scratch_bytes_with_packed(spec_, b_); }
 
   void run(const void* a, const void* b, void* c, const void* bias, void* scratch, const void* packed) const override {
-    const auto* xs = static_cast<const std::uint16_t*>(b_.swapped ? b : a);
-    const auto* ys = static_cast<const std::uint16_t*>(b_.swapped ? a : b);
+    const void* xs = b_.swapped ? b : a;
+    const void* ys = b_.swapped ? a : b;
     auto* s = static_cast<std::byte*>(scratch);
     // Scratch: [Y block, unless Y comes packed][X][partial sums][staged tiles][Micro's state].
     const std::size_t y_room = packed != nullptr ? 0 : b_.y_bytes;
@@ -113,19 +117,21 @@ class BlockedGemm final : public GemmBackend {
     auto* tmp = reinterpret_cast<float*>(s + y_room + b_.x_bytes + b_.acc_bytes);
     Micro::begin(tmp + kShape.staged_floats);
 
-    const std::int64_t mx32 = round_up(b_.mx, kPanel);
+    const std::int64_t mx_padded = round_up(b_.mx, kRows);
     // The staged block whose tiles wait for store(): X row, Y column, set.
     std::int64_t pending_m = -1;
     std::int64_t pending_n = 0;
     std::int64_t set = 0;
     const auto flush = [&] {
-      if (pending_m < 0) return;
-      float* t = tmp + (1 - set) * 4 * kTile * kTile;
-      out_.store(t, pending_m, pending_n, c, bias);
-      out_.store(t + kTile * kTile, pending_m, pending_n + kTile, c, bias);
-      out_.store(t + 2 * kTile * kTile, pending_m + kTile, pending_n, c, bias);
-      out_.store(t + 3 * kTile * kTile, pending_m + kTile, pending_n + kTile, c, bias);
-      pending_m = -1;
+      if constexpr (std::is_same_v<typename Micro::Output, StagedTiles>) {
+        if (pending_m < 0) return;
+        float* t = tmp + (1 - set) * 4 * kTile * kTile;
+        out_.store(t, pending_m, pending_n, c, bias);
+        out_.store(t + kTile * kTile, pending_m, pending_n + kTile, c, bias);
+        out_.store(t + 2 * kTile * kTile, pending_m + kTile, pending_n, c, bias);
+        out_.store(t + 3 * kTile * kTile, pending_m + kTile, pending_n + kTile, c, bias);
+        pending_m = -1;
+      }
     };
     for (std::int64_t k0 = 0; k0 < b_.k; k0 += b_.kc) {
       const std::int64_t kb = std::min(b_.kc, b_.k - k0);
@@ -150,7 +156,7 @@ class BlockedGemm final : public GemmBackend {
         // their own that waited on DRAM (docs/benchmarks.md, "Where the GEMM
         // layer's constants came from").
         const bool pack_now = !b_.x_whole || n0 == 0;
-        for (std::int64_t m0 = 0; m0 < mx32; m0 += kPanel) {
+        for (std::int64_t m0 = 0; m0 < mx_padded; m0 += kRows) {
           // The panel, in the micro's XLayout (f32 elements for F32).
           std::uint16_t* xp = b_.x_whole ? xpack + m0 * kb32 * (kShape.x_elem_bytes / 2) : xpack;
           // A panel used once per k block whose rows are all there,
@@ -158,9 +164,10 @@ class BlockedGemm final : public GemmBackend {
           // that can (XLayout::kInPlace): the forward's W tile rows,
           // dhidden's dlogits rows (docs/benchmarks.md, "X rows read in
           // place").
-          const bool in_place = rows_in_place && m0 + kPanel <= b_.mx;
-          if (!in_place && pack_now) pack_.pack_x(xs, m0, std::min(kPanel, b_.mx - m0), k0, kb, kb32, xp);
-          const std::uint16_t* xin = in_place ? xs + m0 * b_.x.rs + k0 : xp;
+          const bool in_place = rows_in_place && m0 + kRows <= b_.mx;
+          if (!in_place && pack_now) pack_.pack_x(xs, m0, std::min(kRows, b_.mx - m0), k0, kb, kb32, xp);
+          // In place only for a Bf16 XLayout (kInPlace).
+          const std::uint16_t* xin = in_place ? static_cast<const std::uint16_t*>(xs) + m0 * b_.x.rs + k0 : xp;
           for (std::int64_t nn = 0; nn < nb32; nn += kPanel) {
             const std::int64_t ncol = n0 + nn;  // Y column of the block
             float* acc_at = acc + m0 * b_.acc_ld + ncol;
@@ -176,7 +183,7 @@ class BlockedGemm final : public GemmBackend {
             // Both come from beyond L2 (dW's C, a 32 MiB tile; dhidden's
             // partial sums, 4 MiB), and a C block's 32 rows lie 16 KiB
             // apart, more streams than the hardware prefetchers follow.
-            if (last) out_.prefetch_c(c, m0, ncol);
+            if (last) prefetch_c(c, m0, ncol);
             if (!first && nn + kPanel < nb32) prefetch_acc(acc_at + kPanel);
             const MicroBlock blk{.x = xin,
                                  .x_rs = in_place ? b_.x.rs : 0,
@@ -191,7 +198,7 @@ class BlockedGemm final : public GemmBackend {
               // Each finished group goes to C from registers as it ends (its
               // C lines came into L2 while the block ran); the next group's
               // vdpbf16ps run meanwhile.
-              GroupSink sink{out_, m0, ncol, c, bias};
+              const GroupSink<typename Micro::Epilogue> sink{out_, m0, ncol, c, bias};
               Micro::block(blk, sink);
             } else {
               StagedSink sink{tmp + set * 4 * kTile * kTile};
@@ -211,9 +218,28 @@ class BlockedGemm final : public GemmBackend {
   }
 
  private:
-  // The partial sums of a 32 x 32 block (32 rows of b_.acc_ld floats from at), into L2.
+  // C's lines of the block at X row xr0, Y column yc0 (C's column, row
+  // when swapped), into L2.
+  void prefetch_c(const void* c, std::int64_t xr0, std::int64_t yc0) const {
+    const std::int64_t r0 = b_.swapped ? yc0 : xr0;
+    const std::int64_t c0 = b_.swapped ? xr0 : yc0;
+    const std::int64_t rows = std::min(b_.swapped ? kPanel : kRows, (b_.swapped ? b_.ny : b_.mx) - r0);
+    const std::int64_t cols = std::min(b_.swapped ? kRows : kPanel, (b_.swapped ? b_.mx : b_.ny) - c0);
+    if (rows <= 0 || cols <= 0) return;
+    const std::size_t elem = spec_.c.dtype == DType::f32 ? sizeof(float) : sizeof(std::uint16_t);
+    const auto* base = static_cast<const char*>(c);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const char* first = base + static_cast<std::size_t>((r0 + r) * spec_.c.row_stride + c0) * elem;
+      const char* last = first + static_cast<std::size_t>(cols) * elem - 1;
+      for (const char* line = first - (reinterpret_cast<std::uintptr_t>(first) & 63); line <= last; line += 64) {
+        prefetch_l2(line);
+      }
+    }
+  }
+
+  // The partial sums of a block (kRows rows of b_.acc_ld floats from at), into L2.
   void prefetch_acc(const float* at) const {
-    for (std::int64_t r = 0; r < kPanel; ++r) {
+    for (std::int64_t r = 0; r < kRows; ++r) {
       const auto* row = reinterpret_cast<const char*>(at + r * b_.acc_ld);
       prefetch_l2(row);
       prefetch_l2(row + 64);
@@ -222,8 +248,8 @@ class BlockedGemm final : public GemmBackend {
 
   GemmSpec spec_;
   Blocking b_;
-  Packer<typename Micro::XLayout, typename Micro::YLayout> pack_;
-  Epilogue out_;
+  typename Micro::Packer pack_;
+  typename Micro::Epilogue out_;
 };
 
 }  // namespace

@@ -24,13 +24,13 @@ Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro) {
   if (!p.swapped) {
     p.mx = p.m;
     p.ny = p.n;
-    p.x = {a.row_stride, a.col_stride};
-    p.y = {b.row_stride, b.col_stride};
+    p.x = {a.row_stride, a.col_stride, a.dtype};
+    p.y = {b.row_stride, b.col_stride, b.dtype};
   } else {
     p.mx = p.n;
     p.ny = p.m;
-    p.x = {b.col_stride, b.row_stride};  // X = B^T
-    p.y = {a.col_stride, a.row_stride};  // Y = A^T
+    p.x = {b.col_stride, b.row_stride, b.dtype};  // X = B^T
+    p.y = {a.col_stride, a.row_stride, a.dtype};  // Y = A^T
   }
   p.x_kcontig = p.x.cs == 1;
   const std::int64_t y_elem = micro.y_elem_bytes;
@@ -38,11 +38,10 @@ Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro) {
   // possible first (fewer partial-sum round trips), then nc grows into it.
   const std::int64_t k32 = round_up(p.k, kKStep);
   const std::int64_t ny32 = round_up(p.ny, kPanel);
+  const auto y_budget = static_cast<std::int64_t>(micro.y_block_bytes);
   p.nc = std::min<std::int64_t>(ny32, 256);
-  p.kc = std::min<std::int64_t>(
-      k32, std::max<std::int64_t>(kKStep, static_cast<std::int64_t>(kYBlockBytes) / (p.nc * y_elem) / kKStep * kKStep));
-  p.nc = std::min<std::int64_t>(
-      ny32, std::max<std::int64_t>(p.nc, static_cast<std::int64_t>(kYBlockBytes) / (p.kc * y_elem) / kPanel * kPanel));
+  p.kc = std::min<std::int64_t>(k32, std::max<std::int64_t>(kKStep, y_budget / (p.nc * y_elem) / kKStep * kKStep));
+  p.nc = std::min<std::int64_t>(ny32, std::max<std::int64_t>(p.nc, y_budget / (p.kc * y_elem) / kPanel * kPanel));
   if (micro.whole_shared_y) {
     // Y taken whole across its columns, in k blocks of kc_whole (0: the
     // L2 blocks above stay). Its panels then come from L3 a 32-column
@@ -69,23 +68,24 @@ Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro) {
       p.nc = ny32;
     }
   }
-  const std::int64_t mx32 = round_up(p.mx, kPanel);
+  const std::int64_t panel = micro.panel_rows;
+  const std::int64_t mx_padded = round_up(p.mx, panel);  // X rows in whole panels
   if (spec.shared != SharedOperand::none && p.max_shared_rows == 0 && p.kc < p.k) {
     // A shared Y in L2 blocks: a call's partial sums are [X rows x Y
     // columns] f32, read and written once per k block. Calls of at most
     // kSharedAccBytes of them.
-    p.max_shared_rows =
-        std::max(kPanel, static_cast<std::int64_t>(kSharedAccBytes / (static_cast<std::size_t>(mx32) * sizeof(float))) /
-                             kPanel * kPanel);
+    p.max_shared_rows = std::max(
+        kPanel, static_cast<std::int64_t>(kSharedAccBytes / (static_cast<std::size_t>(mx_padded) * sizeof(float))) /
+                    kPanel * kPanel);
   }
   p.y_bytes = align_up(static_cast<std::size_t>(p.kc * p.nc * y_elem));
   // X: one panel at a time when Y is a single column block (each panel is
   // used once per k block), else the whole k block, packed once (at most
   // kXWholeBytes: past that, e.g. a whole-vocabulary GEMM, the panels are
   // packed again for every column block).
-  p.x_whole = p.nc < ny32 && static_cast<std::size_t>(mx32 * p.kc * micro.x_elem_bytes) <= kXWholeBytes;
-  p.x_bytes = align_up(static_cast<std::size_t>((p.x_whole ? mx32 : kPanel) * p.kc * micro.x_elem_bytes));
-  p.acc_bytes = p.kc < p.k ? align_up(static_cast<std::size_t>(mx32 * ny32) * sizeof(float)) : 0;
+  p.x_whole = p.nc < ny32 && static_cast<std::size_t>(mx_padded * p.kc * micro.x_elem_bytes) <= kXWholeBytes;
+  p.x_bytes = align_up(static_cast<std::size_t>((p.x_whole ? mx_padded : panel) * p.kc * micro.x_elem_bytes));
+  p.acc_bytes = p.kc < p.k ? align_up(static_cast<std::size_t>(mx_padded * ny32) * sizeof(float)) : 0;
   p.acc_ld = ny32;
   p.scratch_bytes = p.y_bytes + p.x_bytes + p.acc_bytes +
                     static_cast<std::size_t>(micro.staged_floats) * sizeof(float) + micro.state_bytes;
@@ -101,10 +101,12 @@ std::size_t scratch_bytes_with_packed(const GemmSpec& spec, const Blocking& b) {
   return spec.shared == SharedOperand::none ? b.scratch_bytes : b.scratch_bytes - b.y_bytes;
 }
 
-bool serves(const GemmSpec& s) {
+bool serves_bf16_or_f32(const GemmSpec& s) {
   const auto one_dim_contiguous = [](const GemmOperand& o) { return o.col_stride == 1 || o.row_stride == 1; };
-  return s.a.dtype == DType::bf16 && s.b.dtype == DType::bf16 && s.c.col_stride == 1 && one_dim_contiguous(s.a) &&
-         one_dim_contiguous(s.b) && s.a.rows > 0 && s.a.cols > 0 && s.b.cols > 0;
+  return s.c.col_stride == 1 && one_dim_contiguous(s.a) && one_dim_contiguous(s.b) && s.a.rows > 0 && s.a.cols > 0 &&
+         s.b.cols > 0;
 }
+
+bool serves(const GemmSpec& s) { return s.a.dtype == DType::bf16 && s.b.dtype == DType::bf16 && serves_bf16_or_f32(s); }
 
 }  // namespace grpo::kernels::blocked

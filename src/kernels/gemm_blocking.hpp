@@ -6,7 +6,8 @@
 // GEMM by it without building one. The measurements behind the constants
 // are in docs/benchmarks.md, "Where the GEMM layer's constants came from".
 //
-// Scheme (BLIS-like, sized for one core's 2 MiB L2 and 48 KiB L1): the
+// Scheme (BLIS-like, sized for one core's L2 and L1: 2 MiB and 48 KiB by
+// default, a micro may declare a smaller Y block and other panel rows): the
 // product is computed as X Y with X [Mx, K] and Y [K, Ny], either X = A,
 // Y = B or (swapped) X = B^T, Y = A^T, whichever is cheaper to pack (a
 // K-contiguous X is a plain copy; Y is always rearranged), or the one that
@@ -14,7 +15,7 @@
 // kc x nc at a time (<= kYBlockBytes, so it stays in L2 while every X panel
 // streams past it); a shared Y, or one too wide for an L2 block, may be taken
 // whole across its columns (MicroShape::whole_shared_y). X is packed into
-// panels of 32 rows.
+// panels of the micro's panel_rows (32 for the AVX-512 and AMX micros).
 #pragma once
 
 #include <cstddef>
@@ -58,17 +59,20 @@ constexpr std::size_t align_up(std::size_t v) { return (v + kAlignBytes - 1) / k
 
 // What the blocking needs of a micro (gemm_micro.hpp declares it).
 struct MicroShape {
-  std::int64_t x_elem_bytes = 2;   // a packed X element: 2 (bf16) or 4 (widened to f32)
-  std::int64_t y_elem_bytes = 2;   // a packed Y element, likewise
-  bool whole_shared_y = false;     // a shared (or wide) Y may be taken whole across its columns
-  std::int64_t staged_floats = 0;  // kStagedFloats for a StagedTiles micro, else 0
-  std::size_t state_bytes = 0;     // the micro's own scratch (AMX: its tile configuration)
+  std::int64_t x_elem_bytes = 2;             // a packed X element: 2 (bf16) or 4 (f32)
+  std::int64_t y_elem_bytes = 2;             // a packed Y element, likewise
+  std::int64_t panel_rows = kPanel;          // X rows of one micro block (its columns: kPanel)
+  std::size_t y_block_bytes = kYBlockBytes;  // the packed Y block's budget (in the core's L2)
+  bool whole_shared_y = false;               // a shared (or wide) Y may be taken whole across its columns
+  std::int64_t staged_floats = 0;            // kStagedFloats for a StagedTiles micro, else 0
+  std::size_t state_bytes = 0;               // the micro's own scratch (AMX: its tile configuration)
 };
 
-// Strided 2-D operand: element (i, j) at p[i * rs + j * cs].
+// Strided 2-D operand: element (i, j) at p[i * rs + j * cs], of dtype.
 struct View {
   std::int64_t rs = 0;
   std::int64_t cs = 0;
+  DType dtype = DType::bf16;
 };
 
 struct Blocking {
@@ -90,7 +94,21 @@ struct Blocking {
   std::int64_t n_blocks() const { return (ny + nc - 1) / nc; }
 };
 
-// spec: bf16 A and B with one contiguous dimension each (serves()).
+// What an epilogue (gemm_epilogue_*.hpp) knows of C: the spec (C's dtype and
+// strides, bias, accumulate) and the orientation the product ran in (X's
+// rows are C's rows unless swapped).
+class EpilogueTarget {
+ public:
+  EpilogueTarget(const GemmSpec& spec, const Blocking& b) : spec_(spec), swapped_(b.swapped), mx_(b.mx), ny_(b.ny) {}
+
+ protected:
+  GemmSpec spec_;
+  bool swapped_ = false;
+  std::int64_t mx_ = 0, ny_ = 0;  // X's rows, Y's columns
+};
+
+// spec: A and B with one contiguous dimension each (serves(), or f32 ones
+// for a micro that packs f32 sources).
 Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro);
 
 // Y whole, every (k block, column block) in run()'s order: what
@@ -101,5 +119,7 @@ std::size_t scratch_bytes_with_packed(const GemmSpec& spec, const Blocking& b);
 
 // bf16 A and B, each with one contiguous dimension, C's rows contiguous.
 bool serves(const GemmSpec& spec);
+// The same with A and B each bf16 or f32 (a micro that widens as it packs).
+bool serves_bf16_or_f32(const GemmSpec& spec);
 
 }  // namespace grpo::kernels::blocked

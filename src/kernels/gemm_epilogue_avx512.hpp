@@ -19,33 +19,13 @@
 #include "kernels/bf16_avx512.hpp"
 #include "kernels/gemm_blocking.hpp"
 #include "kernels/gemm_lanes_avx512.hpp"
-#include "kernels/prefetch.hpp"
 
 namespace grpo::kernels::blocked {
 namespace {
 
-class Epilogue {
+class Avx512Epilogue : EpilogueTarget {
  public:
-  Epilogue(const GemmSpec& spec, const Blocking& b) : spec_(spec), swapped_(b.swapped), mx_(b.mx), ny_(b.ny) {}
-
-  // C's lines of the 32 x 32 block at X row xr0, Y column yc0 (C's column,
-  // row when swapped), into L2.
-  void prefetch_c(const void* c, std::int64_t xr0, std::int64_t yc0) const {
-    const std::int64_t r0 = swapped_ ? yc0 : xr0;
-    const std::int64_t c0 = swapped_ ? xr0 : yc0;
-    const std::int64_t rows = std::min(kPanel, (swapped_ ? ny_ : mx_) - r0);
-    const std::int64_t cols = std::min(kPanel, (swapped_ ? mx_ : ny_) - c0);
-    if (rows <= 0 || cols <= 0) return;
-    const std::size_t elem = spec_.c.dtype == DType::f32 ? sizeof(float) : sizeof(std::uint16_t);
-    const auto* base = static_cast<const char*>(c);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const char* first = base + static_cast<std::size_t>((r0 + r) * spec_.c.row_stride + c0) * elem;
-      const char* last = first + static_cast<std::size_t>(cols) * elem - 1;
-      for (const char* line = first - (reinterpret_cast<std::uintptr_t>(first) & 63); line <= last; line += 64) {
-        prefetch_l2(line);
-      }
-    }
-  }
+  using EpilogueTarget::EpilogueTarget;
 
   // One finished 16 x 16 accumulator tile (tmp, X rows xr0.., Y columns yc0..)
   // into C: transposed back when swapped; + bias, + C when accumulating;
@@ -169,11 +149,6 @@ class Epilogue {
       _mm256_mask_storeu_epi16(dst, cmask, to_bf16(v));
     }
   }
-
- private:
-  GemmSpec spec_;
-  bool swapped_ = false;
-  std::int64_t mx_ = 0, ny_ = 0;
 };
 
 }  // namespace

@@ -1,14 +1,19 @@
 // The contract between the blocked GEMM (gemm_blocked.hpp) and a micro, the
-// register block of one 32 x 32 block of C (gemm_amx_micro.hpp,
-// gemm_avx512_micro.hpp). As ruy's kernels declare their operand layout as
-// a type, a micro declares how it reads its packed operands and where its
-// finished block goes, and the packing (gemm_pack_avx512.hpp) and the
-// epilogue (gemm_epilogue_avx512.hpp) are chosen by those types:
+// register blocks of one block of C, kPanelRows x 32 (gemm_amx_micro.hpp,
+// gemm_avx512_micro.hpp, gemm_avx2_micro.hpp). As ruy's kernels declare their
+// operand layout as a type, a micro declares how it reads its packed operands
+// and where its finished block goes, and its ISA's packing
+// (gemm_pack_avx512.hpp, gemm_pack_avx2.hpp) and epilogue
+// (gemm_epilogue_avx512.hpp, gemm_epilogue_avx2.hpp) are chosen by those types:
 //
 //   kKind, kName, kSwappedName   the backend's kind and describe() names
 //   kMr, kNr, kKr                its register block's edges (GemmTile)
+//   kPanelRows                   X rows of one block (a multiple of kMr)
+//   kYBlockBytes                 the packed Y block's budget (its core's L2)
 //   XLayout                      XTiles or XRowGroups<rows, Elem, in_place>
 //   YLayout                      YVnni<Elem>
+//   Packer                       its ISA's packer of XLayout and YLayout
+//   Epilogue                     its ISA's epilogue
 //   Output                       StagedTiles or DirectGroups
 //   kWholeSharedY                a shared (or wide) Y may be taken whole
 //                                across its columns (gemm_blocking.hpp)
@@ -34,10 +39,10 @@ namespace grpo::kernels::blocked {
 struct Bf16 {
   static constexpr std::int64_t kBytes = 2;
 };
-// bf16 widened to f32 after packing (exact: a bf16 is the top half of an
-// f32). The blocking's byte budgets then hold half the elements, which
-// measured faster than blocks of the bf16 elements (docs/benchmarks.md,
-// "Where the GEMM layer's constants came from").
+// f32: bf16 widened to f32 as it is packed (exact: a bf16 is the top half
+// of an f32), or f32 sources copied. The blocking's byte budgets then hold
+// half the elements, which measured faster than blocks of the bf16 elements
+// (docs/benchmarks.md, "Where the GEMM layer's constants came from").
 struct F32 {
   static constexpr std::int64_t kBytes = 4;
 };
@@ -49,7 +54,7 @@ struct XTiles {
   static constexpr bool kInPlace = false;
 };
 
-// X panels of 32 rows as groups of kRows rows, each group's (k, k + 1)
+// X panels of kPanelRows rows as groups of kRows rows, each group's (k, k + 1)
 // pairs [kb32 / 2 k pairs][kRows rows], a pair one u32 (Bf16) or two f32 (F32,
 // its k value, then its k + 1 value): the kRows broadcasts of a k pair one
 // half line and the group one sequential stream. kInPlace: the micro can
@@ -72,10 +77,11 @@ struct YVnni {
 // Finished blocks leave as four 16 x 16 f32 tiles stored to memory
 // (Sink::staged()), which the loop stores to C while the next block runs.
 struct StagedTiles {};
-// Finished row groups leave from registers (Sink::group(g, sums)).
+// Finished row groups leave from registers (Sink::group(row, column, sums):
+// the group's first row and column within the block).
 struct DirectGroups {};
 
-// One call of a micro: the 32 x 32 block of C from an X panel and two Y
+// One call of a micro: the kPanelRows x 32 block of C from an X panel and two Y
 // tiles, from zero (first) or from the partial sums at acc; left in acc, or
 // when last, handed to the Sink.
 struct MicroBlock {
@@ -94,6 +100,8 @@ template <class Micro>
 constexpr MicroShape micro_shape() {
   return {.x_elem_bytes = Micro::XLayout::Elem::kBytes,
           .y_elem_bytes = Micro::YLayout::Elem::kBytes,
+          .panel_rows = Micro::kPanelRows,
+          .y_block_bytes = Micro::kYBlockBytes,
           .whole_shared_y = Micro::kWholeSharedY,
           .staged_floats = std::is_same_v<typename Micro::Output, StagedTiles> ? kStagedFloats : 0,
           .state_bytes = Micro::kStateBytes};

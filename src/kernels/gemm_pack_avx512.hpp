@@ -1,5 +1,5 @@
-// The blocked GEMM's packing (gemm_blocked.hpp), chosen by the micro's
-// declared layouts (gemm_micro.hpp): X panels of 32 rows as XTiles or
+// The blocked GEMM's AVX-512 packing (gemm_blocked.hpp), chosen by the
+// micro's declared layouts (gemm_micro.hpp), for bf16 sources: X panels of 32 rows as XTiles or
 // XRowGroups, Y blocks as YVnni; bf16, or widened to f32 after packing.
 // Every packed block is zero-padded to whole panels and k steps. Tested alone
 // against plain loops by the GEMM tester (tests/gemm_amx_emulated.cpp).
@@ -35,17 +35,19 @@ inline void interleave_pairs(__m512i r0, __m512i r1, __m512i& lo, __m512i& hi) {
 // Packs X (the strides x) and Y (y) of one orientation (gemm_blocking.hpp)
 // into XLayout panels and YLayout blocks.
 template <class XLayout, class YLayout>
-class Packer {
+class Avx512Packer {
  public:
-  Packer(View x, View y) : x_(x), y_(y), x_kcontig_(x.cs == 1) {}
+  Avx512Packer(View x, View y) : x_(x), y_(y), x_kcontig_(x.cs == 1) {}
 
   // X rows [m0, m0 + rows) x k [k0, k0 + kb) -> panels of 32 rows, each
   // [kb32 / 32 k steps][2 tiles][16 rows][32 k] bf16, zero-padded.
   static std::int64_t panel_at(std::int64_t r, std::int64_t kk, std::int64_t kb32) {
     return (r / kPanel) * kPanel * kb32 + kk * kPanel + (r % kPanel) * kKStep;
   }
-  void pack_x(const std::uint16_t* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb,
-              std::int64_t kb32, std::uint16_t* out) const {
+  // x: X's bf16 elements (serves() took bf16 A and B).
+  void pack_x(const void* src, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb, std::int64_t kb32,
+              std::uint16_t* out) const {
+    const auto* x = static_cast<const std::uint16_t*>(src);
     if constexpr (!std::is_same_v<XLayout, XTiles>) {
       pack_x_groups(x, m0, rows, k0, kb, kb32, out);
       if constexpr (std::is_same_v<typename XLayout::Elem, F32>) widen_pairs(out, kPanel * kb32 / 2);
@@ -199,9 +201,9 @@ class Packer {
 
   // Y k [k0, k0 + kb) x columns [n0, n0 + nb) -> VNNI tiles: for each 16
   // columns t, kb32 / 2 rows of 16 (k, k + 1) pairs; zero-padded.
-  void pack_y(const std::uint16_t* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0,
-              std::int64_t nb, std::int64_t nb32, std::uint16_t* out) const {
-    pack_y_vnni(y, k0, kb, kb32, n0, nb, nb32, out);
+  void pack_y(const void* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0, std::int64_t nb,
+              std::int64_t nb32, std::uint16_t* out) const {
+    pack_y_vnni(static_cast<const std::uint16_t*>(y), k0, kb, kb32, n0, nb, nb32, out);
     if constexpr (std::is_same_v<typename YLayout::Elem, F32>) widen_rows(out, nb32 * kb32 / 2);
   }
   // n VNNI u32 at out (rows of 16 (k, k + 1) pairs, n a multiple of 16) ->

@@ -63,27 +63,21 @@ std::unique_ptr<GemmBackend> reference(const GemmEngine* /*engine*/, const GemmS
 // oneDNN's brgemm picks its K blocking from M.
 GemmTraits onednn_traits() { return {.m_independent = false}; }
 
-// The one list of backends, in the default list's priority order (why each
-// is where it is: gemm_backend.hpp and the gates above).
-constexpr GemmBackendEntry kBackends[] = {
-    {GemmBackendKind::amx, "amx", amx_usable, amx_reason, gated<amx_usable, detail::make_amx_gemm_on_cpu>, nullptr},
-    {GemmBackendKind::avx2, "avx2", avx2_gemm_is_default, unless<avx2_gemm_usable, kNoAvx2>,
-     gated<avx2_gemm_usable, detail::make_avx2_gemm_on_cpu>, nullptr},
-    // On Intel CPUs with AVX-512, f32 FMAs on widened bf16
-    // (avx512_fma_is_default): Xeon model 207 without AMX, one thread, the
-    // step's three GEMMs at 151-165 GFLOP/s against vdpbf16ps's 92-100.
-    {GemmBackendKind::avx512_fma, "avx512fma", avx512_fma_is_default, unless<avx512_fma_usable, kNoAvx512>,
-     gated<avx512_fma_usable, detail::make_avx512_fma_gemm_on_cpu>, nullptr},
-    // bf16 A and B on an AVX512-BF16 CPU without AMX: faster than oneDNN 2.6
-    // on a Zen 4 at the headline and at T=512 (gemm_avx512_bf16.cpp's header,
-    // docs/benchmarks.md), and with bf16 gradients oneDNN's gemm:jit asked a
-    // scratchpad the size of the dW tile in f32, which left the workspace
-    // budget one tile slot: the step ran on one thread (9.17 s against 4.36 s).
-    {GemmBackendKind::avx512_bf16, "avx512bf16", avx512_bf16_usable, unless<avx512_bf16_usable, kNoAvx512Bf16>,
-     gated<avx512_bf16_usable, detail::make_avx512_bf16_gemm_on_cpu>, nullptr},
-    {GemmBackendKind::onednn, "onednn", always, no_reason, onednn, onednn_traits},
-    {GemmBackendKind::reference, "reference", always, no_reason, reference, nullptr},
-};
+// The table: GRPO_GEMM_BACKENDS's rows (gemm_backend.hpp). Why each is where
+// it is: amx first where it runs; avx2 only where there is no AVX-512
+// (avx2_gemm_is_default); on Intel CPUs with AVX-512, f32 FMAs on widened
+// bf16 (avx512_fma_is_default: Xeon model 207 without AMX, one thread, the
+// step's three GEMMs at 151-165 GFLOP/s against vdpbf16ps's 92-100) before
+// avx512bf16; avx512bf16 for bf16 A and B on an AVX512-BF16 CPU without AMX:
+// faster than oneDNN 2.6 on a Zen 4 at the headline and at T=512
+// (gemm_avx512_bf16.cpp's header, docs/benchmarks.md), and with bf16
+// gradients oneDNN's gemm:jit asked a scratchpad the size of the dW tile in
+// f32, which left the workspace budget one tile slot: the step ran on one
+// thread (9.17 s against 4.36 s); then oneDNN, then the reference loops.
+#define GRPO_GEMM_ROW(kind, name, in_default_list, unusable, make, fixed_traits) \
+  {GemmBackendKind::kind, name, in_default_list, unusable, make, fixed_traits},
+constexpr GemmBackendEntry kBackends[] = {GRPO_GEMM_BACKENDS(GRPO_GEMM_ROW)};
+#undef GRPO_GEMM_ROW
 
 }  // namespace
 

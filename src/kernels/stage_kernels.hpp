@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 
@@ -85,8 +86,8 @@ struct StageKernels {
   // The filtered backward's column marks over one dlogits row g (f32 or
   // bf16): kept[v] = 1 where |g_v| >= threshold; other marks are left as they
   // are. Returns the sum of |g_v| below the threshold (the most the row can
-  // leave out), summed in 16 lanes (element v into lane v mod 16) then lanes
-  // 0..15 in order: the same bits on every path.
+  // leave out), summed in kKeptLanes = 16 lanes (element v into lane v mod
+  // 16) then lanes 0..15 in order: the same bits on every path.
   float (*mark_kept)(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept);
   // out_v = out_v + in_v over a row, out f32 or bf16 (the sum rounded to
   // nearest even): a dW row the filtered backward adds into.
@@ -110,6 +111,8 @@ struct StageKernels {
 // Segment length of row_stats over long rows: 2048 f32 = 8 KiB stays in L1
 // between the max pass and the exp pass over the same segment.
 inline constexpr std::int64_t kSegment = 2048;
+// The lanes of StageKernels::mark_kept's sum (an AVX-512 vector's).
+inline constexpr std::size_t kKeptLanes = 16;
 
 const StageKernels& scalar_kernels();
 // nullptr when the CPU (or the build) lacks AVX-512F/BW/DQ/VL.

@@ -238,14 +238,14 @@ void bf16_to_f32_scalar(const std::uint16_t* in, float* out, std::int64_t n) {
 }
 
 float mark_kept_scalar(const void* g, Elem type, std::int64_t n, float threshold, std::uint8_t* kept) {
-  std::array<float, 16> lane{};  // the AVX-512 path's lanes
+  std::array<float, kKeptLanes> lane{};  // the AVX-512 path's lanes
   for (std::int64_t i = 0; i < n; ++i) {
     const float x =
         type == Elem::f32 ? static_cast<const float*>(g)[i] : bf16_to_float(static_cast<const std::uint16_t*>(g)[i]);
     if (std::fabs(x) >= threshold) {
       kept[i] = 1;
     } else {
-      lane[static_cast<std::size_t>(i % 16)] += std::fabs(x);
+      lane[static_cast<std::size_t>(i) % kKeptLanes] += std::fabs(x);
     }
   }
   float sum = 0.0F;
