@@ -2,7 +2,8 @@
 // refactorings that must not change a bit (issue 45 item 4). Runs a fixed
 // list of cases through the public API (LmHeadLossPlan, LmHeadLogProbPlan,
 // LogitsLossPlan) with every GEMM backend named on the command line (default:
-// the default list, then each forced by GRPO_GEMM), and prints one line per
+// the default choice, then each backend of the table, kernels::gemm_backends(),
+// that this CPU runs, forced by GRPO_GEMM), and prints one line per
 // case: an FNV-1a hash of logp, entropy, kl, dhidden, dweight, dbias, the
 // metrics, the step's counters (not its times) and of describe() (its
 // measured plan bytes left out). Compare two builds' outputs with diff.
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "grpo/grpo.hpp"
+#include "kernels/gemm_backend.hpp"
 
 namespace {
 
@@ -340,7 +342,11 @@ std::string run_logits(const Problem& pb, DType dtype) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> backends = {"", "avx512bf16", "avx512fma", "avx2", "onednn", "reference"};
+  // The default choice, then each backend of the table this CPU can run, forced.
+  std::vector<std::string> backends = {""};
+  for (const grpo::kernels::GemmBackendEntry& e : grpo::kernels::gemm_backends()) {
+    if (e.unusable() == nullptr) backends.emplace_back(e.name);
+  }
   if (argc > 1) backends.assign(argv + 1, argv + argc);
   const Problem pb(20261129);
   int n = 0;
