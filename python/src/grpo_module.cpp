@@ -573,10 +573,9 @@ NB_MODULE(_core, m) {
            "Returns the Metrics; on a refusal no output was written.",
            "workspace"_a.none(), nb::kw_only(), "hidden"_a, "weight"_a, "ids"_a, "mask"_a, "advantages"_a, "logp"_a,
            "bias"_a.none() = nb::none(), "old_logp"_a.none() = nb::none(), "ref_logp"_a.none() = nb::none(),
-           "is_weight"_a.none() = nb::none(), "sequence_offsets"_a.none() = nb::none(),
-           "entropy"_a.none() = nb::none(), "kl"_a.none() = nb::none(), "dhidden"_a.none() = nb::none(),
-           "dweight"_a.none() = nb::none(), "dbias"_a.none() = nb::none(), "grad_scale"_a = 1.0,
-           "stats"_a.none() = nb::none());
+           "is_weight"_a.none() = nb::none(), "sequence_offsets"_a.none() = nb::none(), "entropy"_a.none() = nb::none(),
+           "kl"_a.none() = nb::none(), "dhidden"_a.none() = nb::none(), "dweight"_a.none() = nb::none(),
+           "dbias"_a.none() = nb::none(), "grad_scale"_a = 1.0, "stats"_a.none() = nb::none());
 
   nb::class_<StepStats>(m, "StepStats",
                         "What one C++ call executed (grpo::LmHeadStepStats: GEMM rows, padding included, active rows, "
