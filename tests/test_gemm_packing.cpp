@@ -72,6 +72,41 @@ class Packed {
   std::uint16_t* data_ = nullptr;
 };
 
+// The packed X panel (panel_rows x kb32) against the source: X(r, k) where the
+// layout's index arithmetic got(r, k) says, 0 in the padding (r >= rows, k >= kb).
+// At most three mismatches are reported.
+template <class Got>
+void expect_x_packed(const Source& x, std::int64_t rows, std::int64_t kb, std::int64_t panel_rows, std::int64_t kb32,
+                     Got got) {
+  int bad = 0;
+  for (std::int64_t r = 0; r < panel_rows && bad < 3; ++r) {
+    for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
+      const std::uint16_t want = r < rows && k < kb ? x.at(r, k) : 0;
+      const std::uint16_t g = got(r, k);
+      if (g != want) {
+        ++bad;
+        ADD_FAILURE() << "X(" << r << ", " << k << ") packed as 0x" << std::hex << g << ", want 0x" << want;
+      }
+    }
+  }
+}
+
+// The packed Y block (kb32 x nb32) likewise: Y(k, n) where got(k, n) says, 0 in the padding.
+template <class Got>
+void expect_y_packed(const Source& y, std::int64_t kb, std::int64_t nb, std::int64_t kb32, std::int64_t nb32, Got got) {
+  int bad = 0;
+  for (std::int64_t n = 0; n < nb32 && bad < 3; ++n) {
+    for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
+      const std::uint16_t want = n < nb && k < kb ? y.at(k, n) : 0;
+      const std::uint16_t g = got(k, n);
+      if (g != want) {
+        ++bad;
+        ADD_FAILURE() << "Y(" << k << ", " << n << ") packed as 0x" << std::hex << g << ", want 0x" << want;
+      }
+    }
+  }
+}
+
 const PackedX kXLayouts[] = {PackedX::tiles, PackedX::groups_bf16, PackedX::groups_f32};
 const char* name(PackedX l) {
   return l == PackedX::tiles ? "XTiles" : l == PackedX::groups_bf16 ? "XRowGroups<8, Bf16>" : "XRowGroups<8, F32>";
@@ -91,25 +126,15 @@ TEST(GemmPacking, XPanelsInEveryLayout) {
           const bool f32 = layout == PackedX::groups_f32;
           Packed out(32 * kb32 * (f32 ? 2 : 1));
           pack_x_panel(layout, x.data.data(), x.rs, x.cs, rows, kb, out.data());
-          int bad = 0;
-          for (std::int64_t r = 0; r < 32 && bad < 3; ++r) {
-            for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
-              const std::uint16_t want = r < rows && k < kb ? x.at(r, k) : 0;
-              std::uint16_t got = 0;
-              if (layout == PackedX::tiles) {
-                // [k step][2 tiles][16 rows][32 k]: the panel's row r of k step k / 32.
-                got = out[(k / 32) * 32 * 32 + r * 32 + k % 32];
-              } else {
-                // Per group of 8 rows: [k pair][8 rows] pairs of (k, k + 1).
-                const std::int64_t pair = (r / 8) * 8 * (kb32 / 2) + (k / 2) * 8 + r % 8;
-                got = f32 ? out.f32_at(2 * pair + k % 2) : out[2 * pair + k % 2];
-              }
-              if (got != want) {
-                ++bad;
-                ADD_FAILURE() << "X(" << r << ", " << k << ") packed as 0x" << std::hex << got << ", want 0x" << want;
-              }
+          expect_x_packed(x, rows, kb, 32, kb32, [&](std::int64_t r, std::int64_t k) -> std::uint16_t {
+            if (layout == PackedX::tiles) {
+              // [k step][2 tiles][16 rows][32 k]: the panel's row r of k step k / 32.
+              return out[(k / 32) * 32 * 32 + r * 32 + k % 32];
             }
-          }
+            // Per group of 8 rows: [k pair][8 rows] pairs of (k, k + 1).
+            const std::int64_t pair = (r / 8) * 8 * (kb32 / 2) + (k / 2) * 8 + r % 8;
+            return f32 ? out.f32_at(2 * pair + k % 2) : out[2 * pair + k % 2];
+          });
         }
       }
     }
@@ -131,20 +156,12 @@ TEST(GemmPacking, YBlocksInVnniRows) {
           const std::int64_t nb32 = round_up(nb, 32);
           Packed out(nb32 * kb32 * (f32 ? 2 : 1));
           pack_y_block(layout, y.data.data(), y.rs, y.cs, kb, nb, out.data());
-          int bad = 0;
-          for (std::int64_t n = 0; n < nb32 && bad < 3; ++n) {
-            for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
-              const std::uint16_t want = n < nb && k < kb ? y.at(k, n) : 0;
-              // Per 16 columns: kb32 / 2 rows of 16 (k, k + 1) pairs; F32: each
-              // row's 16 k values, then its 16 k + 1 values.
-              const std::int64_t row = (n / 16) * (kb32 / 2) * 32 + (k / 2) * 32;
-              const std::uint16_t got = f32 ? out.f32_at(row + (k % 2) * 16 + n % 16) : out[row + (n % 16) * 2 + k % 2];
-              if (got != want) {
-                ++bad;
-                ADD_FAILURE() << "Y(" << k << ", " << n << ") packed as 0x" << std::hex << got << ", want 0x" << want;
-              }
-            }
-          }
+          expect_y_packed(y, kb, nb, kb32, nb32, [&](std::int64_t k, std::int64_t n) -> std::uint16_t {
+            // Per 16 columns: kb32 / 2 rows of 16 (k, k + 1) pairs; F32: each
+            // row's 16 k values, then its 16 k + 1 values.
+            const std::int64_t row = (n / 16) * (kb32 / 2) * 32 + (k / 2) * 32;
+            return f32 ? out.f32_at(row + (k % 2) * 16 + n % 16) : out[row + (n % 16) * 2 + k % 2];
+          });
         }
       }
     }
@@ -178,17 +195,9 @@ TEST(GemmPacking, Avx2XPanelsInRowGroupsOfSix) {
           Packed out(24 * kb32 * 2);
           pack_x_panel_avx2(f32 ? static_cast<const void*>(xf.data()) : x.data.data(), f32, x.rs, x.cs, rows, kb,
                             reinterpret_cast<float*>(out.data()));
-          int bad = 0;
-          for (std::int64_t r = 0; r < 24 && bad < 3; ++r) {
-            for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
-              const std::uint16_t want = r < rows && k < kb ? x.at(r, k) : 0;
-              const std::uint16_t got = out.f32_at((r / 6) * 6 * kb32 + (k / 2) * 12 + (r % 6) * 2 + k % 2);
-              if (got != want) {
-                ++bad;
-                ADD_FAILURE() << "X(" << r << ", " << k << ") packed as 0x" << std::hex << got << ", want 0x" << want;
-              }
-            }
-          }
+          expect_x_packed(x, rows, kb, 24, kb32, [&](std::int64_t r, std::int64_t k) {
+            return out.f32_at((r / 6) * 6 * kb32 + (k / 2) * 12 + (r % 6) * 2 + k % 2);
+          });
         }
       }
     }
@@ -212,17 +221,9 @@ TEST(GemmPacking, Avx2YBlocksAsF32Rows) {
           Packed out(nb32 * kb32 * 2);
           pack_y_block_avx2(f32 ? static_cast<const void*>(yf.data()) : y.data.data(), f32, y.rs, y.cs, kb, nb,
                             reinterpret_cast<float*>(out.data()));
-          int bad = 0;
-          for (std::int64_t n = 0; n < nb32 && bad < 3; ++n) {
-            for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
-              const std::uint16_t want = n < nb && k < kb ? y.at(k, n) : 0;
-              const std::uint16_t got = out.f32_at((n / 16) * kb32 * 16 + k * 16 + n % 16);
-              if (got != want) {
-                ++bad;
-                ADD_FAILURE() << "Y(" << k << ", " << n << ") packed as 0x" << std::hex << got << ", want 0x" << want;
-              }
-            }
-          }
+          expect_y_packed(y, kb, nb, kb32, nb32, [&](std::int64_t k, std::int64_t n) {
+            return out.f32_at((n / 16) * kb32 * 16 + k * 16 + n % 16);
+          });
         }
       }
     }
