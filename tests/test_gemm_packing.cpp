@@ -72,36 +72,20 @@ class Packed {
   std::uint16_t* data_ = nullptr;
 };
 
-// The packed X panel (panel_rows x kb32) against the source: X(r, k) where the
-// layout's index arithmetic got(r, k) says, 0 in the padding (r >= rows, k >= kb).
-// At most three mismatches are reported.
+// A packed block against its source: element (i, j) of the rows x cols
+// source where the layout's index arithmetic got(i, j) says, 0 in the padding
+// up to padded_rows x padded_cols. At most three mismatches are reported.
 template <class Got>
-void expect_x_packed(const Source& x, std::int64_t rows, std::int64_t kb, std::int64_t panel_rows, std::int64_t kb32,
-                     Got got) {
+void expect_packed(const Source& src, const char* name, std::int64_t rows, std::int64_t cols, std::int64_t padded_rows,
+                   std::int64_t padded_cols, Got got) {
   int bad = 0;
-  for (std::int64_t r = 0; r < panel_rows && bad < 3; ++r) {
-    for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
-      const std::uint16_t want = r < rows && k < kb ? x.at(r, k) : 0;
-      const std::uint16_t g = got(r, k);
+  for (std::int64_t i = 0; i < padded_rows && bad < 3; ++i) {
+    for (std::int64_t j = 0; j < padded_cols && bad < 3; ++j) {
+      const std::uint16_t want = i < rows && j < cols ? src.at(i, j) : 0;
+      const std::uint16_t g = got(i, j);
       if (g != want) {
         ++bad;
-        ADD_FAILURE() << "X(" << r << ", " << k << ") packed as 0x" << std::hex << g << ", want 0x" << want;
-      }
-    }
-  }
-}
-
-// The packed Y block (kb32 x nb32) likewise: Y(k, n) where got(k, n) says, 0 in the padding.
-template <class Got>
-void expect_y_packed(const Source& y, std::int64_t kb, std::int64_t nb, std::int64_t kb32, std::int64_t nb32, Got got) {
-  int bad = 0;
-  for (std::int64_t n = 0; n < nb32 && bad < 3; ++n) {
-    for (std::int64_t k = 0; k < kb32 && bad < 3; ++k) {
-      const std::uint16_t want = n < nb && k < kb ? y.at(k, n) : 0;
-      const std::uint16_t g = got(k, n);
-      if (g != want) {
-        ++bad;
-        ADD_FAILURE() << "Y(" << k << ", " << n << ") packed as 0x" << std::hex << g << ", want 0x" << want;
+        ADD_FAILURE() << name << "(" << i << ", " << j << ") packed as 0x" << std::hex << g << ", want 0x" << want;
       }
     }
   }
@@ -126,7 +110,7 @@ TEST(GemmPacking, XPanelsInEveryLayout) {
           const bool f32 = layout == PackedX::groups_f32;
           Packed out(32 * kb32 * (f32 ? 2 : 1));
           pack_x_panel(layout, x.data.data(), x.rs, x.cs, rows, kb, out.data());
-          expect_x_packed(x, rows, kb, 32, kb32, [&](std::int64_t r, std::int64_t k) -> std::uint16_t {
+          expect_packed(x, "X", rows, kb, 32, kb32, [&](std::int64_t r, std::int64_t k) -> std::uint16_t {
             if (layout == PackedX::tiles) {
               // [k step][2 tiles][16 rows][32 k]: the panel's row r of k step k / 32.
               return out[(k / 32) * 32 * 32 + r * 32 + k % 32];
@@ -156,7 +140,7 @@ TEST(GemmPacking, YBlocksInVnniRows) {
           const std::int64_t nb32 = round_up(nb, 32);
           Packed out(nb32 * kb32 * (f32 ? 2 : 1));
           pack_y_block(layout, y.data.data(), y.rs, y.cs, kb, nb, out.data());
-          expect_y_packed(y, kb, nb, kb32, nb32, [&](std::int64_t k, std::int64_t n) -> std::uint16_t {
+          expect_packed(y, "Y", kb, nb, kb32, nb32, [&](std::int64_t k, std::int64_t n) -> std::uint16_t {
             // Per 16 columns: kb32 / 2 rows of 16 (k, k + 1) pairs; F32: each
             // row's 16 k values, then its 16 k + 1 values.
             const std::int64_t row = (n / 16) * (kb32 / 2) * 32 + (k / 2) * 32;
@@ -195,7 +179,7 @@ TEST(GemmPacking, Avx2XPanelsInRowGroupsOfSix) {
           Packed out(24 * kb32 * 2);
           pack_x_panel_avx2(f32 ? static_cast<const void*>(xf.data()) : x.data.data(), f32, x.rs, x.cs, rows, kb,
                             reinterpret_cast<float*>(out.data()));
-          expect_x_packed(x, rows, kb, 24, kb32, [&](std::int64_t r, std::int64_t k) {
+          expect_packed(x, "X", rows, kb, 24, kb32, [&](std::int64_t r, std::int64_t k) {
             return out.f32_at((r / 6) * 6 * kb32 + (k / 2) * 12 + (r % 6) * 2 + k % 2);
           });
         }
@@ -221,7 +205,7 @@ TEST(GemmPacking, Avx2YBlocksAsF32Rows) {
           Packed out(nb32 * kb32 * 2);
           pack_y_block_avx2(f32 ? static_cast<const void*>(yf.data()) : y.data.data(), f32, y.rs, y.cs, kb, nb,
                             reinterpret_cast<float*>(out.data()));
-          expect_y_packed(y, kb, nb, kb32, nb32, [&](std::int64_t k, std::int64_t n) {
+          expect_packed(y, "Y", kb, nb, kb32, nb32, [&](std::int64_t k, std::int64_t n) {
             return out.f32_at((n / 16) * kb32 * 16 + k * 16 + n % 16);
           });
         }
