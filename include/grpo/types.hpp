@@ -11,7 +11,9 @@
 
 namespace grpo {
 
-enum class DType : std::uint8_t { f32, bf16 };
+// f16: IEEE binary16 (fp16 models); its gradients saturate at +-65504
+// (docs/semantics.md, "fp16").
+enum class DType : std::uint8_t { f32, bf16, f16 };
 
 const char* to_string(DType dtype);
 std::size_t size_of(DType dtype);

@@ -7,7 +7,14 @@
 
 namespace grpo {
 
-const char* to_string(DType dtype) { return dtype == DType::f32 ? "f32" : "bf16"; }
+const char* to_string(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return "f32";
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+  }
+  return "?";
+}
 std::size_t size_of(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
 
 const char* to_string(LossType type) {

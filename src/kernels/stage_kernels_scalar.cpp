@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/f16.hpp"
 #include "kernels/stage_kernels.hpp"
 
 namespace grpo::kernels {
@@ -19,53 +20,11 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// IEEE binary16 conversions in software (the scalar path must not need F16C,
-// and clang 14 has no _Float16 on x86-64), rounding to nearest even exactly
-// as vcvtps2ph does; the path-agreement test compares them bit for bit.
-float half_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000U) << 16;
-  const std::uint32_t exponent = (h >> 10) & 0x1fU;
-  const std::uint32_t mantissa = h & 0x3ffU;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
-    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign != 0 ? -magnitude : magnitude;
-  }
-  std::uint32_t bits = exponent == 31 ? sign | 0x7f800000U | (mantissa << 13)  // inf / NaN
-                                      : sign | ((exponent + 112) << 23) | (mantissa << 13);
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-std::uint16_t float_to_half(float f) {
-  std::uint32_t x;
-  std::memcpy(&x, &f, sizeof(x));
-  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000U);
-  x &= 0x7fffffffU;
-  if (x >= 0x7f800000U) return sign | (x > 0x7f800000U ? 0x7e00U : 0x7c00U);  // NaN (quiet) / inf
-  if (x >= 0x477ff000U) return sign | 0x7c00U;                                // >= 65520 rounds to inf
-  if (x < 0x38800000U) {                                                      // below 2^-14: a half subnormal or zero
-    if (x < 0x33000000U) return sign;  // <= 2^-25 rounds to zero (the tie goes to even 0)
-    const std::uint32_t e = x >> 23;
-    const std::uint32_t m = (x & 0x7fffffU) | 0x800000U;
-    const std::uint32_t shift = 126 - e;  // f / 2^-24 = m * 2^(e - 126)
-    std::uint32_t r = m >> shift;
-    const std::uint32_t rem = m & ((1U << shift) - 1);
-    const std::uint32_t half = 1U << (shift - 1);
-    if (rem > half || (rem == half && (r & 1U) != 0)) ++r;
-    return static_cast<std::uint16_t>(sign | r);
-  }
-  std::uint32_t r = (x - 0x38000000U) >> 13;  // rebias 127 -> 15, keep 10 mantissa bits
-  const std::uint32_t rem = x & 0x1fffU;
-  if (rem > 0x1000U || (rem == 0x1000U && (r & 1U) != 0)) ++r;  // a carry may bump the exponent: correct
-  return static_cast<std::uint16_t>(sign | r);
-}
-
 float load(const void* data, Elem type, std::int64_t i) {
   switch (type) {
     case Elem::f32: return static_cast<const float*>(data)[i];
     case Elem::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
-    case Elem::f16: return half_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case Elem::f16: return f16_to_float(static_cast<const std::uint16_t*>(data)[i]);
   }
   return 0.0F;
 }
@@ -74,7 +33,7 @@ void store(void* data, Elem type, std::int64_t i, float v) {
   switch (type) {
     case Elem::f32: static_cast<float*>(data)[i] = v; return;
     case Elem::bf16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(v); return;
-    case Elem::f16: static_cast<std::uint16_t*>(data)[i] = float_to_half(v); return;
+    case Elem::f16: static_cast<std::uint16_t*>(data)[i] = float_to_f16(v); return;
   }
 }
 
