@@ -98,7 +98,11 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
   const FilterSlack filter(c, want.head.dlogits, row_weight, b.dz_err);
   // dhidden[t, k] = sum_v dz[t, v] W[v, k]
   const std::vector<float> dh = to_float(got.dhidden.data(), c.dhidden_dtype, static_cast<std::size_t>(n * h));
-  const double dh_out = c.dhidden_dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
+  const double dh_out = c.dhidden_dtype == DType::bf16  ? 1.0 / 256.0
+                        : c.dhidden_dtype == DType::f16 ? 1.0 / 1024.0
+                                                        : 0.0;
+  // An f16 output's rounding near 0 is absolute: half its subnormal step, 2^-25 (2x margin).
+  const double dh_abs = c.dhidden_dtype == DType::f16 ? std::ldexp(1.0, -24) : 0.0;
   for (std::int64_t t = 0; t < n; ++t) {
     for (std::int64_t k = 0; k < h; ++k) {
       double sys = 0.0, sq = 0.0, abs_sum = 0.0;
@@ -111,13 +115,21 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
       }
       const double want_dh = want.dhidden[t * h + k];
       const double tol = sys + dz_round * std::sqrt(sq) + 2.0 * kEpsF32 * std::sqrt(static_cast<double>(v)) * abs_sum +
-                         dh_out * std::abs(want_dh) + 1e-30;
+                         dh_out * std::abs(want_dh) + dh_abs + 1e-30;
       ASSERT_NEAR(dh[t * h + k], want_dh, tol) << "dhidden[" << t << ", " << k << "]";
     }
   }
   // dweight[v, k] = init + sum_t dz[t, v] hidden[t, k]
   const std::vector<double> dw = got.dweight_vocab_major(c);
   const double dw_out = c.dweight_dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
+  // An f16 dW is rounded once per token block that adds into it (the GEMM's
+  // f16 C): each rounding moves it by at most 2^-11 of the partial sum, itself
+  // at most |init| + sum |terms|, or by 2^-25 near 0.
+  const bool dw_f16 = c.dweight_dtype == DType::f16;
+  const double dw_roundings = !dw_f16 ? 0.0
+                              : c.token_block > 0
+                                  ? std::ceil(static_cast<double>(n) / static_cast<double>(c.token_block))
+                                  : static_cast<double>(n);
   for (std::int64_t a = 0; a < v; ++a) {
     for (std::int64_t k = 0; k < h; ++k) {
       double sys = 0.0, sq = 0.0, abs_sum = 0.0;
@@ -131,7 +143,8 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
       const double init = c.accumulate ? p.dweight_init[a * h + k] : 0.0;
       const double want_dw = init + want.dweight[a * h + k];
       const double tol = sys + dz_round * std::sqrt(sq) + 2.0 * kEpsF32 * std::sqrt(static_cast<double>(n)) * abs_sum +
-                         2.0 * kEpsF32 * std::abs(init) + dw_out * std::abs(want_dw) + 1e-30;
+                         2.0 * kEpsF32 * std::abs(init) + dw_out * std::abs(want_dw) +
+                         dw_roundings * (std::ldexp(abs_sum + std::abs(init), -11) + std::ldexp(1.0, -25)) + 1e-30;
       ASSERT_NEAR(dw[a * h + k], want_dw, tol) << "dweight[" << a << ", " << k << "]";
     }
   }

@@ -15,6 +15,7 @@ struct HeadCase {
   DType dtype = DType::f32;
   WeightLayout layout = WeightLayout::vocab_major;
   bool bias = false;
+  DType bias_dtype = DType::f32;
   bool banned = false;       // bias -inf on some tokens
   bool accumulate = false;   // dweight / dbias += (initial values nonzero)
   bool frozen = false;       // LmHeadOptions::frozen_weight: dweight / dbias not passed (they keep their fill)
@@ -43,8 +44,8 @@ inline constexpr std::byte kOutputPadByte{0xff};  // a NaN in f32 and in bf16
 
 inline std::string case_name(const HeadCase& c) {
   return describe(c.spec) + " H=" + std::to_string(c.hidden) + " dtype=" + to_string(c.dtype) +
-         " layout=" + to_string(c.layout) + (c.bias ? " bias" : "") + (c.banned ? " banned" : "") +
-         (c.accumulate ? " accumulate" : "") + " block=" + std::to_string(c.token_block) +
+         " layout=" + to_string(c.layout) + (c.bias ? std::string(" bias(") + to_string(c.bias_dtype) + ")" : "") +
+         (c.banned ? " banned" : "") + (c.accumulate ? " accumulate" : "") + " block=" + std::to_string(c.token_block) +
          " tile=" + std::to_string(c.vocab_tile) + " dW=" + to_string(c.dweight_dtype) +
          " dh=" + to_string(c.dhidden_dtype) + (c.baseline ? " baseline" : " fused") +
          (c.grad_filter != 0.0 ? " grad_filter=" + std::to_string(c.grad_filter) : "") +
@@ -65,10 +66,14 @@ inline std::vector<double> store(const std::vector<double>& v, DType dtype, std:
     if (dtype == DType::f32) {
       std::memcpy(out.data() + 4 * i, &f, 4);
       actual[i] = f;
-    } else {
+    } else if (dtype == DType::bf16) {
       const std::uint16_t b = kernels::float_to_bf16(f);
       std::memcpy(out.data() + 2 * i, &b, 2);
       actual[i] = kernels::bf16_to_float(b);
+    } else {
+      const std::uint16_t b = kernels::float_to_f16(f);
+      std::memcpy(out.data() + 2 * i, &b, 2);
+      actual[i] = kernels::f16_to_float(b);
     }
   }
   return actual;
@@ -215,7 +220,7 @@ inline HeadProblem make_head_problem(const HeadCase& c, bool with_oracle = true)
     for (std::int64_t a = 0; a < v; ++a) {
       b[a] = (c.banned && a % 5 == 1) ? -std::numeric_limits<double>::infinity() : normal(rng);
     }
-    p.oracle.bias = store(b, DType::f32, p.bias);
+    p.oracle.bias = store(b, c.bias_dtype, p.bias);
   }
   p.oracle.head.batch = s.batch;
   p.oracle.head.seq_len = s.seq_len;
@@ -282,7 +287,10 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
   const std::int64_t dweight_ld = wcols + c.dweight_pad, dhidden_ld = h + c.dhidden_pad;
   const float nan_f32 = std::numeric_limits<float>::quiet_NaN();
   const std::uint16_t nan_bf16 = kernels::float_to_bf16(nan_f32);
-  const void* nan = c.dtype == DType::f32 ? static_cast<const void*>(&nan_f32) : &nan_bf16;
+  const std::uint16_t nan_f16 = kernels::float_to_f16(nan_f32);
+  const void* nan = c.dtype == DType::f32    ? static_cast<const void*>(&nan_f32)
+                    : c.dtype == DType::bf16 ? static_cast<const void*>(&nan_bf16)
+                                             : static_cast<const void*>(&nan_f16);
   const std::byte out_fill[4] = {kOutputPadByte, kOutputPadByte, kOutputPadByte, kOutputPadByte};
   const std::size_t in_size = size_of(c.dtype);
   const std::vector<std::byte> hidden_buf =
@@ -302,13 +310,13 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
                     c.dtype,
                     c.layout,
                     c.bias,
-                    DType::f32,
+                    c.bias_dtype,
                     c.hidden_pad != 0 ? hidden_ld : 0,
                     c.weight_pad != 0 ? weight_ld : 0,
                     c.dweight_pad != 0 ? dweight_ld : 0};
   LmHeadInputs in{{c.hidden_pad != 0 ? hidden_buf.data() : p.hidden.data(), c.dtype, n, h, hidden_ld},
                   {c.weight_pad != 0 ? weight_buf.data() : p.weight.data(), c.dtype, wrows, wcols, weight_ld},
-                  c.bias ? VectorView{p.bias.data(), DType::f32, v} : VectorView{},
+                  c.bias ? VectorView{p.bias.data(), c.bias_dtype, v} : VectorView{},
                   p.batch.view()};
   LmHeadOutputs out{
       {o.logp, o.entropy, o.kl},

@@ -136,7 +136,25 @@ std::vector<HeadCase> baseline_cases() {
   return cases;
 }
 
+// fp16 models (issue 48): f16 hidden, weight and bias, f16 or f32 gradients,
+// on every third of the fused cases (their tile edges, layouts, loss types
+// and options), the f16 gradients' one rounding per write in the bounds.
+std::vector<HeadCase> f16_cases() {
+  std::vector<HeadCase> cases;
+  int i = 0;
+  for (HeadCase c : fused_cases()) {
+    if (i++ % 3 != 1) continue;
+    c.dtype = DType::f16;
+    c.bias_dtype = i % 2 == 0 ? DType::f16 : DType::f32;
+    c.dhidden_dtype = i % 4 < 2 ? DType::f16 : DType::f32;
+    c.dweight_dtype = i % 5 < 3 ? DType::f16 : DType::f32;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
 INSTANTIATE_TEST_SUITE_P(Fused, HeadVsOracle, ::testing::ValuesIn(fused_cases()));
+INSTANTIATE_TEST_SUITE_P(F16, HeadVsOracle, ::testing::ValuesIn(f16_cases()));
 INSTANTIATE_TEST_SUITE_P(Baseline, HeadVsOracle, ::testing::ValuesIn(baseline_cases()));
 
 }  // namespace

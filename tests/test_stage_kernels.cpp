@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "grpo/version.hpp"
+#include "kernels/f16.hpp"
 #include "kernels/stage_kernels.hpp"
 
 namespace grpo::kernels {
@@ -600,6 +601,40 @@ TEST_P(StageKernelsTest, Conversions) {
       std::memcpy(&bits, back.as<float>() + i, 4);
       ASSERT_EQ(bits, std::uint32_t{h.as<std::uint16_t>()[i]} << 16);
     }
+    // The f16 gradient form: f16.hpp's float_to_f16_saturated bit for bit
+    // (a NaN only as a NaN: vcvtps2ph keeps payload bits the software form
+    // drops), the same count, and never an f16 infinity.
+    Guarded g(n_, 2, place);
+    const std::int64_t saturated = k_->f32_to_f16_saturated(f.as<float>(), g.as<std::uint16_t>(), n_);
+    EXPECT_TRUE(g.outside_untouched());
+    std::int64_t want_saturated = 0;
+    for (std::int64_t i = 0; i < n_; ++i) {
+      const float x = f.as<float>()[i];
+      const std::uint16_t want = float_to_f16_saturated(x, &want_saturated);
+      const std::uint16_t got = g.as<std::uint16_t>()[i];
+      if (std::isnan(x)) {
+        ASSERT_TRUE((got & 0x7c00U) == 0x7c00U && (got & 0x3ffU) != 0) << "i=" << i;
+        continue;
+      }
+      ASSERT_EQ(got, want) << "i=" << i << " x=" << x;
+      ASSERT_NE(got & 0x7fffU, 0x7c00U) << "an f16 infinity at i=" << i;
+    }
+    EXPECT_EQ(saturated, want_saturated);
+  }
+}
+
+// The saturation's edges: 65519.99 rounds to 65504 (not counted), 65520
+// and beyond (and inf) are written as +-65504 and counted.
+TEST(StageKernelF16, SaturatesAtTheRangeEdge) {
+  const float edge_below = std::nextafter(65520.0F, 0.0F);
+  const std::vector<float> x = {65504.0F, edge_below, 65520.0F, -65520.0F, 1e30F, kInf, -kInf, -1.0F, 0.5F};
+  const std::vector<std::uint16_t> want = {0x7bff, 0x7bff, 0x7bff, 0xfbff, 0x7bff, 0x7bff, 0xfbff, 0xbc00, 0x3800};
+  for (const StageKernels* k : {&scalar_kernels(), avx512_kernels(), avx2_kernels()}) {
+    if (k == nullptr) continue;
+    SCOPED_TRACE(k->name);
+    std::vector<std::uint16_t> out(x.size());
+    EXPECT_EQ(k->f32_to_f16_saturated(x.data(), out.data(), std::int64_t(x.size())), 5);
+    EXPECT_EQ(out, want);
   }
 }
 

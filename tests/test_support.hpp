@@ -13,6 +13,7 @@
 
 #include "grpo/baseline.hpp"
 #include "grpo/grpo.hpp"
+#include "kernels/f16.hpp"
 #include "kernels/stage_kernels.hpp"
 #include "oracle/oracle.hpp"
 
@@ -317,8 +318,10 @@ Diff diff(const A& got, const std::vector<double>& want) {
 inline std::vector<float> to_float(const void* data, DType dtype, std::size_t count) {
   std::vector<float> out(count);
   for (std::size_t i = 0; i < count; ++i) {
-    out[i] = dtype == DType::f32 ? static_cast<const float*>(data)[i]
-                                 : kernels::bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    const auto* h = static_cast<const std::uint16_t*>(data);
+    out[i] = dtype == DType::f32    ? static_cast<const float*>(data)[i]
+             : dtype == DType::bf16 ? kernels::bf16_to_float(h[i])
+                                    : kernels::f16_to_float(h[i]);
   }
   return out;
 }

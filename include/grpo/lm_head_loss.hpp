@@ -172,6 +172,10 @@ struct LmHeadStepStats {
   std::int64_t filter_guard_blocks = 0;
   // ... and those it let run filtered at a lower threshold (eps / 4^r, r = 1..5).
   std::int64_t filter_lowered_blocks = 0;
+  // f16 gradients (dhidden / dweight of DType::f16): entries written as
+  // +-65504, the largest finite f16, where the f32 value would round to an
+  // infinity (docs/semantics.md, "fp16"). 0 for other dtypes.
+  std::int64_t f16_saturated = 0;
   double forward_gemm_s = 0.0;
   double forward_stage_s = 0.0;
   double dlogits_s = 0.0;

@@ -50,7 +50,7 @@ from grpo._torch_args import FLOAT_DTYPES, REFUSALS, refuse, refused_keyword, re
 # function of the inputs like every other output.
 STAT_FIELDS = ("logits_gemm_rows", "backward_gemm_rows", "dweight_gemm_rows", "active_rows",
                "dhidden_skipped_row_columns", "dweight_skipped_row_columns", "filter_guard_blocks",
-               "filter_lowered_blocks")
+               "filter_lowered_blocks", "f16_saturated")
 # Its wall times (the C++ call's, and the per-phase thread-seconds) differ from run to run: not an output of an
 # op (which must be a function of its inputs), they are kept per thread for the eager caller (last_timings).
 TIME_FIELDS = ("kernel_s", "forward_gemm_s", "forward_stage_s", "dlogits_s", "dweight_gemm_s", "dhidden_gemm_s")
@@ -90,6 +90,10 @@ def step_stats(stats: Tensor, v: int, h: int, timings: Optional[dict[str, float]
 
 def _stats_tensor(stats: grpo.StepStats) -> Tensor:
     _timings.last = {f: float(getattr(stats, f)) for f in TIME_FIELDS}
+    if stats.f16_saturated > 0:
+        warnings.warn(f"grpo: {stats.f16_saturated} float16 gradient entries exceeded 65504 and were written as "
+                      "+-65504 (the largest finite float16; docs/semantics.md, 'fp16'): scale the loss down",
+                      RuntimeWarning, stacklevel=2)
     return torch.tensor([float(getattr(stats, f)) for f in STAT_FIELDS], dtype=torch.float64)
 
 
@@ -115,18 +119,18 @@ def _head_shape(b: int, s: int, h: int, v: int, dtype, bias: Optional[Tensor], h
 
 
 def dweight_dtype(weight: Tensor) -> str:
-    """The dtype dW is written in: the weight's, or float32 for a bf16 weight whose grad_dtype is float32
-    (mixed precision: the float32 .grad then gets the kernel's float32 dW, not a bf16 rounding of it). Under
+    """The dtype dW is written in: the weight's, or float32 for a bf16 / fp16 weight whose grad_dtype is float32
+    (mixed precision: the float32 .grad then gets the kernel's float32 dW, not a 16-bit rounding of it). Under
     torch.compile, whose tracer cannot read grad_dtype, the weight's (autograd converts it to grad_dtype)."""
     if torch.compiler.is_compiling():
         return str(weight.dtype).removeprefix("torch.")
-    if weight.dtype == torch.bfloat16 and getattr(weight, "grad_dtype", None) == torch.float32:
+    if weight.dtype in (torch.bfloat16, torch.float16) and getattr(weight, "grad_dtype", None) == torch.float32:
         return "float32"
     return str(weight.dtype).removeprefix("torch.")
 
 
 def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _plan_values(s: dict) -> dict:

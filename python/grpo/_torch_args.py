@@ -17,7 +17,7 @@ import torch
 import grpo
 from grpo import _core, _fields
 
-FLOAT_DTYPES = {torch.float32: _core.DType.f32, torch.bfloat16: _core.DType.bf16}
+FLOAT_DTYPES = {torch.float32: _core.DType.f32, torch.bfloat16: _core.DType.bf16, torch.float16: _core.DType.f16}
 REFUSALS = (grpo.Error, grpo.ArgumentTypeError, grpo.UnsupportedError)
 
 
@@ -69,7 +69,7 @@ def check_cpu(t, name: str) -> None:
 
 def check_float(t: torch.Tensor, name: str) -> None:
     if t.dtype not in FLOAT_DTYPES:
-        raise refuse(name, f"must be float32 or bfloat16, got {t.dtype}", grpo.ArgumentTypeError)
+        raise refuse(name, f"must be float32, bfloat16 or float16, got {t.dtype}", grpo.ArgumentTypeError)
 
 
 def check_shape(t: torch.Tensor, name: str, *shapes: tuple[int, ...]) -> None:
@@ -119,7 +119,7 @@ def check_head(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     h = rows.shape[1]
     if weight.dtype != rows.dtype:
         raise refuse(names["weight"], f"has dtype {weight.dtype} but {names['hidden']} has {rows.dtype}; "
-                     "grpo needs both float32 or both bfloat16", grpo.ArgumentTypeError)
+                     "grpo needs both in one of float32, bfloat16, float16", grpo.ArgumentTypeError)
     if weight.dim() != 2 or weight.shape[1] != h:
         raise refuse(names["weight"], f"has shape {list(weight.shape)}, expected [V, {h}]")
     if weight.shape[1] > 1 and weight.stride(1) != 1:

@@ -65,7 +65,7 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """torch.nn.functional.linear_cross_entropy, computed by grpo (see the module's docstring).
 
-    input [*, H] and linear_weight [V, H] (both float32 or both bfloat16),
+    input [*, H] and linear_weight [V, H] (both float32, both bfloat16 or both float16),
     linear_bias [V] or None, target [*] integer class indices; ignore_index
     None means torch's -100. Returns the input's dtype: a 0-dim loss, or [*]
     for reduction="none" (0 on ignored rows).

@@ -53,7 +53,9 @@ class LmHeadLossResult:
     rows, the row x vocab columns grad_filter left out of the dhidden / dW
     GEMMs (dhidden_skipped_row_columns / dweight_skipped_row_columns;
     filter_guard_blocks / filter_lowered_blocks: the token blocks
-    grad_filter="auto"'s guard ran exact / filtered at a lower threshold),
+    grad_filter="auto"'s guard ran exact / filtered at a lower threshold;
+    f16_saturated: float16 gradient entries written as +-65504 in place of
+    an infinity, which also warns),
     executed_flops, and in eager mode kernel_s (the C++ call's wall time)
     and the per-phase thread-seconds.
     """
@@ -162,7 +164,7 @@ def lm_head_grpo_loss(
     """The GRPO loss of an LM head, fused (grpo's semantics: README "What it computes").
 
     hidden [B, T, H] or [B*T, H] and weight [V, H] (lm_head.weight), both
-    float32 or both bfloat16, unit inner stride (any row stride); bias [V];
+    float32, both bfloat16 or both float16, unit inner stride (any row stride); bias [V];
     ids / mask [B, T]; advantages [B] or [B, T]; old_logp / ref_logp [B, T];
     is_weight [B, T], [B, 1] or [B].
 
@@ -336,7 +338,7 @@ def _prepare_loss(hidden, weight, ids, mask, advantages, bias, old_logp, ref_log
         raise refuse(names["hidden"], f"holds an empty batch (B = {b}, T = {s}); grpo needs B, T >= 1")
     if weight.dtype != hidden.dtype:
         raise refuse(names["weight"], f"has dtype {weight.dtype} but {names['hidden']} has {hidden.dtype}; "
-                     "grpo needs both float32 or both bfloat16", grpo.ArgumentTypeError)
+                     "grpo needs both in one of float32, bfloat16, float16", grpo.ArgumentTypeError)
     rows = as_rows(hidden, names["hidden"], b * s)
     check_head(rows, weight, bias, names)
 
@@ -425,7 +427,7 @@ def fused_log_probs(
     logsumexp(x), entropy of softmax(x)).
 
     hidden [B, T, H] or [N, H], weight [V, H] (lm_head.weight): both float32 or
-    both bfloat16, unit inner stride (any row stride: viewed, not copied);
+    both bfloat16 or both float16, unit inner stride (any row stride: viewed, not copied);
     bias [V] or None. labels: integer ids in [0, V), B*T (or N) of them, any
     shape; int64 is converted to int32 (ids outside int32 are refused).
     outputs: "log_probs" (always computed) and optionally "entropy"; TRL's
@@ -522,7 +524,7 @@ def _prepare_log_probs(hidden, weight, bias, labels, temperature, outputs, mask,
     n = hidden.shape[0] * (hidden.shape[1] if hidden.dim() == 3 else 1)
     if weight.dtype != hidden.dtype:
         raise refuse("weight", f"has dtype {weight.dtype} but hidden has {hidden.dtype}; "
-                     "grpo needs both float32 or both bfloat16", grpo.ArgumentTypeError)
+                     "grpo needs both in one of float32, bfloat16, float16", grpo.ArgumentTypeError)
     rows = as_rows(hidden, "hidden", n)
     check_head(rows, weight, bias, _LOG_PROB_NAMES)
     if labels.numel() != n:

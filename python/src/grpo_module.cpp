@@ -103,6 +103,9 @@ PyObject* g_type_error = nullptr;         // grpo.ArgumentTypeError(TypeError)
 }
 
 bool is_f32(nb::dlpack::dtype d) { return d == nb::dtype<float>(); }
+bool is_f16(nb::dlpack::dtype d) {
+  return d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) && d.bits == 16 && d.lanes == 1;
+}
 bool is_bf16(nb::dlpack::dtype d) {
   return d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && d.bits == 16 && d.lanes == 1;
 }
@@ -122,7 +125,8 @@ void check_cpu(const Array& a, const char* name) {
 grpo::DType float_dtype(const Array& a, const char* name) {
   if (is_f32(a.dtype())) return grpo::DType::f32;
   if (is_bf16(a.dtype())) return grpo::DType::bf16;
-  throw ArgumentTypeError{name, "must be float32 or bfloat16, got " + dtype_name(a.dtype())};
+  if (is_f16(a.dtype())) return grpo::DType::f16;
+  throw ArgumentTypeError{name, "must be float32, bfloat16 or float16, got " + dtype_name(a.dtype())};
 }
 
 // The row stride the plan is keyed on: stride(0), or cols for a single row
@@ -440,7 +444,10 @@ NB_MODULE(_core, m) {
   m.attr("ArgumentTypeError") = nb::handle(g_type_error);
   nb::register_exception_translator(translate);
 
-  nb::enum_<grpo::DType>(m, "DType").value("f32", grpo::DType::f32).value("bf16", grpo::DType::bf16);
+  nb::enum_<grpo::DType>(m, "DType")
+      .value("f32", grpo::DType::f32)
+      .value("bf16", grpo::DType::bf16)
+      .value("f16", grpo::DType::f16);
   nb::enum_<grpo::LossType>(m, "LossType")
       .value("grpo", grpo::LossType::grpo)
       .value("bnpo", grpo::LossType::bnpo)
@@ -565,7 +572,7 @@ NB_MODULE(_core, m) {
       .def("describe", &grpo::LmHeadLossPlan::describe)
       .def("execute", &execute_lm_head,
            "Validates, then computes (GIL released). Arrays are DLPack CPU arrays viewed in place: hidden [N, H] and "
-           "weight (f32 or bf16, unit inner stride, the plan's row strides), bias [V], ids int32 [N], mask / "
+           "weight (f32, bf16 or f16, unit inner stride, the plan's row strides), bias [V], ids int32 [N], mask / "
            "advantages / old_logp / ref_logp / is_weight float32 (contiguous), sequence_offsets int64 [S + 1] "
            "(packed sequences, grpo::BatchInputs::sequence_offsets); outputs logp / entropy / kl float32 "
            "[N], dhidden, dweight (the options' dtypes), dbias float32 [V]. grad_scale multiplies every gradient "
@@ -592,6 +599,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("dweight_skipped_row_columns", [](const StepStats& s) { return s.step.dweight_skipped_row_columns; })
       .def_prop_ro("filter_guard_blocks", [](const StepStats& s) { return s.step.filter_guard_blocks; })
       .def_prop_ro("filter_lowered_blocks", [](const StepStats& s) { return s.step.filter_lowered_blocks; })
+      .def_prop_ro("f16_saturated", [](const StepStats& s) { return s.step.f16_saturated; })
       .def_prop_ro("forward_gemm_s", [](const StepStats& s) { return s.step.forward_gemm_s; })
       .def_prop_ro("forward_stage_s", [](const StepStats& s) { return s.step.forward_stage_s; })
       .def_prop_ro("dlogits_s", [](const StepStats& s) { return s.step.dlogits_s; })

@@ -27,7 +27,12 @@ void validate_lm_head_shape(const LmHeadShape& s) {
   validate_positive(s.hidden, "shape.hidden");
   validate_positive(s.vocab, "shape.vocab");
   if (s.vocab > (std::int64_t{1} << 31) - 1) throw Error("shape.vocab", "exceeds the int32 id range");
-  if (s.dtype != DType::f32 && s.dtype != DType::bf16) throw Error("shape.dtype", "must be f32 or bf16");
+  if (s.dtype != DType::f32 && s.dtype != DType::bf16 && s.dtype != DType::f16) {
+    throw Error("shape.dtype", "must be f32, bf16 or f16");
+  }
+  if (s.has_bias && s.bias_dtype != DType::f32 && s.bias_dtype != DType::bf16 && s.bias_dtype != DType::f16) {
+    throw Error("shape.bias_dtype", "must be f32, bf16 or f16");
+  }
   if (s.layout != WeightLayout::vocab_major && s.layout != WeightLayout::hidden_major) {
     throw Error("shape.layout", "unknown weight layout");
   }
@@ -72,8 +77,16 @@ void validate_grad_dtypes(const LmHeadShape& s, DType dweight, DType dhidden) {
     throw Error("options.dweight_dtype", "bf16 gradients need bf16 inputs (oneDNN has no f32 x f32 -> bf16 matmul)",
                 ErrorKind::unsupported);
   }
-  if (dweight != DType::f32 && dweight != DType::bf16) throw Error("options.dweight_dtype", "must be f32 or bf16");
-  if (dhidden != DType::f32 && dhidden != DType::bf16) throw Error("options.dhidden_dtype", "must be f32 or bf16");
+  // An f16 dW is written by the GEMMs' f16 epilogue, which only our
+  // widening backends have (oneDNN 2.6 has no f16 matmul without AVX512-FP16).
+  if (dweight == DType::f16 && s.dtype != DType::f16) {
+    throw Error("options.dweight_dtype",
+                "f16 gradients need f16 inputs (shape.dtype is " + std::string(to_string(s.dtype)) + ")",
+                ErrorKind::unsupported);
+  }
+  const auto known = [](DType d) { return d == DType::f32 || d == DType::bf16 || d == DType::f16; };
+  if (!known(dweight)) throw Error("options.dweight_dtype", "must be f32, bf16 or f16");
+  if (!known(dhidden)) throw Error("options.dhidden_dtype", "must be f32, bf16 or f16");
 }
 
 void validate_head_options(const LmHeadShape& shape, const LmHeadOptions& options) {
@@ -85,6 +98,12 @@ void validate_head_options(const LmHeadShape& shape, const LmHeadOptions& option
     throw Error("options.accumulate_weight_grads", "has no dweight to add into: options.frozen_weight is set");
   }
   const double f = options.grad_filter;
+  // The filter's rule and its guard are derived and tested for bf16 and
+  // f32 dlogits and weights (docs/filtered_backward.md); an f16 step runs exact.
+  if (f != 0.0 && shape.dtype == DType::f16 && !options.forward_only) {
+    throw Error("options.grad_filter", "is not offered for f16 inputs yet: the f16 step runs exact (0)",
+                ErrorKind::unsupported);
+  }
   if (!(f >= 0.0 && f < 1.0) && f != kGradFilterAuto) {
     throw Error("options.grad_filter",
                 "must be 0 (off), kGradFilterAuto or a threshold in (0, 1); got " + std::to_string(f));

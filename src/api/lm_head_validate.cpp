@@ -17,12 +17,11 @@
 #include "driver/filter_plan.hpp"
 #include "driver/lm_head_plan.hpp"
 #include "driver/parallel.hpp"
+#include "driver/row_math.hpp"
 #include "kernels/stage_kernels.hpp"
 
 namespace grpo::detail {
 namespace {
-
-kernels::Elem elem(DType d) { return d == DType::f32 ? kernels::Elem::f32 : kernels::Elem::bf16; }
 
 // max |x| over a matrix and the first row holding a NaN or an infinity (-1 if none).
 struct Magnitude {
@@ -44,7 +43,7 @@ Magnitude scan_magnitude(const MatrixView& m, int threads) {
       float local = 0.0F;
       for (std::int64_t r = chunk * kChunk; r != end; ++r) {
         const auto* row = static_cast<const std::byte*>(m.data) + static_cast<std::size_t>(r) * row_bytes;
-        const float a = k.max_abs(row, elem(m.dtype), m.cols);
+        const float a = k.max_abs(row, elem_of(m.dtype), m.cols);
         if (a == std::numeric_limits<float>::infinity()) {
           std::int64_t seen = first.load();
           while (r < seen && !first.compare_exchange_weak(seen, r)) {
@@ -86,7 +85,9 @@ void validate_lm_head_operands(const LmHeadCallSpec& spec, const LmHeadInputs& i
     if (in.bias.size != s.vocab) {
       throw Error("bias", "has " + std::to_string(in.bias.size) + " elements, expected " + std::to_string(s.vocab));
     }
-    if (in.bias.dtype != DType::f32 && in.bias.dtype != DType::bf16) throw Error("bias", "must be f32 or bf16");
+    if (in.bias.dtype != DType::f32 && in.bias.dtype != DType::bf16 && in.bias.dtype != DType::f16) {
+      throw Error("bias", "must be f32, bf16 or f16");
+    }
     if (in.bias.dtype != spec.bias_dtype) throw Error("bias", "dtype differs from the plan's bias dtype");
   } else if (!in.bias.empty()) {
     throw Error("bias", "was given but the plan was built without has_bias");
@@ -132,7 +133,7 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
   const kernels::StageKernels& k = kernels::kernels();
   const bool sharded = global_vocab_of(s) != s.vocab;
   if (s.has_bias) {
-    if (!k.no_nan_or_pos_inf(in.bias.data, elem(in.bias.dtype), in.bias.size)) {
+    if (!k.no_nan_or_pos_inf(in.bias.data, elem_of(in.bias.dtype), in.bias.size)) {
       throw Error("bias", "contains NaN or +inf");
     }
     // A bias banning every token makes every row's logits all -inf, which the
@@ -142,9 +143,7 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
     // (scale_out_plan.cpp).
     bool any_allowed = sharded;
     for (std::int64_t v = 0; v < s.vocab && !any_allowed; ++v) {
-      const float b = in.bias.dtype == DType::f32
-                          ? static_cast<const float*>(in.bias.data)[v]
-                          : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
+      const float b = element_at(in.bias.data, in.bias.dtype, v);
       any_allowed = b != -std::numeric_limits<float>::infinity();
     }
     if (!any_allowed) throw Error("bias", "is -inf for every token: every row's logits would be -inf");
@@ -152,9 +151,7 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
       if (!in.batch.mask.empty() && in.batch.mask[r] == 0.0F) continue;  // no mask: every row valid
       const std::int64_t id = in.batch.ids[r] - s.vocab_offset;          // ids are global; the bias is this shard's
       if (id < 0 || id >= s.vocab) continue;
-      const float b = in.bias.dtype == DType::f32
-                          ? static_cast<const float*>(in.bias.data)[id]
-                          : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[id]);
+      const float b = element_at(in.bias.data, in.bias.dtype, id);
       if (b == -std::numeric_limits<float>::infinity()) {
         throw Error("ids", "row " + std::to_string(r) + " chose token " + std::to_string(in.batch.ids[r]) +
                                " whose bias is -inf");
@@ -177,9 +174,7 @@ OperandBounds validate_lm_head_values(const LmHeadCallSpec& spec, const LmHeadIn
   double bias_max = 0.0;
   if (s.has_bias) {
     for (std::int64_t v = 0; v < s.vocab; ++v) {
-      const float b = in.bias.dtype == DType::f32
-                          ? static_cast<const float*>(in.bias.data)[v]
-                          : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
+      const float b = element_at(in.bias.data, in.bias.dtype, v);
       if (b != -std::numeric_limits<float>::infinity()) bias_max = std::max(bias_max, static_cast<double>(std::abs(b)));
     }
   }

@@ -12,6 +12,7 @@
 
 #include "api/lm_head_validate.hpp"
 #include "driver/loss_accumulator.hpp"
+#include "driver/row_math.hpp"
 
 namespace grpo::detail {
 namespace {
@@ -261,9 +262,7 @@ CallFacts call_facts(const LmHeadPlanData& p, const LmHeadInputs& in, std::span<
       // as another shard allows one.
       f.bias_allows_token = 0;
       for (std::int64_t v = 0; v < in.bias.size && f.bias_allows_token == 0; ++v) {
-        const float x = in.bias.dtype == DType::f32
-                            ? static_cast<const float*>(in.bias.data)[v]
-                            : kernels::bf16_to_float(static_cast<const std::uint16_t*>(in.bias.data)[v]);
+        const float x = element_at(in.bias.data, in.bias.dtype, v);
         f.bias_allows_token = x != -std::numeric_limits<float>::infinity() ? 1 : 0;
       }
     }

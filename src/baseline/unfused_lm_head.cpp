@@ -144,6 +144,10 @@ struct LmHeadBaseline::Impl {
 LmHeadBaseline::LmHeadBaseline(const LmHeadShape& shape, const LossConfig& config,
                                const LmHeadBaselineOptions& options) {
   detail::validate_lm_head_shape(shape);
+  // The baseline is the unfused comparison of the bf16 and f32 steps; its
+  // [N, V] logits would have to be f16 or f32 for an f16 model.
+  if (shape.dtype == DType::f16)
+    throw Error("shape.dtype", "the unfused baseline takes f32 or bf16", ErrorKind::unsupported);
   detail::validate_config(config);
   detail::refuse_baseline_features(config);
   detail::validate_grad_dtypes(shape, options.dweight_dtype, options.dhidden_dtype);

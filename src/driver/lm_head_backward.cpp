@@ -159,7 +159,7 @@ void DenseBackward::finish(const BackwardBlock& b, bool dweight, bool* dweight_w
   std::int64_t i = 0;
   for (std::int64_t r = 0; r < b.nb; ++r) {
     if (i < b.na && ws.rows.active[i] == r) {
-      write_dhidden_row(b.b0 + r, ws.dhidden_act.data() + i * hidden);
+      stats.f16_saturated += write_dhidden_row(b.b0 + r, ws.dhidden_act.data() + i * hidden);
       ++i;
     } else {
       zero_dhidden_row(b.b0 + r);
@@ -184,14 +184,15 @@ void DenseBackward::zero_dweight() const {
   });
 }
 
-void DenseBackward::write_dhidden_row(std::int64_t row, const float* src) const {
+std::int64_t DenseBackward::write_dhidden_row(std::int64_t row, const float* src) const {
   auto* dst = static_cast<std::byte*>(out.dhidden.data) +
               static_cast<std::size_t>(row * out.dhidden.ld) * size_of(out.dhidden.dtype);
-  if (out.dhidden.dtype == DType::f32) {
-    std::memcpy(dst, src, static_cast<std::size_t>(p.shape.hidden) * sizeof(float));
-  } else {
-    k.f32_to_bf16(src, reinterpret_cast<std::uint16_t*>(dst), p.shape.hidden);
+  switch (out.dhidden.dtype) {
+    case DType::f32: std::memcpy(dst, src, static_cast<std::size_t>(p.shape.hidden) * sizeof(float)); return 0;
+    case DType::bf16: k.f32_to_bf16(src, reinterpret_cast<std::uint16_t*>(dst), p.shape.hidden); return 0;
+    case DType::f16: return k.f32_to_f16_saturated(src, reinterpret_cast<std::uint16_t*>(dst), p.shape.hidden);
   }
+  return 0;
 }
 
 void DenseBackward::zero_dhidden_row(std::int64_t row) const {

@@ -62,7 +62,8 @@ class DenseBackward : public StepPart {
 
  private:
   // dhidden's output row (f32, or rounded to bf16) from f32 src.
-  void write_dhidden_row(std::int64_t row, const float* src) const;
+  // Returns the f16 entries that saturated (0 unless dhidden is f16).
+  std::int64_t write_dhidden_row(std::int64_t row, const float* src) const;
   void zero_dhidden_row(std::int64_t row) const;
 };
 

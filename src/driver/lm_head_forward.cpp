@@ -62,7 +62,10 @@ void book_forward(const LmHeadPlanData& p, bool packed_estimate, WorkspaceRegist
   w.book_pieces(Region::row_arrays, rows);
   // The hidden rows as the backend packs them, for the forward's chunks and the backward's active rows.
   if (packed_estimate) {
-    w.book(Region::packed_hidden, s.dtype == DType::bf16 ? static_cast<std::size_t>(s.hidden) * 2 : 0);
+    // bf16 rows packed as bf16 (f32 by the widening backends: an estimate),
+    // f16 rows widened to f32; f32 rows are not packed (oneDNN takes them).
+    const std::size_t per_row = s.dtype == DType::bf16 ? 2 : s.dtype == DType::f16 ? 4 : 0;
+    w.book(Region::packed_hidden, static_cast<std::size_t>(s.hidden) * per_row);
   } else {
     w.book(Region::packed_hidden, 0, p.packed_hidden_bytes);
   }

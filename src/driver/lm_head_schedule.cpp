@@ -218,9 +218,12 @@ std::unique_ptr<LmHeadPlanData> build_lm_head_plan(const LmHeadShape& shape, con
   p->schedule.vocab_tile = plan_vocab_tile(shape, options);
   p->tiles = (shape.vocab + p->schedule.vocab_tile - 1) / p->schedule.vocab_tile;
   // bf16 GEMMs: the block keeps x - max in f16 (see row_stats_store) and takes
-  // the bf16 dlogits in place; f32 GEMMs keep f32 throughout.
+  // the bf16 dlogits in place; f32 GEMMs keep f32 throughout, and so do f16
+  // ones: an f16 dlogits entry would lose most of a row's small probabilities
+  // to f16's range (p / N below 2^-24 is 0), so f16 W and hidden meet f32
+  // dlogits in the backward GEMMs, widened as they are packed.
   p->store_type = shape.dtype == DType::bf16 ? kernels::Elem::f16 : kernels::Elem::f32;
-  p->dlogits_dtype = shape.dtype;
+  p->dlogits_dtype = shape.dtype == DType::bf16 ? DType::bf16 : DType::f32;
   p->engine = std::make_unique<kernels::GemmEngine>();
   p->entropy_bonus = config.entropy_coef != 0.0F;
   p->filter = make_filter_plan(shape, options);  // the backward strategy: null = dense

@@ -11,11 +11,30 @@
 
 #include "grpo/loss_config.hpp"
 #include "grpo/types.hpp"
+#include "kernels/bf16.hpp"
+#include "kernels/f16.hpp"
 #include "kernels/stage_kernels.hpp"
 
 namespace grpo::detail {
 
-inline kernels::Elem elem_of(DType dtype) { return dtype == DType::f32 ? kernels::Elem::f32 : kernels::Elem::bf16; }
+inline kernels::Elem elem_of(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return kernels::Elem::f32;
+    case DType::bf16: return kernels::Elem::bf16;
+    case DType::f16: return kernels::Elem::f16;
+  }
+  return kernels::Elem::f32;
+}
+
+// Element i of a contiguous run of dtype, as f32 (the bias checks).
+inline float element_at(const void* data, DType dtype, std::int64_t i) {
+  switch (dtype) {
+    case DType::f32: return static_cast<const float*>(data)[i];
+    case DType::bf16: return kernels::bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case DType::f16: return kernels::f16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+  }
+  return 0.0F;
+}
 
 // x = z' * scale is what the softmax sees; logp = (x_y - LSE(x)) * post;
 // dlogits = c * grad_scale * (onehot - p) (= c / tau in both conventions).

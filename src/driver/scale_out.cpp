@@ -4,6 +4,7 @@
 #include "driver/scale_out.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <new>
 #include <string>
@@ -11,6 +12,7 @@
 #include "driver/lm_head_plan.hpp"
 #include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
+#include "kernels/f16.hpp"
 
 namespace grpo::detail {
 namespace {
@@ -188,9 +190,10 @@ void ScaleOutPlan::sum_in_rank_order(const Group& group, float* values, std::int
       [&](std::int64_t at, std::int64_t n, const float* src) { std::memcpy(values + at, src, bytes(n)); });
 }
 
-void ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrixView& m, const ExchangeRegions& x,
-                                     int threads) const {
-  if (group.size == 1 || m.rows == 0 || m.cols == 0) return;
+std::int64_t ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrixView& m, const ExchangeRegions& x,
+                                             int threads) const {
+  if (group.size == 1 || m.rows == 0 || m.cols == 0) return 0;
+  std::atomic<std::int64_t> saturated{0};
   float* send = x.reduce_send.data();
   float* recv = x.reduce_recv.data();
   const kernels::StageKernels& k = kernels::kernels();
@@ -213,8 +216,11 @@ void ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrixView& m,
         for_runs(at, n, [&](std::byte* src, std::int64_t off, std::int64_t run) {
           if (m.dtype == DType::f32) {
             std::memcpy(dst + off, src, static_cast<std::size_t>(run) * sizeof(float));
-          } else {
+          } else if (m.dtype == DType::bf16) {
             k.bf16_to_f32(reinterpret_cast<const std::uint16_t*>(src), dst + off, run);
+          } else {
+            const auto* h = reinterpret_cast<const std::uint16_t*>(src);
+            for (std::int64_t i = 0; i < run; ++i) dst[off + i] = kernels::f16_to_float(h[i]);
           }
         });
       },
@@ -222,11 +228,14 @@ void ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrixView& m,
         for_runs(at, n, [&](std::byte* dst, std::int64_t off, std::int64_t run) {
           if (m.dtype == DType::f32) {
             std::memcpy(dst, src + off, static_cast<std::size_t>(run) * sizeof(float));
-          } else {
+          } else if (m.dtype == DType::bf16) {
             k.f32_to_bf16(src + off, reinterpret_cast<std::uint16_t*>(dst), run);
+          } else {
+            saturated += k.f32_to_f16_saturated(src + off, reinterpret_cast<std::uint16_t*>(dst), run);
           }
         });
       });
+  return saturated.load();
 }
 
 void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outputs, const LossAccumulator* acc,
@@ -254,7 +263,8 @@ void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outpu
   if (outputs.metrics != nullptr && acc != nullptr) *outputs.metrics = acc->metrics(total);
   if (plan.options.forward_only || plan.options.frozen_weight) return;  // no dW, no dbias
   const ExchangeRegions x(workspace, plan.layout);
-  so.sum_in_rank_order(so.data, outputs.dweight, x, plan.schedule.slots);
+  const std::int64_t saturated = so.sum_in_rank_order(so.data, outputs.dweight, x, plan.schedule.slots);
+  if (outputs.stats != nullptr) outputs.stats->f16_saturated += saturated;
   if (!outputs.dbias.empty()) {
     so.sum_in_rank_order(so.data, outputs.dbias.data(), static_cast<std::int64_t>(outputs.dbias.size()), x,
                          plan.schedule.slots);

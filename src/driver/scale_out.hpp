@@ -185,7 +185,9 @@ struct ScaleOutPlan {
   void sum_in_rank_order(const Group& group, float* values, std::int64_t count, const ExchangeRegions& x,
                          int threads) const;
   // The same for a matrix view (f32 or bf16: summed in f32, rounded once).
-  void sum_in_rank_order(const Group& group, const MutMatrixView& m, const ExchangeRegions& x, int threads) const;
+  // Returns the f16 entries that saturated (kernels/f16.hpp) when m is f16.
+  std::int64_t sum_in_rank_order(const Group& group, const MutMatrixView& m, const ExchangeRegions& x,
+                                 int threads) const;
 
  private:
   const std::byte* exchange_row_stats(const ExchangeRegions& x, std::int64_t rows, std::int64_t local_tiles,

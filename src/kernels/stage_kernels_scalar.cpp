@@ -192,6 +192,12 @@ void f32_to_bf16_scalar(const float* in, std::uint16_t* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(in[i]);
 }
 
+std::int64_t f32_to_f16_saturated_scalar(const float* in, std::uint16_t* out, std::int64_t n) {
+  std::int64_t saturated = 0;
+  for (std::int64_t i = 0; i < n; ++i) out[i] = float_to_f16_saturated(in[i], &saturated);
+  return saturated;
+}
+
 void bf16_to_f32_scalar(const std::uint16_t* in, float* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
 }
@@ -240,7 +246,8 @@ const StageKernels& scalar_table() {
                                   no_nan_or_pos_inf_scalar,
                                   max_abs_scalar,
                                   f32_to_bf16_scalar,
-                                  bf16_to_f32_scalar};
+                                  bf16_to_f32_scalar,
+                                  f32_to_f16_saturated_scalar};
   return k;
 }
 

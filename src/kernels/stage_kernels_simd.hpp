@@ -36,6 +36,7 @@
 #include <immintrin.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -389,6 +390,29 @@ void f32_to_bf16_simd(const float* in, std::uint16_t* out, std::int64_t n) {
   if (i < n) store_tail<Elem::bf16>(out, i, n - i, load_tail<Elem::f32>(in, i, n - i, 0.0F));
 }
 
+// Values of magnitude >= 65520 (they round to an f16 infinity) become
+// +-65504 before the rounding; a NaN compares false and stays NaN.
+Batch saturate_f16(Batch v, std::int64_t* saturated) {
+  const auto big = xsimd::abs(v) >= Batch(65520.0F);
+  if (xsimd::any(big)) {  // rare: count the lanes one by one
+    alignas(64) std::array<float, kLanes> lanes{};
+    v.store_aligned(lanes.data());
+    for (const float x : lanes) *saturated += std::fabs(x) >= 65520.0F ? 1 : 0;
+    v = xsimd::select(big, xsimd::copysign(Batch(65504.0F), v), v);
+  }
+  return v;
+}
+
+std::int64_t f32_to_f16_saturated_simd(const float* in, std::uint16_t* out, std::int64_t n) {
+  std::int64_t saturated = 0;
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store<Elem::f16>(out, i, saturate_f16(load<Elem::f32>(in, i), &saturated));
+  if (i < n) {
+    store_tail<Elem::f16>(out, i, n - i, saturate_f16(load_tail<Elem::f32>(in, i, n - i, 0.0F), &saturated));
+  }
+  return saturated;
+}
+
 void bf16_to_f32_simd(const std::uint16_t* in, float* out, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store<Elem::f32>(out, i, load<Elem::bf16>(in, i));
@@ -410,7 +434,8 @@ const StageKernels& simd_table() {
                                   no_nan_or_pos_inf_simd,
                                   max_abs_simd,
                                   f32_to_bf16_simd,
-                                  bf16_to_f32_simd};
+                                  bf16_to_f32_simd,
+                                  f32_to_f16_saturated_simd};
   return k;
 }
 
