@@ -20,6 +20,7 @@ struct HeadCase {
   bool accumulate = false;   // dweight / dbias += (initial values nonzero)
   bool frozen = false;       // LmHeadOptions::frozen_weight: dweight / dbias not passed (they keep their fill)
   double grad_filter = 0.0;  // LmHeadOptions::grad_filter (fused only)
+  double grad_scale = 1.0;   // LmHeadInputs::grad_scale
   // Added to every row of W along one fixed direction (softmax-invariant: every
   // logit of a row moves alike), as a trained head's rows share directions:
   // what the filtered backward's left-out entries sum along.
@@ -318,6 +319,7 @@ inline HeadOutputs run_head(const HeadCase& c, const HeadProblem& p, int max_thr
                   {c.weight_pad != 0 ? weight_buf.data() : p.weight.data(), c.dtype, wrows, wcols, weight_ld},
                   c.bias ? VectorView{p.bias.data(), c.bias_dtype, v} : VectorView{},
                   p.batch.view()};
+  in.grad_scale = c.grad_scale;
   LmHeadOutputs out{
       {o.logp, o.entropy, o.kl},
       {c.dhidden_pad != 0 ? dhidden_buf.data() : o.dhidden.data(), c.dhidden_dtype, n, h, dhidden_ld},

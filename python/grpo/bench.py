@@ -217,7 +217,7 @@ def make_inputs(b: int, t: int, h: int, v: int, dtype_name: str, workload: str, 
     import grpo.torch as gt
 
     loss_type, beta, off, _config, _ = WORKLOADS[workload]
-    dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype_name]
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype_name]
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(b, t, h, generator=g).to(dtype)
     weight = (torch.randn(v, h, generator=g) * (LOGIT_STD / h**0.5)).to(dtype)
@@ -637,7 +637,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", action="append", type=_parse_shape,
                         help="quick, headline or B,T,H,V (repeatable; default: quick then headline)")
-    parser.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "f16", "f32"), default="bf16")
     parser.add_argument("--workload", choices=tuple(WORKLOADS), default="offpolicy")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--steps", type=int, default=3, help="timed steps per method (after one warm-up)")

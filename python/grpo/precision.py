@@ -20,7 +20,9 @@ its gradients computed three ways:
 and reported per gradient: the max abs error over the sampled entries
 relative to their max |ref|, and the relative L2 error ||got - ref|| /
 ||ref||, beside the error of ref itself rounded to bf16 (the floor any bf16
-gradient has). The sampled vocabulary rows are half chosen tokens (whose
+gradient has). --dtype f16 runs the same in float16 (grpo: f32 dlogits,
+gradients written in fp16; eager: float16 GEMMs and gradients) beside the
+reference rounded to fp16. The sampled vocabulary rows are half chosen tokens (whose
 one-hot term enters dW) and half uniform.
 
     python -m grpo.precision                          # T=8192 H=4096 V=151936 bf16: run alone, ~20 GB, long
@@ -142,7 +144,7 @@ def measure(b: int, t: int, h: int, v: int, dtype_name: str, workload: str, n_ro
         return {"max_abs_rel": float(diff.abs().max() / want.abs().max()),
                 "rel_l2": float(diff.norm() / want.norm())}
 
-    rounding = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    rounding = {"bf16": torch.bfloat16, "f16": torch.float16}.get(dtype_name, torch.float32)
     table = {
         "dhidden": {"grpo": errors(grpo_dh, ref_dh), "eager": errors(eager_dh, ref_dh),
                     "ref_rounded": errors(ref_dh.to(rounding).double(), ref_dh)},
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grpo.precision", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", type=_parse_shape, default=(1, 8192, 4096, 151936),
                         help="quick, headline or B,T,H,V (default headline: 1,8192,4096,151936)")
-    parser.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "f16", "f32"), default="bf16",
+                        help="of hidden, weight and the gradients (f16: f32 dlogits, gradients written in fp16)")
     parser.add_argument("--workload", choices=tuple(WORKLOADS), default="offpolicy")
     parser.add_argument("--rows", type=int, default=64, help="sampled token rows of dhidden")
     parser.add_argument("--cols", type=int, default=64, help="sampled vocabulary rows of dW")

@@ -237,7 +237,7 @@ def coefficient_bound(ref: dict, case: Case) -> torch.Tensor:
 
 
 def grad_bounds(ref: dict, case: Case, *, bf16_path: bool, logits_round: float = 0.0,
-                out_round: float = 0.0) -> dict:
+                out_round: float = 0.0, out_abs: float = 0.0) -> dict:
     """Element-wise bounds on |grad - grad_ref| for dhidden, dweight, dbias."""
     tau = case.config.get("temperature", 1.0)
     e = logp_error(ref, case, logits_round)  # [N]
@@ -268,6 +268,7 @@ def grad_bounds(ref: dict, case: Case, *, bf16_path: bool, logits_round: float =
     refs = {"dhidden": ref["dhidden"], "dweight": ref["dweight"], "dbias": ref["dbias"]}
     for k in bounds:
         if refs[k] is not None:
-            # The output's own rounding (to bf16 when the parameter is bf16).
-            bounds[k] = bounds[k] + out_round * refs[k].abs() + 1e-30
+            # The output's own rounding (to bf16 / fp16 when the parameter is), and
+            # fp16's absolute step near 0 (out_abs: half its subnormal spacing).
+            bounds[k] = bounds[k] + out_round * refs[k].abs() + out_abs + 1e-30
     return bounds

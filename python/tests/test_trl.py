@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 
 import grpo  # noqa: E402
 from grpo.integrations.trl import is_patched, patch_grpo_trainer  # noqa: E402
-from reference import U32, UBF  # noqa: E402
+from reference import U16, U32, UBF  # noqa: E402
 from trl_tiny import logp_bound, tiny_trainer  # noqa: E402
 
 
@@ -66,13 +66,19 @@ def one_pass(trainer, inputs):
 
 @pytest.mark.parametrize("path,precision,temperature", [
     ("fused", "bf16", 1.0), ("fused", "bf16", 0.7), ("fused", "f32", 1.0), ("fused", "f32", 0.7),
-    ("head", "bf16", 0.7), ("head", "f32", 1.0)])
+    ("head", "bf16", 0.7), ("head", "f32", 1.0), ("fused", "f16", 1.0), ("head", "f16", 0.7)])
 def test_patched_trainer_matches_trl(path, temperature, precision, record):
     """precision bf16: GRPOConfig's default (bf16=True: CPU autocast to bfloat16, the head's operands cast to
-    bf16, TRL's logit tiles rounded to bf16); f32: bf16=False. path fused: patch_grpo_trainer's default (the
-    policy's loss from lm_head_grpo_loss); head: fused_loss=False (TRL's loss on fused_log_probs)."""
+    bf16, TRL's logit tiles rounded to bf16); f32: bf16=False; f16: an fp16 model (model_init_kwargs dtype
+    float16, no autocast: the backbone, hidden states, lm_head and its gradients in float16, TRL's logit tiles
+    float16). path fused: patch_grpo_trainer's default (the policy's loss from lm_head_grpo_loss); head:
+    fused_loss=False (TRL's loss on fused_log_probs)."""
     bf16 = precision == "bf16"
-    trainer = tiny_trainer(temperature=temperature, bf16=bf16)
+    f16 = precision == "f16"
+    trainer = tiny_trainer(temperature=temperature, bf16=bf16,
+                           **({"model_init_kwargs": {"dtype": "float16"}} if f16 else {}))
+    if f16:
+        assert trainer.model.lm_head.weight.dtype == torch.float16
     batch = next(iter(trainer.get_train_dataloader()))
     inputs = trainer._generate_and_score_completions(batch)
     theirs = one_pass(trainer, inputs)
@@ -86,9 +92,10 @@ def test_patched_trainer_matches_trl(path, temperature, precision, record):
     assert ("lm_head_loss" in kinds) == (path == "fused") and "lm_head_log_prob" in kinds, kinds
 
     args = (trainer, trainer.model, theirs["input_ids"], theirs["attention_mask"], theirs["keep"])
-    e, xmax = logp_bound(*args)
-    # Both heads err: grpo's f32 logits, TRL's (rounded to bf16 under autocast).
-    e2 = e + logp_bound(*args, logits_round=UBF if bf16 else 0.0)[0]
+    operands = torch.float16 if f16 else None
+    e, xmax = logp_bound(*args, dtype=operands)
+    # Both heads err: grpo's f32 logits, TRL's (rounded to bf16 under autocast, to fp16 for an fp16 model).
+    e2 = e + logp_bound(*args, logits_round=UBF if bf16 else U16 if f16 else 0.0, dtype=operands)[0]
     tag = f"trainer {path} {precision} T={temperature:g}"
     for name, tol in (("logps", e2), ("ref_logps", e2), ("entropy", e2 * (2.0 + xmax))):
         diff = (ours[name].double() - theirs[name].double()).abs()
@@ -102,7 +109,8 @@ def test_patched_trainer_matches_trl(path, temperature, precision, record):
     v = trainer.model.lm_head.weight.shape[0]
     # bf16: grpo rounds dlogits to bf16 and so does TRL (its tile); the backbone's
     # backward runs in bf16 under autocast: a few bf16 roundings more.
-    budget = 8 * float(e2.max()) + (8 * UBF if bf16 else 64 * U32 * v)
+    # fp16: both backbones' backward in fp16, every gradient rounded to fp16 (2^-11) a few times.
+    budget = 8 * float(e2.max()) + (8 * UBF if bf16 else 8 * U16 if f16 else 64 * U32 * v)
     for name, g in theirs["grads"].items():
         rel = float((ours["grads"][name].double() - g.double()).abs().max()) / max(float(g.abs().max()), 1e-30)
         record(tag, "grad " + (name if name == "lm_head.weight" else "backbone (worst)"),

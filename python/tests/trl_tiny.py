@@ -65,17 +65,19 @@ def tiny_trainer(temperature: float = 1.0, beta: float = 0.04, max_steps: int = 
                                           processing_class=tiny_tokenizer())
 
 
-def logp_bound(trainer, model, input_ids, attention_mask, logits_to_keep, logits_round=0.0):
+def logp_bound(trainer, model, input_ids, attention_mask, logits_to_keep, logits_round=0.0, dtype=None):
     """Per-token bound on a head's |logp - exact| (reference.py's logp_error), [B, logits_to_keep], and max |x|.
 
-    logits_round: a relative rounding of the logits (TRL's bf16 tiles under autocast). A logit scale s and
+    logits_round: a relative rounding of the logits (TRL's bf16 tiles under autocast, its fp16 ones for an fp16
+    model); dtype: what both heads multiply (bf16 under autocast, an fp16 model's own). A logit scale s and
     softcap c in the model's config (as TRL reads them): z' = c tanh(s z / c) moves by at most |s| dz.
     """
     from reference import U32
 
     with torch.no_grad(), trainer.accelerator.autocast():
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
-    dtype = torch.bfloat16 if logits_round else torch.float32  # what both heads multiply
+    if dtype is None:
+        dtype = torch.bfloat16 if logits_round else torch.float32  # what both heads multiply
     hidden = hidden.to(dtype).double()
     with torch.no_grad():
         w = model.lm_head.weight.to(dtype).double()
