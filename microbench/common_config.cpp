@@ -62,7 +62,7 @@ const char* to_string(Distribution d) {
 }
 
 DType parse_dtype(MapReader& r, const std::string& key, DType fallback) {
-  return r.get_enum<DType>(key, {{"f32", DType::f32}, {"bf16", DType::bf16}}).value_or(fallback);
+  return r.get_enum<DType>(key, {{"f32", DType::f32}, {"bf16", DType::bf16}, {"f16", DType::f16}}).value_or(fallback);
 }
 
 WeightLayout parse_layout(MapReader& r, const std::string& key) {

@@ -6,6 +6,7 @@
 #include <new>
 #include <numeric>
 
+#include "kernels/f16.hpp"
 #include "synth_internal.hpp"
 
 namespace grpo::bench {
@@ -245,6 +246,9 @@ std::uint16_t float_to_bf16(float v) {
   bits += 0x7fffU + ((bits >> 16) & 1U);
   return static_cast<std::uint16_t>(bits >> 16);
 }
+
+float f16_to_float(std::uint16_t v) { return kernels::f16_to_float(v); }
+std::uint16_t float_to_f16(float v) { return kernels::float_to_f16(v); }
 
 LmHeadShape Problem::lm_head_shape() const {
   return {.batch = spec.shape.batch,

@@ -43,6 +43,8 @@ class HostBuffer {
 
 float bf16_to_float(std::uint16_t v);
 std::uint16_t float_to_bf16(float v);  // round to nearest even
+float f16_to_float(std::uint16_t v);   // the library's (kernels/f16.hpp)
+std::uint16_t float_to_f16(float v);
 
 // Element i of a [count] array of dtype, as float (bf16 widening is exact).
 inline float load_float(const std::byte* base, DType dtype, std::size_t i) {
@@ -53,7 +55,7 @@ inline float load_float(const std::byte* base, DType dtype, std::size_t i) {
   }
   std::uint16_t b;
   std::memcpy(&b, base + 2 * i, 2);
-  return bf16_to_float(b);
+  return dtype == DType::f16 ? f16_to_float(b) : bf16_to_float(b);
 }
 
 struct ProblemSpec {

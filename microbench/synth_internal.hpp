@@ -89,7 +89,7 @@ inline void store(const HostBuffer& buf, DType dtype, std::size_t i, float v) {
   if (dtype == DType::f32) {
     std::memcpy(buf.data() + 4 * i, &v, 4);
   } else {
-    const std::uint16_t b = float_to_bf16(v);
+    const std::uint16_t b = dtype == DType::f16 ? float_to_f16(v) : float_to_bf16(v);
     std::memcpy(buf.data() + 2 * i, &b, 2);
   }
 }
