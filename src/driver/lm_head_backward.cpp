@@ -110,6 +110,10 @@ void DenseBackward::tile_dweight(std::int64_t j, int slot, std::int64_t padded, 
   auto* dw = static_cast<std::byte*>(out.dweight.data) + dw_tile.offset(c0) * size_of(p.options.dweight_dtype);
   const std::array<const void*, 2> ab = dw_tile.operands(block_at(0, c0, dl_size), ws.hidden_act.data());
   dweight_clock.time([&] { bindings.at(gemm, slot).run(ab[0], ab[1], dw, nullptr, slot_scratch(slot), packed_act); });
+  // Taken on the thread that ran the GEMM (the count is the thread's).
+  if (out.dweight.dtype == DType::f16) {
+    gemm_f16_saturated.fetch_add(kernels::take_f16_saturations(), std::memory_order_relaxed);
+  }
 }
 
 void DenseBackward::dhidden(std::int64_t padded) {

@@ -116,8 +116,11 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
   if (backward && !dbias_ready) std::fill(outputs.dbias.begin(), outputs.dbias.end(), 0.0F);
   if (backward) step.finish_tail();
   if (backward && !dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
-  exchange.end(outputs, acc);
-  if (outputs.stats != nullptr) *outputs.stats = step.step_stats();
+  const std::int64_t summed_saturated = exchange.end(outputs, acc);
+  if (outputs.stats != nullptr) {
+    *outputs.stats = step.step_stats();
+    outputs.stats->f16_saturated += summed_saturated;
+  }
 }
 
 }  // namespace

@@ -34,7 +34,8 @@ StepPart::StepPart(StepState& s)
       forward_stage_clock(s.clocks.forward_stage),
       dlogits_clock(s.clocks.dlogits),
       dweight_clock(s.clocks.dweight),
-      dhidden_clock(s.clocks.dhidden) {}
+      dhidden_clock(s.clocks.dhidden),
+      gemm_f16_saturated(s.gemm_f16_saturated) {}
 
 LmHeadStep::LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs,
                        std::byte* workspace, StepExchange& call_exchange)
@@ -52,6 +53,7 @@ LmHeadStepStats LmHeadStep::step_stats() const {
   s.dlogits_s = clocks.dlogits.seconds();
   s.dweight_gemm_s = clocks.dweight.seconds();
   s.dhidden_gemm_s = clocks.dhidden.seconds();
+  s.f16_saturated += gemm_f16_saturated.load(std::memory_order_relaxed);
   return s;
 }
 

@@ -238,8 +238,8 @@ std::int64_t ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrix
   return saturated.load();
 }
 
-void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outputs, const LossAccumulator* acc,
-                          std::byte* workspace, const std::exception_ptr& error) {
+std::int64_t finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outputs, const LossAccumulator* acc,
+                                  std::byte* workspace, const std::exception_ptr& error) {
   const ScaleOutPlan& so = *plan.scale_out;
   Status status = status_of(error);
   LossAccumulator::Sums total;
@@ -261,14 +261,14 @@ void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outpu
     }
   }
   if (outputs.metrics != nullptr && acc != nullptr) *outputs.metrics = acc->metrics(total);
-  if (plan.options.forward_only || plan.options.frozen_weight) return;  // no dW, no dbias
+  if (plan.options.forward_only || plan.options.frozen_weight) return 0;  // no dW, no dbias
   const ExchangeRegions x(workspace, plan.layout);
   const std::int64_t saturated = so.sum_in_rank_order(so.data, outputs.dweight, x, plan.schedule.slots);
-  if (outputs.stats != nullptr) outputs.stats->f16_saturated += saturated;
   if (!outputs.dbias.empty()) {
     so.sum_in_rank_order(so.data, outputs.dbias.data(), static_cast<std::int64_t>(outputs.dbias.size()), x,
                          plan.schedule.slots);
   }
+  return saturated;
 }
 
 }  // namespace grpo::detail

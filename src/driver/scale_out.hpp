@@ -198,9 +198,10 @@ struct ScaleOutPlan {
 // met inside the schedule on any rank is every rank's), then the metric sums
 // (added in rank order) and dW / dbias (summed over the data group; outputs
 // without them: nothing summed). acc: null for the generic log-prob head (no
-// metrics). error: this rank's refusal, or null.
+// metrics). error: this rank's refusal, or null. Returns the f16 dW entries
+// the sum saturated (kernels/f16.hpp; 0 unless dW is f16).
 class LossAccumulator;
-void finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outputs, const LossAccumulator* acc,
-                          std::byte* workspace, const std::exception_ptr& error);
+std::int64_t finish_data_parallel(const LmHeadPlanData& plan, const LmHeadOutputs& outputs, const LossAccumulator* acc,
+                                  std::byte* workspace, const std::exception_ptr& error);
 
 }  // namespace grpo::detail

@@ -63,23 +63,23 @@ class StepExchange {
   }
 
   // After the last block: the metrics (over the data group), and dW and
-  // dbias summed over it.
-  void end(const LmHeadOutputs& outputs, const LossAccumulator& acc) {
+  // dbias summed over it. Returns the f16 dW entries the sum saturated.
+  std::int64_t end(const LmHeadOutputs& outputs, const LossAccumulator& acc) {
     if (so_ != nullptr && so_->data) {
       ended_ = true;
-      finish_data_parallel(plan_, outputs, &acc, workspace_, nullptr);
-    } else if (outputs.metrics != nullptr) {
-      *outputs.metrics = acc.metrics();
+      return finish_data_parallel(plan_, outputs, &acc, workspace_, nullptr);
     }
+    if (outputs.metrics != nullptr) *outputs.metrics = acc.metrics();
+    return 0;
   }
 
   // The generic log-prob head's end of a call (no loss, no metrics): with a
   // data group, the outcome exchanged and, after a backward, dW and dbias
   // summed over the group (a forward's outputs hold no gradient to sum).
-  void end(const LmHeadOutputs& outputs) {
-    if (so_ == nullptr || !so_->data) return;
+  std::int64_t end(const LmHeadOutputs& outputs) {
+    if (so_ == nullptr || !so_->data) return 0;
     ended_ = true;
-    finish_data_parallel(plan_, outputs, nullptr, workspace_, nullptr);
+    return finish_data_parallel(plan_, outputs, nullptr, workspace_, nullptr);
   }
 
   // The step met error before its end: with a data group whose end-of-step

@@ -45,6 +45,9 @@ struct StepState {
   struct {
     PhaseClock forward_gemm, forward_stage, dlogits, dweight, dhidden;
   } clocks;
+  // f16 dW entries the GEMMs saturated (kernels::take_f16_saturations), added
+  // from concurrent tile tasks.
+  std::atomic<std::int64_t> gemm_f16_saturated{0};
 };
 
 // The call's state as every component sees it (references into StepState),
@@ -96,6 +99,7 @@ struct StepPart {
   StepExchange& exchange;
   LmHeadStepStats& stats;
   PhaseClock &forward_gemm_clock, &forward_stage_clock, &dlogits_clock, &dweight_clock, &dhidden_clock;
+  std::atomic<std::int64_t>& gemm_f16_saturated;
 };
 
 }  // namespace grpo::detail
