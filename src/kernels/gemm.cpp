@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace grpo::kernels {
@@ -15,6 +16,10 @@ const char* forced_gemm_backend() {
 }
 
 namespace {
+
+// take_f16_saturations()'s count: a thread's own, as our backends run on the
+// calling thread and a driver takes it on the thread that ran the GEMM.
+thread_local std::int64_t f16_saturations = 0;
 
 // The backends a Gemm of the default list, or of GRPO_GEMM, tries in order:
 // the table's default list; or the forced backend, then onednn, then
@@ -42,6 +47,10 @@ std::vector<const GemmBackendEntry*> candidates() {
 }
 
 }  // namespace
+
+std::int64_t take_f16_saturations() { return std::exchange(f16_saturations, 0); }
+
+void detail::add_f16_saturations(std::int64_t n) { f16_saturations += n; }
 
 GemmTraits gemm_traits(const GemmSpec& spec) {
   for (const GemmBackendEntry* e : candidates()) {
