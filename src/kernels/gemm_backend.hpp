@@ -175,7 +175,7 @@ bool avx512_fma_usable();
 // or it has none, so the avx512fma backend comes before avx512bf16 (and
 // oneDNN) in the default list.
 bool avx512_fma_is_default();
-// The CPU (and the OS) has AVX2 and FMA.
+// The CPU (and the OS) has AVX2, FMA and F16C.
 bool avx2_gemm_usable();
 // ... and no AVX-512: oneDNN 2.6 has no bf16 matmul there, so the avx2
 // backend is in the default list.

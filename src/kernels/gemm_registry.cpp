@@ -30,7 +30,9 @@ bool avx512_fma_is_default() {
   return cpu_features().avx512 && cpu_features().intel;
 }
 
-bool avx2_gemm_usable() { return cpu_features().avx2 && cpu_features().fma; }
+// F16C for the f16 operands' and C's conversions (vcvtph2ps, vcvtps2ph):
+// every CPU with AVX2 has it.
+bool avx2_gemm_usable() { return cpu_features().avx2 && cpu_features().fma && cpu_features().f16c; }
 
 bool avx2_gemm_is_default() { return avx2_gemm_usable() && !(cpu_features().cpuid_avx512f && cpu_features().os_zmm); }
 
@@ -52,7 +54,7 @@ const char* amx_reason() { return amx_usable() ? nullptr : amx_unusable_reason()
 
 constexpr char kNoAvx512Bf16[] = "the CPU has no AVX512-BF16";
 constexpr char kNoAvx512[] = "the CPU has no AVX-512F/BW/DQ/VL";
-constexpr char kNoAvx2[] = "the CPU has no AVX2 and FMA";
+constexpr char kNoAvx2[] = "the CPU has no AVX2, FMA and F16C";
 
 std::unique_ptr<GemmBackend> onednn(const GemmEngine* engine, const GemmSpec& spec, std::string* why_not) {
   return detail::make_onednn_gemm(*engine, spec, why_not);
