@@ -107,8 +107,8 @@ class EpilogueTarget {
   std::int64_t mx_ = 0, ny_ = 0;  // X's rows, Y's columns
 };
 
-// spec: A and B with one contiguous dimension each (serves(), or f32 ones
-// for a micro that packs f32 sources).
+// spec: A and B with one contiguous dimension each (serves(), or f16 and
+// f32 ones for a micro that widens as it packs: serves_widened()).
 Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro);
 
 // Y whole, every (k block, column block) in run()'s order: what
