@@ -1,23 +1,27 @@
-// grpo-gemm-bench: the fused bf16 step's three GEMMs alone, on one thread,
-// per GEMM backend, against one thread's measured vdpbf16ps / AMX peak.
+// grpo-gemm-bench: the fused step's three GEMMs alone, on one thread, per
+// GEMM backend, against one thread's measured peak for the model's dtype.
 //
 //   forward  logits tile [T, tile] = hidden [T, H] x W tile^T   (hidden packed once, as the plan does)
 //   dW       dW tile [tile, H] += dlogits^T [tile, T] x hidden [T, H]  (accumulating, f32)
 //   dhidden  [T, chunk] = dlogits [T, V] x W [V, chunk]
 //
-// Shapes, strides and the shared operand are the plan's (vocab-major W);
-// inputs are N(0, 1) bf16, which no GEMM's speed depends on. Each case is
-// timed best of --reps after one untimed run, on a warm C, the forward and dW
-// on the next vocab tile of W / dlogits each run (as the step reads them:
-// from memory, not from the last run's caches); the fraction is of
-// one thread's peak of the fastest bf16 unit (measure_machine_peak on one
-// thread, in this process).
+// --dtype bf16: hidden, W and dlogits bf16 (the bf16 step). --dtype f16:
+// hidden and W f16, dlogits f32 (the f16 step's: forward f16 x f16, dW and
+// dhidden f32 x f16). Shapes, strides and the shared operand are the plan's
+// (vocab-major W); inputs are N(0, 1), which no GEMM's speed depends on.
+// Each case is timed best of --reps after one untimed run, on a warm C, the
+// forward and dW on the next vocab tile of W / dlogits each run (as the step
+// reads them: from memory, not from the last run's caches); the fraction is
+// of one thread's peak of the fastest unit for the dtype (bf16: vdpbf16ps,
+// AMX or f32 FMA; f16: f32 FMA), measure_machine_peak on one thread, in
+// this process.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <random>
@@ -25,6 +29,7 @@
 #include <vector>
 
 #include "grpo/types.hpp"
+#include "kernels/f16.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 #include "machine_peak.hpp"
@@ -39,11 +44,20 @@ using grpo::kernels::GemmBinding;
 using grpo::kernels::GemmSpec;
 using grpo::kernels::SharedOperand;
 
-std::vector<std::uint16_t> random_bf16(std::size_t n, unsigned seed) {
-  std::vector<std::uint16_t> v(n);
+// n N(0, 1) values of dtype.
+std::vector<std::byte> random_values(std::size_t n, DType dtype, unsigned seed) {
+  std::vector<std::byte> v(n * grpo::size_of(dtype));
   std::mt19937 gen(seed);
   std::normal_distribution<float> dist(0.0F, 1.0F);
-  for (auto& x : v) x = grpo::bench::float_to_bf16(dist(gen));
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = dist(gen);
+    if (dtype == DType::f32) {
+      std::memcpy(v.data() + i * sizeof(float), &x, sizeof(float));
+    } else {
+      const std::uint16_t h = dtype == DType::f16 ? grpo::kernels::float_to_f16(x) : grpo::bench::float_to_bf16(x);
+      std::memcpy(v.data() + i * sizeof(h), &h, sizeof(h));
+    }
+  }
   return v;
 }
 
@@ -53,7 +67,7 @@ struct Case {
   const void* a;
   const void* b;
   std::size_t c_elems;
-  // Run r takes A at a + (r % tiles) * a_step (B likewise), bf16 elements:
+  // Run r takes A at a + (r % tiles) * a_step (B likewise), in elements:
   // the forward and dW walk the vocab tiles as the step does, so their W or
   // dlogits tile does not come warm from the last run's caches.
   std::size_t a_step = 0;
@@ -61,9 +75,10 @@ struct Case {
 };
 
 int run(int argc, char** argv) {
-  CLI::App app{"The fused bf16 step's three GEMMs alone, one thread, per GEMM backend"};
+  CLI::App app{"The fused step's three GEMMs alone, one thread, per GEMM backend"};
   std::int64_t tokens = 512, hidden = 4096, vocab = 151936, tile = 2048, chunk = 2048;
   int reps = 5;
+  std::string dtype_name = "bf16";
   // Default: every backend of the library's table but the reference loops
   // (hours at these shapes); "all": every one.
   std::vector<std::string> backends{"default"};
@@ -77,6 +92,9 @@ int run(int argc, char** argv) {
   app.add_option("--vocab-tile", tile, "vocab columns per forward / dW GEMM")->check(CLI::PositiveNumber);
   app.add_option("--hidden-chunk", chunk, "hidden columns per dhidden GEMM")->check(CLI::PositiveNumber);
   app.add_option("--reps", reps, "timed runs per case (best of)")->check(CLI::PositiveNumber);
+  app.add_option("--dtype", dtype_name,
+                 "the model's dtype: bf16 (hidden, W, dlogits bf16) or f16 (hidden and W f16, dlogits f32)")
+      ->check(CLI::IsMember({"bf16", "f16"}));
   app.add_option("--backends", backends,
                  names + " (each skipped where the CPU lacks it); all: every one; default: all but reference");
   CLI11_PARSE(app, argc, argv);
@@ -95,20 +113,23 @@ int run(int argc, char** argv) {
   grpo::bench::PeakProbeOptions one;
   one.threads = 1;
   const grpo::bench::MachinePeak peak = grpo::bench::measure_machine_peak(one);
-  const double peak_gflops = peak.for_dtype(DType::bf16);
-  std::printf("one thread's bf16 peak: %.1f GFLOP/s (vdpbf16ps %.1f, AMX %.1f, f32 FMA %.1f)%s%s\n", peak_gflops,
-              peak.avx512_bf16_gflops, peak.amx_bf16_gflops, peak.f32_fma_gflops, peak.missing.empty() ? "" : "; ",
-              peak.missing.c_str());
+  // The model's dtype (hidden, W) and dlogits' (bf16, or f32 for an f16 model).
+  const DType model = dtype_name == "f16" ? DType::f16 : DType::bf16;
+  const DType grad = model == DType::f16 ? DType::f32 : DType::bf16;
+  const double peak_gflops = peak.for_dtype(model);
+  std::printf("one thread's %s peak: %.1f GFLOP/s (vdpbf16ps %.1f, AMX %.1f, f32 FMA %.1f)%s%s\n",
+              grpo::to_string(model), peak_gflops, peak.avx512_bf16_gflops, peak.amx_bf16_gflops, peak.f32_fma_gflops,
+              peak.missing.empty() ? "" : "; ", peak.missing.c_str());
 
-  const auto hid = random_bf16(static_cast<std::size_t>(tokens * hidden), 1);
-  const auto w = random_bf16(static_cast<std::size_t>(vocab * hidden), 2);
-  const auto dl = random_bf16(static_cast<std::size_t>(tokens * vocab), 3);
+  const auto hid = random_values(static_cast<std::size_t>(tokens * hidden), model, 1);
+  const auto w = random_values(static_cast<std::size_t>(vocab * hidden), model, 2);
+  const auto dl = random_values(static_cast<std::size_t>(tokens * vocab), grad, 3);
   std::vector<Case> cases;
   const std::int64_t tiles = vocab / tile;  // whole vocab tiles the forward and dW cases walk
   {
     GemmSpec g;
-    g.a = {DType::bf16, tokens, hidden, hidden, 1};
-    g.b = {DType::bf16, hidden, tile, 1, hidden};
+    g.a = {model, tokens, hidden, hidden, 1};
+    g.b = {model, hidden, tile, 1, hidden};
     g.c = {DType::f32, tokens, tile, tile, 1};
     g.shared = SharedOperand::a;
     cases.push_back({"forward", g, hid.data(), w.data(), static_cast<std::size_t>(tokens * tile), 0,
@@ -116,8 +137,8 @@ int run(int argc, char** argv) {
   }
   {
     GemmSpec g;
-    g.a = {DType::bf16, tile, tokens, 1, vocab};
-    g.b = {DType::bf16, tokens, hidden, hidden, 1};
+    g.a = {grad, tile, tokens, 1, vocab};
+    g.b = {model, tokens, hidden, hidden, 1};
     g.c = {DType::f32, tile, hidden, hidden, 1};
     g.accumulate = true;
     g.shared = SharedOperand::b;
@@ -126,8 +147,8 @@ int run(int argc, char** argv) {
   }
   {
     GemmSpec g;
-    g.a = {DType::bf16, tokens, vocab, vocab, 1};
-    g.b = {DType::bf16, vocab, chunk, hidden, 1};
+    g.a = {grad, tokens, vocab, vocab, 1};
+    g.b = {model, vocab, chunk, hidden, 1};
     g.c = {DType::f32, tokens, chunk, hidden, 1};
     cases.push_back({"dhidden", g, dl.data(), w.data(), static_cast<std::size_t>(tokens * hidden)});
   }
@@ -161,9 +182,9 @@ int run(int argc, char** argv) {
       out.fill_zero();
       const auto run_on_tile = [&](int r) {  // run r's operands (Case::a_step)
         const auto at = static_cast<std::size_t>(r % tiles);
-        binding.run(static_cast<const std::uint16_t*>(c.a) + at * c.a_step,
-                    static_cast<const std::uint16_t*>(c.b) + at * c.b_step, out.data(), nullptr, scratch.data(),
-                    packed.data());
+        binding.run(static_cast<const std::byte*>(c.a) + at * c.a_step * grpo::size_of(c.spec.a.dtype),
+                    static_cast<const std::byte*>(c.b) + at * c.b_step * grpo::size_of(c.spec.b.dtype), out.data(),
+                    nullptr, scratch.data(), packed.data());
       };
       run_on_tile(0);
       double best = 1e30;

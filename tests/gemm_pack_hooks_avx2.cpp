@@ -12,15 +12,15 @@ using blocked::View;
 
 }  // namespace
 
-void pack_x_panel_avx2(const void* x, bool f32, std::int64_t rs, std::int64_t cs, std::int64_t rows, std::int64_t kb,
+void pack_x_panel_avx2(const void* x, DType dtype, std::int64_t rs, std::int64_t cs, std::int64_t rows, std::int64_t kb,
                        float* out) {
-  const Micro::Packer packer(View{rs, cs, f32 ? DType::f32 : DType::bf16}, View{1, 1});
+  const Micro::Packer packer(View{rs, cs, dtype}, View{1, 1});
   packer.pack_x(x, 0, rows, 0, kb, round_up(kb, kKStep), reinterpret_cast<std::uint16_t*>(out));
 }
 
-void pack_y_block_avx2(const void* y, bool f32, std::int64_t rs, std::int64_t cs, std::int64_t kb, std::int64_t nb,
+void pack_y_block_avx2(const void* y, DType dtype, std::int64_t rs, std::int64_t cs, std::int64_t kb, std::int64_t nb,
                        float* out) {
-  const Micro::Packer packer(View{1, 1}, View{rs, cs, f32 ? DType::f32 : DType::bf16});
+  const Micro::Packer packer(View{1, 1}, View{rs, cs, dtype});
   packer.pack_y(y, 0, kb, round_up(kb, kKStep), 0, nb, round_up(nb, kPanel), reinterpret_cast<std::uint16_t*>(out));
 }
 

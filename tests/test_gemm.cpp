@@ -3,8 +3,11 @@
 // in the four operand layouts the LM-head step uses (A row-major or
 // transposed x B row-major or transposed), with padded leading dimensions
 // whose padding holds NaN (a read outside a view shows up as NaN), overwrite
-// and accumulate, with and without bias, f32 and bf16 outputs. Then the
-// backends that claim batch invariance are held to it bitwise. The amx
+// and accumulate, with and without bias, f32, bf16 and f16 outputs, bf16 and
+// f32 inputs and the f16 models' mixes (f16 x f16, f32 x f16, f16 x f32);
+// each backend serves exactly the specs its table row says, no fewer, no
+// more. An f16 C saturates at +-65504, counted (take_f16_saturations). Then
+// the backends that claim batch invariance are held to it bitwise. The amx
 // backend's code runs on emulated tiles too wherever the CPU has AVX-512
 // (gemm_amx_emulated.hpp), so a CPU without AMX still tests it.
 #include <gtest/gtest.h>
@@ -23,6 +26,7 @@
 #include "baseline/baseline_gemm.hpp"
 #include "gemm_amx_emulated.hpp"
 #include "kernels/cpu.hpp"
+#include "kernels/f16.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 
@@ -45,6 +49,14 @@ float bf16_value(std::mt19937& rng) {
   std::uniform_real_distribution<float> u(-2.0F, 2.0F);
   return from_bf16(bf16_bits(u(rng)));
 }
+// The same for f16 (11 significant bits: a product of two is exact in f32).
+float f16_value(std::mt19937& rng) {
+  std::uniform_real_distribution<float> u(-2.0F, 2.0F);
+  return f16_to_float(float_to_f16(u(rng)));
+}
+
+constexpr std::uint16_t kBf16Nan = 0x7fc0;
+constexpr std::uint16_t kF16Nan = 0x7e00;
 
 // A matrix in memory: rows x cols with element (i, j) at i * rs + j * cs,
 // every element of the allocation outside the view set to NaN.
@@ -52,11 +64,22 @@ struct Buffer {
   DType dtype = DType::bf16;
   GemmOperand op;
   std::vector<float> f32;
-  std::vector<std::uint16_t> b16;
+  std::vector<std::uint16_t> b16;  // bf16 or f16
   void* data() { return dtype == DType::f32 ? static_cast<void*>(f32.data()) : static_cast<void*>(b16.data()); }
+  std::size_t index(std::int64_t i, std::int64_t j) const {
+    return static_cast<std::size_t>(i * op.row_stride + j * op.col_stride);
+  }
   float at(std::int64_t i, std::int64_t j) const {
-    const std::int64_t k = i * op.row_stride + j * op.col_stride;
-    return dtype == DType::f32 ? f32[k] : from_bf16(b16[k]);
+    const std::size_t k = index(i, j);
+    return dtype == DType::f32 ? f32[k] : dtype == DType::f16 ? f16_to_float(b16[k]) : from_bf16(b16[k]);
+  }
+  void set(std::int64_t i, std::int64_t j, float v) {  // v representable in dtype
+    const std::size_t k = index(i, j);
+    if (dtype == DType::f32) {
+      f32[k] = v;
+    } else {
+      b16[k] = dtype == DType::f16 ? float_to_f16(v) : bf16_bits(v);
+    }
   }
 };
 
@@ -71,18 +94,10 @@ Buffer make(DType dtype, std::int64_t rows, std::int64_t cols, bool transposed, 
   if (dtype == DType::f32) {
     b.f32.assign(static_cast<std::size_t>(size), nan);
   } else {
-    b.b16.assign(static_cast<std::size_t>(size), 0x7fc0);  // bf16 NaN
+    b.b16.assign(static_cast<std::size_t>(size), dtype == DType::f16 ? kF16Nan : kBf16Nan);
   }
   for (std::int64_t i = 0; i < rows; ++i) {
-    for (std::int64_t j = 0; j < cols; ++j) {
-      const std::int64_t k = i * b.op.row_stride + j * b.op.col_stride;
-      const float v = bf16_value(rng);
-      if (dtype == DType::f32) {
-        b.f32[k] = v;
-      } else {
-        b.b16[k] = bf16_bits(v);
-      }
-    }
+    for (std::int64_t j = 0; j < cols; ++j) b.set(i, j, dtype == DType::f16 ? f16_value(rng) : bf16_value(rng));
   }
   return b;
 }
@@ -91,18 +106,23 @@ struct Case {
   std::int64_t m, n, k;
   bool a_t, b_t;  // transposed (column-major) operands
   bool accumulate;
-  int bias;  // 0 none, 1 f32, 2 bf16
+  int bias;  // 0 none, 1 f32, 2 bf16, 3 f16
   DType c_dtype;
-  DType in_dtype = DType::bf16;  // A's and B's
+  DType a_dtype = DType::bf16;
+  DType b_dtype = DType::bf16;
 };
 
+DType bias_dtype(int bias) { return bias == 2 ? DType::bf16 : bias == 3 ? DType::f16 : DType::f32; }
+
 std::string name(const Case& c) {
+  const std::string inputs = c.a_dtype == DType::bf16 && c.b_dtype == DType::bf16 ? ""
+                             : c.a_dtype == DType::f32 && c.b_dtype == DType::f32
+                                 ? "_inf32"
+                                 : std::string("_in") + to_string(c.a_dtype) + "x" + to_string(c.b_dtype);
   return "M" + std::to_string(c.m) + "N" + std::to_string(c.n) + "K" + std::to_string(c.k) + (c.a_t ? "_At" : "_A") +
          (c.b_t ? "Bt" : "B") + (c.accumulate ? "_acc" : "") +
-         (c.bias == 1   ? "_biasf32"
-          : c.bias == 2 ? "_biasbf16"
-                        : "") +
-         (c.c_dtype == DType::f32 ? "_f32" : "_bf16") + (c.in_dtype == DType::f32 ? "_inf32" : "");
+         (c.bias == 0 ? "" : std::string("_bias") + to_string(bias_dtype(c.bias))) + "_" + to_string(c.c_dtype) +
+         inputs;
 }
 
 // A backend under test: one of the library's, or (emulated) the amx
@@ -131,14 +151,47 @@ std::unique_ptr<GemmBackend> make_backend(const Tested& t, const GemmSpec& spec)
   return gemm_backend(t.kind).make(nullptr, spec, nullptr);
 }
 
+// oneDNN 2.6 has no bf16 matmul without AVX-512.
+bool onednn_has_bf16() { return cpu_features().cpuid_avx512f && cpu_features().os_zmm; }
+
 // Our blocked microkernel backends (gemm_blocked.hpp).
 bool blocked_microkernel(const Tested& t) {
   const GemmBackendKind kind = t.kind;
   return kind == GemmBackendKind::amx || kind == GemmBackendKind::avx512_bf16 || kind == GemmBackendKind::avx512_fma ||
          kind == GemmBackendKind::avx2;
 }
-// Those of them that take bf16 A and B alone (avx2 takes f32 too).
-bool bf16_only(const Tested& t) { return blocked_microkernel(t) && t.kind != GemmBackendKind::avx2; }
+
+bool has_f16(const GemmSpec& spec) {
+  return spec.a.dtype == DType::f16 || spec.b.dtype == DType::f16 || spec.c.dtype == DType::f16 ||
+         (spec.has_bias && spec.bias_dtype == DType::f16);
+}
+
+// Whether a runnable backend takes spec, by its table row (gemm_backend.hpp):
+// amx and avx512bf16 bf16 A and B; avx512fma those and any mix of f32, bf16
+// and f16 with an f16 A or B (never f32 x f32); avx2 any mix; onednn no f16
+// anywhere (and it may refuse bf16 where the CPU has no AVX-512, and f32
+// inputs with a bf16 bias or output: `either`); the reference loops all.
+enum class Serves : std::uint8_t { yes, no, either };
+Serves should_serve(const Tested& t, const GemmSpec& spec) {
+  const bool bf16_inputs = spec.a.dtype == DType::bf16 && spec.b.dtype == DType::bf16;
+  const bool f16_input = spec.a.dtype == DType::f16 || spec.b.dtype == DType::f16;
+  const auto yes_if = [](bool v) { return v ? Serves::yes : Serves::no; };
+  switch (t.kind) {
+    case GemmBackendKind::amx:
+    case GemmBackendKind::avx512_bf16: return yes_if(bf16_inputs);
+    case GemmBackendKind::avx512_fma: return yes_if(bf16_inputs || f16_input);
+    case GemmBackendKind::avx2:
+    case GemmBackendKind::reference: return Serves::yes;
+    case GemmBackendKind::onednn: {
+      if (has_f16(spec)) return Serves::no;
+      const bool any_bf16 = spec.a.dtype == DType::bf16 || spec.c.dtype == DType::bf16 ||
+                            (spec.has_bias && spec.bias_dtype == DType::bf16);
+      const bool may_refuse = any_bf16 && (!onednn_has_bf16() || spec.a.dtype == DType::f32);
+      return may_refuse ? Serves::either : Serves::yes;
+    }
+  }
+  return Serves::either;
+}
 
 // The runnable ones of them (the emulated amx among them where it runs).
 std::vector<Tested> microkernel_backends() {
@@ -148,9 +201,6 @@ std::vector<Tested> microkernel_backends() {
   }
   return ours;
 }
-
-// oneDNN 2.6 has no bf16 matmul without AVX-512.
-bool onednn_has_bf16() { return cpu_features().cpuid_avx512f && cpu_features().os_zmm; }
 
 // Runs spec on one backend; returns false when it does not serve the spec.
 bool run_on(const Tested& kind, const GemmEngine& engine, const GemmSpec& spec, const void* a, const void* b, void* c,
@@ -165,16 +215,12 @@ bool run_on(const Tested& kind, const GemmEngine& engine, const GemmSpec& spec, 
   };
   if (kind.kind == GemmBackendKind::onednn) {
     // Through oneDNN directly: kernels::Gemm would pick ours first.
-    // It may refuse bf16 anywhere without AVX-512, and f32 inputs with a
-    // bf16 bias or output anywhere; nothing else.
-    const bool any_bf16 =
-        spec.a.dtype == DType::bf16 || spec.c.dtype == DType::bf16 || (spec.has_bias && spec.bias_dtype == DType::bf16);
-    const bool may_refuse = any_bf16 && (!onednn_has_bf16() || spec.a.dtype == DType::f32);
     std::unique_ptr<Gemm> g;
     try {
       g = std::make_unique<Gemm>(engine, spec, GemmBackendKind::onednn);
     } catch (const Error& e) {
-      if (!may_refuse) ADD_FAILURE() << "oneDNN refused: " << e.what();
+      if (should_serve(kind, spec) == Serves::yes) ADD_FAILURE() << "oneDNN refused: " << e.what();
+      EXPECT_EQ(e.kind(), ErrorKind::unsupported) << e.what();
       return false;
     }
     g->run(a, b, c, bias, aligned(g->scratchpad_bytes()));
@@ -190,10 +236,10 @@ bool run_on(const Tested& kind, const GemmEngine& engine, const GemmSpec& spec, 
 void expect_matches_reference(const Case& cs, const std::vector<Tested>& backends) {
   const unsigned seed = 1234U + static_cast<unsigned>(cs.m * 7919 + cs.n * 131 + cs.k);
   std::mt19937 rng(seed);
-  Buffer a = make(cs.in_dtype, cs.m, cs.k, cs.a_t, 3, rng);
-  Buffer b = make(cs.in_dtype, cs.k, cs.n, cs.b_t, 5, rng);
+  Buffer a = make(cs.a_dtype, cs.m, cs.k, cs.a_t, 3, rng);
+  Buffer b = make(cs.b_dtype, cs.k, cs.n, cs.b_t, 5, rng);
   Buffer c0 = make(cs.c_dtype, cs.m, cs.n, false, 2, rng);  // the accumulated-into values
-  Buffer bias = make(cs.bias == 2 ? DType::bf16 : DType::f32, 1, cs.n, false, 0, rng);
+  Buffer bias = make(bias_dtype(cs.bias), 1, cs.n, false, 0, rng);
   GemmSpec spec;
   spec.a = a.op;
   spec.b = b.op;
@@ -204,12 +250,12 @@ void expect_matches_reference(const Case& cs, const std::vector<Tested>& backend
   const GemmEngine engine;
   for (const Tested& kind : backends) {
     Buffer c = c0;
+    const Serves expected = should_serve(kind, spec);
     if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), cs.bias != 0 ? bias.data() : nullptr)) {
-      if (kind.kind != GemmBackendKind::onednn && !(bf16_only(kind) && cs.in_dtype == DType::f32)) {
-        ADD_FAILURE() << to_string(kind) << " refused a spec it should serve";
-      }
+      if (expected == Serves::yes) ADD_FAILURE() << to_string(kind) << " refused " << name(cs) << ", which it serves";
       continue;
     }
+    if (expected == Serves::no) ADD_FAILURE() << to_string(kind) << " served " << name(cs) << ", which it must not";
     int bad = 0;
     for (std::int64_t i = 0; i < cs.m && bad < 5; ++i) {
       for (std::int64_t j = 0; j < cs.n && bad < 5; ++j) {
@@ -229,10 +275,14 @@ void expect_matches_reference(const Case& cs, const std::vector<Tested>& backend
           mag += std::abs(c0.at(i, j));
         }
         // f32 summation of k + 2 terms in any order: |err| <= (k + 2) u sum|terms|
-        // (u = 2^-24, first order); a bf16 output adds its rounding to nearest,
-        // at most bf16's unit roundoff 2^-8 relative (8 significant bits).
+        // (u = 2^-24, first order; every product of the inputs' values is
+        // exact in f32: at most 11 + 11 significant bits); a bf16 output adds
+        // its rounding to nearest, at most bf16's unit roundoff 2^-8 relative
+        // (8 significant bits); an f16 output 2^-11 relative (11 bits), or
+        // below 2^-14, where f16's subnormals lie 2^-24 apart, 2^-25 absolute.
         double tol = static_cast<double>(cs.k + 2) * std::ldexp(1.0, -24) * mag;
         if (cs.c_dtype == DType::bf16) tol += std::ldexp(1.0, -8) * (std::abs(ref) + tol);
+        if (cs.c_dtype == DType::f16) tol += std::ldexp(1.0, -11) * (std::abs(ref) + tol) + std::ldexp(1.0, -25);
         const double got = c.at(i, j);
         if (!(std::abs(got - ref) <= tol)) {
           ++bad;
@@ -245,7 +295,9 @@ void expect_matches_reference(const Case& cs, const std::vector<Tested>& backend
     for (std::int64_t i = 0; i < cs.m; ++i) {
       for (std::int64_t j = cs.n; j < c.op.row_stride; ++j) {
         const std::int64_t k = i * c.op.row_stride + j;
-        const bool nan = cs.c_dtype == DType::f32 ? std::isnan(c.f32[k]) : c.b16[k] == 0x7fc0;
+        const bool nan = cs.c_dtype == DType::f32   ? std::isnan(c.f32[k])
+                         : cs.c_dtype == DType::f16 ? c.b16[k] == kF16Nan
+                                                    : c.b16[k] == kBf16Nan;
         if (!nan) ADD_FAILURE() << to_string(kind) << " " << name(cs) << " wrote C padding (" << i << "," << j << ")";
       }
     }
@@ -265,10 +317,19 @@ std::vector<std::int64_t> edges_of(std::int64_t e) {
   return out;
 }
 
+// The A x B dtypes of the GEMMs: bf16 models', and f16 models' (the
+// forward's f16 x f16, dhidden's and dW's f32 dlogits x f16, and the mirror).
+struct InputDtypes {
+  DType a, b;
+};
+constexpr InputDtypes kInputDtypes[] = {
+    {DType::bf16, DType::bf16}, {DType::f16, DType::f16}, {DType::f32, DType::f16}, {DType::f16, DType::f32}};
+
 // XNNPACK's tester: each backend with a register block of its own (tile())
 // at shapes around its own mr (M), nr (N) and kr (K), every combination,
-// the four layouts, accumulate, bias and C dtype taken in turn (the shapes
-// above follow the AMX tiles and the blocking; these follow each micro).
+// for each A x B dtype pair it serves, the four layouts, accumulate, bias
+// and C dtype taken in turn (the shapes above follow the AMX tiles and the
+// blocking; these follow each micro).
 TEST(GemmTester, EachMicroAtItsOwnTileEdges) {
   GemmSpec probe;
   probe.a = {DType::bf16, 1, 1, 1, 1};
@@ -285,13 +346,19 @@ TEST(GemmTester, EachMicroAtItsOwnTileEdges) {
     SCOPED_TRACE(to_string(t) + " mr " + std::to_string(tile.mr) + " nr " + std::to_string(tile.nr) + " kr " +
                  std::to_string(tile.kr));
     int i = 0;
-    for (const std::int64_t m : edges_of(tile.mr)) {
-      for (const std::int64_t n : edges_of(tile.nr)) {
-        for (const std::int64_t k : edges_of(tile.kr)) {
-          expect_matches_reference(
-              {m, n, k, i % 2 == 1, (i / 2) % 2 == 1, i % 3 == 0, i % 3, i % 5 == 0 ? DType::bf16 : DType::f32}, {t});
-          ++i;
-          ++shapes;
+    for (const InputDtypes in : kInputDtypes) {
+      GemmSpec typed = probe;
+      typed.a.dtype = in.a;
+      typed.b.dtype = in.b;
+      if (should_serve(t, typed) != Serves::yes) continue;
+      for (const std::int64_t m : edges_of(tile.mr)) {
+        for (const std::int64_t n : edges_of(tile.nr)) {
+          for (const std::int64_t k : edges_of(tile.kr)) {
+            const DType c = i % 5 == 0 ? DType::bf16 : i % 5 == 2 ? DType::f16 : DType::f32;
+            expect_matches_reference({m, n, k, i % 2 == 1, (i / 2) % 2 == 1, i % 3 == 0, i % 4, c, in.a, in.b}, {t});
+            ++i;
+            ++shapes;
+          }
         }
       }
     }
@@ -331,9 +398,27 @@ std::vector<Case> cases() {
       out.push_back({40, 1100, 640, a_t, b_t, true, 0, DType::bf16});
       out.push_back({160, 300, 256, a_t, b_t, false, 1, DType::f32});
       // f32 A and B (the f32 models' GEMMs), edges and a split reduction.
-      out.push_back({17, 33, 31, a_t, b_t, true, 2, DType::f32, DType::f32});
-      out.push_back({7, 16, 1, a_t, b_t, false, 1, DType::bf16, DType::f32});
-      out.push_back({33, 256, 3000, a_t, b_t, true, 0, DType::f32, DType::f32});
+      out.push_back({17, 33, 31, a_t, b_t, true, 2, DType::f32, DType::f32, DType::f32});
+      out.push_back({7, 16, 1, a_t, b_t, false, 1, DType::bf16, DType::f32, DType::f32});
+      out.push_back({33, 256, 3000, a_t, b_t, true, 0, DType::f32, DType::f32, DType::f32});
+      // The f16 models' GEMMs (f16 x f16, f32 x f16 and f16 x f32 in turn)
+      // at the tile edges above, with f16, f32 and bf16 C and every bias
+      // dtype in turn; then the step's kinds of shape: dW's split reduction
+      // into an f16 C, the forward's 160 rows with an f16 bias and C,
+      // dhidden's wide Y in k blocks, column blocks with X kept.
+      for (const std::int64_t m : mn) {
+        for (const std::int64_t k : ks) {
+          const std::int64_t n = mn[(m + 2 * k) % 6];
+          const InputDtypes in = kInputDtypes[1 + (m + k) % 3];
+          const DType c = (m + n + k) % 3 == 0 ? DType::f32 : (m + n + k) % 3 == 1 ? DType::f16 : DType::bf16;
+          out.push_back({m, n, k, a_t, b_t, (m + k) % 2 == 0, static_cast<int>((m + 2 * k) % 4), c, in.a, in.b});
+        }
+      }
+      out.push_back({33, 256, 3000, a_t, b_t, true, 0, DType::f16, DType::f32, DType::f16});
+      out.push_back({160, 300, 256, a_t, b_t, false, 3, DType::f16, DType::f16, DType::f16});
+      out.push_back({17, 2000, 1500, a_t, b_t, false, 1, DType::f32, DType::f32, DType::f16});
+      out.push_back({40, 600, 2100, a_t, b_t, true, 3, DType::f16, DType::f16, DType::f32});
+      out.push_back({40, 1100, 640, a_t, b_t, true, 0, DType::f32, DType::f16, DType::f16});
     }
   }
   return out;
@@ -345,54 +430,68 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmTester, ::testing::ValuesIn(cases()),
 // A row's result does not depend on the rows computed with it: rows 0-6 of a
 // 7-row call equal rows 0-6 of a 160-row call bitwise, and rows 100-106 of the
 // 160-row call equal a 7-row call over those rows, for every backend whose
-// traits say so (our AMX, AVX512-BF16, AVX-512 FMA and AVX2 backends). oneDNN's says not.
+// traits say so (our AMX, AVX512-BF16, AVX-512 FMA and AVX2 backends), for
+// the bf16 models' GEMMs and the f16 models' (f16 x f16 and f32 x f16, into
+// an f32 or an f16 C). oneDNN's says not.
 TEST(GemmTester, BatchInvariantBackendsAreBitwiseInvariant) {
   std::mt19937 rng(77);
   const std::int64_t k = 4096;
   const std::int64_t n = 384;
-  Buffer a = make(DType::bf16, 160, k, false, 0, rng);
-  for (const bool b_t : {false, true}) {
-    Buffer b = make(DType::bf16, k, n, b_t, 0, rng);
-    for (const Tested& kind : runnable_backends()) {
-      // Ours (the reference is invariant by its loops; oneDNN is not).
-      if (!blocked_microkernel(kind)) continue;
-      auto run_rows = [&](std::int64_t r0, std::int64_t rows) {
-        GemmSpec spec;
-        spec.a = {DType::bf16, rows, k, k, 1};
-        spec.b = b.op;
-        spec.c = {DType::f32, rows, n, n, 1};
-        const std::unique_ptr<GemmBackend> be = make_backend(kind, spec);
-        EXPECT_TRUE(be->traits().m_independent);
-        std::vector<std::byte> scratch(be->scratchpad_bytes() + 64);
-        auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
-        std::vector<float> c(static_cast<std::size_t>(rows * n));
-        be->run(a.b16.data() + r0 * k, b.data(), c.data(), nullptr, reinterpret_cast<void*>((p + 63) / 64 * 64),
-                nullptr);
-        return c;
+  struct Dtypes {
+    DType a, b, c;
+  };
+  for (const Dtypes dt : {Dtypes{DType::bf16, DType::bf16, DType::f32}, Dtypes{DType::f16, DType::f16, DType::f32},
+                          Dtypes{DType::f32, DType::f16, DType::f32}, Dtypes{DType::f16, DType::f16, DType::f16}}) {
+    const std::size_t c_elem = size_of(dt.c);
+    Buffer a = make(dt.a, 160, k, false, 0, rng);
+    for (const bool b_t : {false, true}) {
+      Buffer b = make(dt.b, k, n, b_t, 0, rng);
+      const auto a_rows = [&](std::int64_t r0) {
+        return static_cast<const std::byte*>(a.data()) + static_cast<std::size_t>(r0 * k) * size_of(dt.a);
       };
-      const std::vector<float> all = run_rows(0, 160);
-      const std::vector<float> head = run_rows(0, 7);
-      const std::vector<float> mid = run_rows(100, 7);
-      EXPECT_EQ(0, std::memcmp(all.data(), head.data(), head.size() * sizeof(float))) << "b_t " << b_t;
-      EXPECT_EQ(0, std::memcmp(all.data() + 100 * n, mid.data(), mid.size() * sizeof(float)))
-          << to_string(kind) << " b_t " << b_t;
-      // The unfused baseline splits C's columns over its threads for our
-      // backends (baseline_gemm.hpp): the same bits on any count.
-      if (!kind.emulated) {
-        for (const int threads : {2, 3, 7}) {
-          GemmSpec spec;
-          spec.threads = threads;
-          spec.a = {DType::bf16, 160, k, k, 1};
-          spec.b = b.op;
-          spec.c = {DType::f32, 160, n, n, 1};
-          const GemmEngine engine;
-          const grpo::detail::BaselineGemm split(engine, spec, kind.kind);
-          std::vector<std::byte> scratch(split.scratchpad_bytes() + 64);
+      const std::string what = std::string(to_string(dt.a)) + " x " + to_string(dt.b) + " -> " + to_string(dt.c) +
+                               " b_t " + std::to_string(b_t);
+      for (const Tested& kind : runnable_backends()) {
+        // Ours (the reference is invariant by its loops; oneDNN is not).
+        if (!blocked_microkernel(kind)) continue;
+        GemmSpec probe;
+        probe.a = {dt.a, 160, k, k, 1};
+        probe.b = b.op;
+        probe.c = {dt.c, 160, n, n, 1};
+        if (should_serve(kind, probe) != Serves::yes) continue;
+        auto run_rows = [&](std::int64_t r0, std::int64_t rows) {
+          GemmSpec spec = probe;
+          spec.a.rows = rows;
+          spec.c.rows = rows;
+          const std::unique_ptr<GemmBackend> be = make_backend(kind, spec);
+          EXPECT_TRUE(be->traits().m_independent);
+          std::vector<std::byte> scratch(be->scratchpad_bytes() + 64);
           auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
-          std::vector<float> c(static_cast<std::size_t>(160 * n));
-          split.run(a.b16.data(), b.data(), c.data(), nullptr, reinterpret_cast<void*>((p + 63) / 64 * 64));
-          EXPECT_EQ(0, std::memcmp(all.data(), c.data(), all.size() * sizeof(float)))
-              << to_string(kind) << " split over " << threads << " threads, b_t " << b_t;
+          std::vector<std::byte> c(static_cast<std::size_t>(rows * n) * c_elem);
+          be->run(a_rows(r0), b.data(), c.data(), nullptr, reinterpret_cast<void*>((p + 63) / 64 * 64), nullptr);
+          return c;
+        };
+        const std::vector<std::byte> all = run_rows(0, 160);
+        const std::vector<std::byte> head = run_rows(0, 7);
+        const std::vector<std::byte> mid = run_rows(100, 7);
+        EXPECT_EQ(0, std::memcmp(all.data(), head.data(), head.size())) << to_string(kind) << " " << what;
+        EXPECT_EQ(0, std::memcmp(all.data() + 100 * n * c_elem, mid.data(), mid.size()))
+            << to_string(kind) << " " << what;
+        // The unfused baseline splits C's columns over its threads for our
+        // backends (baseline_gemm.hpp): the same bits on any count.
+        if (!kind.emulated) {
+          for (const int threads : {2, 3, 7}) {
+            GemmSpec spec = probe;
+            spec.threads = threads;
+            const GemmEngine engine;
+            const grpo::detail::BaselineGemm split(engine, spec, kind.kind);
+            std::vector<std::byte> scratch(split.scratchpad_bytes() + 64);
+            auto p = reinterpret_cast<std::uintptr_t>(scratch.data());
+            std::vector<std::byte> c(all.size());
+            split.run(a.data(), b.data(), c.data(), nullptr, reinterpret_cast<void*>((p + 63) / 64 * 64));
+            EXPECT_EQ(0, std::memcmp(all.data(), c.data(), all.size()))
+                << to_string(kind) << " split over " << threads << " threads, " << what;
+          }
         }
       }
     }
@@ -451,50 +550,55 @@ TEST(GemmTester, SharedOperandPackedOnceIsBitwiseTheSame) {
                          Shape{17, 40, 4200}, Shape{17, 1100, 4096}, Shape{17, 5, 33}}) {
     for (const SharedOperand shared : {SharedOperand::a, SharedOperand::b}) {
       for (const bool t : {false, true}) {
-        Buffer a = make(DType::bf16, sh.m, sh.k, t, 1, rng);
-        Buffer b = make(DType::bf16, sh.k, sh.n, !t, 2, rng);
-        GemmSpec spec;
-        spec.a = a.op;
-        spec.b = b.op;
-        spec.c = {DType::f32, sh.m, sh.n, sh.n, 1};
-        spec.shared = shared;
-        for (const Tested& kind : ours) {
-          const TestedGemm g(kind, engine, spec);
-          ASSERT_GT(g.shared_packed_bytes(), 0U);
-          std::vector<std::byte> scratch(g.scratchpad_bytes() + 64);
-          std::vector<std::byte> packed(g.shared_packed_bytes() + 64);
-          // Given the packed operand, a run takes less scratch (no Y block of
-          // its own to pack into): that much, NaN-filled (a read of scratch
-          // it did not write shows in C), then a guard it must not touch.
-          const std::size_t with_packed = g.scratchpad_bytes_with_packed();
-          ASSERT_LT(with_packed, g.scratchpad_bytes());
-          constexpr std::size_t kGuard = 1 << 16;
-          std::vector<std::byte> packed_scratch(with_packed + 64 + kGuard, std::byte{0xff});
-          const auto align = [](std::vector<std::byte>& v) {
-            return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) / 64 * 64);
-          };
-          std::vector<float> plain(static_cast<std::size_t>(sh.m * sh.n));
-          std::vector<float> reused(plain.size());
-          g.run(a.data(), b.data(), plain.data(), align(scratch));
-          g.pack_shared(shared == SharedOperand::a ? a.data() : b.data(), align(packed));
-          // The shared operand's own pointer is not needed once packed.
-          g.run(shared == SharedOperand::a ? nullptr : a.data(), shared == SharedOperand::b ? nullptr : b.data(),
-                reused.data(), align(packed_scratch), align(packed));
-          const auto* guard = static_cast<const std::byte*>(align(packed_scratch)) + with_packed;
-          EXPECT_EQ(std::count(guard, guard + kGuard, std::byte{0xff}), static_cast<std::ptrdiff_t>(kGuard))
-              << "a run given the packed operand wrote past scratchpad_bytes_with_packed()";
-          EXPECT_EQ(0, std::memcmp(plain.data(), reused.data(), plain.size() * sizeof(float)))
-              << "M" << sh.m << " N" << sh.n << " K" << sh.k << " shared " << (shared == SharedOperand::a ? "a" : "b")
-              << " transposed " << t << " " << to_string(kind);
-          GemmSpec unshared_spec = spec;
-          unshared_spec.shared = SharedOperand::none;
-          const TestedGemm u(kind, engine, unshared_spec);
-          std::vector<std::byte> u_scratch(u.scratchpad_bytes() + 64);
-          std::vector<float> unshared(plain.size());
-          u.run(a.data(), b.data(), unshared.data(), align(u_scratch));
-          EXPECT_EQ(0, std::memcmp(plain.data(), unshared.data(), plain.size() * sizeof(float)))
-              << "unshared: M" << sh.m << " N" << sh.n << " K" << sh.k << " shared "
-              << (shared == SharedOperand::a ? "a" : "b") << " transposed " << t << " " << to_string(kind);
+        // The shared operand bf16, f16 or f32 (an f16 model's dW shares its
+        // f16 hidden rows beside f32 dlogits; the mirror packs f32).
+        for (const InputDtypes in : kInputDtypes) {
+          Buffer a = make(in.a, sh.m, sh.k, t, 1, rng);
+          Buffer b = make(in.b, sh.k, sh.n, !t, 2, rng);
+          GemmSpec spec;
+          spec.a = a.op;
+          spec.b = b.op;
+          spec.c = {DType::f32, sh.m, sh.n, sh.n, 1};
+          spec.shared = shared;
+          for (const Tested& kind : ours) {
+            if (should_serve(kind, spec) != Serves::yes) continue;
+            const TestedGemm g(kind, engine, spec);
+            ASSERT_GT(g.shared_packed_bytes(), 0U);
+            std::vector<std::byte> scratch(g.scratchpad_bytes() + 64);
+            std::vector<std::byte> packed(g.shared_packed_bytes() + 64);
+            // Given the packed operand, a run takes less scratch (no Y block of
+            // its own to pack into): that much, NaN-filled (a read of scratch
+            // it did not write shows in C), then a guard it must not touch.
+            const std::size_t with_packed = g.scratchpad_bytes_with_packed();
+            ASSERT_LT(with_packed, g.scratchpad_bytes());
+            constexpr std::size_t kGuard = 1 << 16;
+            std::vector<std::byte> packed_scratch(with_packed + 64 + kGuard, std::byte{0xff});
+            const auto align = [](std::vector<std::byte>& v) {
+              return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) / 64 * 64);
+            };
+            std::vector<float> plain(static_cast<std::size_t>(sh.m * sh.n));
+            std::vector<float> reused(plain.size());
+            g.run(a.data(), b.data(), plain.data(), align(scratch));
+            g.pack_shared(shared == SharedOperand::a ? a.data() : b.data(), align(packed));
+            // The shared operand's own pointer is not needed once packed.
+            g.run(shared == SharedOperand::a ? nullptr : a.data(), shared == SharedOperand::b ? nullptr : b.data(),
+                  reused.data(), align(packed_scratch), align(packed));
+            const auto* guard = static_cast<const std::byte*>(align(packed_scratch)) + with_packed;
+            EXPECT_EQ(std::count(guard, guard + kGuard, std::byte{0xff}), static_cast<std::ptrdiff_t>(kGuard))
+                << "a run given the packed operand wrote past scratchpad_bytes_with_packed()";
+            EXPECT_EQ(0, std::memcmp(plain.data(), reused.data(), plain.size() * sizeof(float)))
+                << "M" << sh.m << " N" << sh.n << " K" << sh.k << " shared " << (shared == SharedOperand::a ? "a" : "b")
+                << " transposed " << t << " " << to_string(kind) << " " << to_string(in.a) << " x " << to_string(in.b);
+            GemmSpec unshared_spec = spec;
+            unshared_spec.shared = SharedOperand::none;
+            const TestedGemm u(kind, engine, unshared_spec);
+            std::vector<std::byte> u_scratch(u.scratchpad_bytes() + 64);
+            std::vector<float> unshared(plain.size());
+            u.run(a.data(), b.data(), unshared.data(), align(u_scratch));
+            EXPECT_EQ(0, std::memcmp(plain.data(), unshared.data(), plain.size() * sizeof(float)))
+                << "unshared: M" << sh.m << " N" << sh.n << " K" << sh.k << " shared "
+                << (shared == SharedOperand::a ? "a" : "b") << " transposed " << t << " " << to_string(kind);
+          }
         }
       }
     }
@@ -535,11 +639,12 @@ TEST(GemmTester, SharedRowCapBoundsACallsScratch) {
 // its bytes, without building it; oneDNN's from its primitive descriptor.
 TEST(GemmTester, SizeQueryMatchesTheBuiltGemm) {
   const GemmEngine engine;
-  for (const DType in : {DType::bf16, DType::f32}) {
+  for (const InputDtypes in : {InputDtypes{DType::bf16, DType::bf16}, InputDtypes{DType::f32, DType::f32},
+                               InputDtypes{DType::f16, DType::f16}, InputDtypes{DType::f32, DType::f16}}) {
     for (const SharedOperand shared : {SharedOperand::none, SharedOperand::a}) {
       GemmSpec spec;
-      spec.a = {in, 160, 3000, 3000, 1};
-      spec.b = {in, 3000, 700, 1, 3000};
+      spec.a = {in.a, 160, 3000, 3000, 1};
+      spec.b = {in.b, 3000, 700, 1, 3000};
       spec.c = {DType::f32, 160, 700, 700, 1};
       spec.shared = shared;
       const GemmSizes sizes = gemm_sizes(engine, spec);
@@ -551,12 +656,177 @@ TEST(GemmTester, SizeQueryMatchesTheBuiltGemm) {
       EXPECT_EQ(sizes.scratchpad_bytes_with_packed, gemm.scratchpad_bytes_with_packed());
       EXPECT_EQ(sizes.traits.m_independent, gemm.traits().m_independent);
       EXPECT_EQ(sizes.traits.max_shared_rows, gemm.traits().max_shared_rows);
-      if (in == DType::f32 || onednn_has_bf16()) {
+      if (has_f16(spec)) {
+        // oneDNN's size query refuses what its Gemm refuses.
+        EXPECT_THROW(detail::onednn_scratchpad_bytes(engine, spec), Error);
+      } else if (in.a == DType::f32 || onednn_has_bf16()) {
         EXPECT_EQ(detail::onednn_scratchpad_bytes(engine, spec),
                   Gemm(engine, spec, GemmBackendKind::onednn).scratchpad_bytes());
       }
     }
   }
+}
+
+// An f16 C saturates (f16.hpp's float_to_f16_saturated, docs/semantics.md
+// "fp16"): an entry whose f32 value would round to an fp16 infinity (|v| >=
+// 65520) is written as +-65504 (0x7bff / 0xfbff) and counted by
+// take_f16_saturations(); 65504 <= |v| < 65520 rounds to 65504 and is not
+// counted; a NaN stays NaN. The inputs are small integers, so every backend's
+// f32 sums are exact in any order and each entry's bits are known: integers
+// up to 256 into overflowing products (overwrite), and into C values next to
+// 65504 that small sums (and an f16 bias) push across 65520 or not
+// (accumulate); a NaN in A's row 2. Every backend that serves the spec, in
+// the four layouts (so both orientations of the blocked GEMM), bf16 inputs
+// too (amx's and avx512bf16's epilogue).
+TEST(GemmTester, F16OutputSaturatesAtItsLargestFiniteAndCounts) {
+  const GemmEngine engine;
+  std::mt19937 rng(4242);
+  const std::int64_t m = 19, n = 37, k = 3;
+  int swapped_runs = 0;
+  for (const InputDtypes in : {InputDtypes{DType::f16, DType::f16}, InputDtypes{DType::f32, DType::f16},
+                               InputDtypes{DType::f16, DType::f32}, InputDtypes{DType::bf16, DType::bf16}}) {
+    for (const bool accumulate : {false, true}) {
+      for (int layout = 0; layout < 4; ++layout) {
+        const bool a_t = layout % 2 == 1;
+        const bool b_t = layout / 2 == 1;
+        // Overwrite: |products| up to 2^16 (past 65504), sums of three up to
+        // 3 * 2^16 (exact in f32). Accumulate: sums of at most 3 * 36 onto
+        // C values within 64 of +-65504.
+        const int big = accumulate ? 6 : 256;
+        std::uniform_int_distribution<int> value(-big, big);
+        Buffer a = make(in.a, m, k, a_t, 3, rng);
+        Buffer b = make(in.b, k, n, b_t, 5, rng);
+        Buffer c0 = make(DType::f16, m, n, false, 2, rng);
+        Buffer bias = make(DType::f16, 1, n, false, 0, rng);
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t kk = 0; kk < k; ++kk) a.set(i, kk, static_cast<float>(value(rng)));
+        }
+        for (std::int64_t kk = 0; kk < k; ++kk) {
+          for (std::int64_t j = 0; j < n; ++j) b.set(kk, j, static_cast<float>(value(rng)));
+        }
+        const float near_max[] = {65504.0F, -65504.0F, 65472.0F, -65472.0F, 65440.0F, -65440.0F, 1000.0F};
+        std::uniform_int_distribution<int> pick(0, std::size(near_max) - 1);
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t j = 0; j < n; ++j) c0.set(i, j, near_max[pick(rng)]);
+        }
+        std::uniform_int_distribution<int> small(-4, 4);
+        for (std::int64_t j = 0; j < n; ++j) bias.set(0, j, static_cast<float>(small(rng)));
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        a.set(2, 0, in.a == DType::f32 ? nan : in.a == DType::f16 ? f16_to_float(kF16Nan) : from_bf16(kBf16Nan));
+        GemmSpec spec;
+        spec.a = a.op;
+        spec.b = b.op;
+        spec.c = c0.op;
+        spec.accumulate = accumulate;
+        spec.has_bias = accumulate;
+        spec.bias_dtype = DType::f16;
+        // The expected bits: the exact sum (an integer below 2^24, so the
+        // f32 every backend computes) through float_to_f16_saturated.
+        std::vector<std::uint16_t> want(c0.b16.size());
+        std::int64_t want_saturated = 0;
+        int in_band = 0;  // entries in [65504, 65520): rounded to 65504, not counted
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t j = 0; j < n; ++j) {
+            double sum = 0.0;
+            for (std::int64_t kk = 0; kk < k; ++kk) sum += static_cast<double>(a.at(i, kk)) * b.at(kk, j);
+            if (accumulate) sum += static_cast<double>(bias.at(0, j)) + c0.at(i, j);
+            const double mag = std::abs(sum);
+            if (mag >= 65504.0 && mag < 65520.0) ++in_band;
+            want[c0.index(i, j)] = float_to_f16_saturated(static_cast<float>(sum), &want_saturated);
+          }
+        }
+        ASSERT_GT(want_saturated, 0) << "the inputs must overflow somewhere";
+        if (accumulate) EXPECT_GT(in_band, 0) << "the inputs should land in [65504, 65520) somewhere";
+        for (const Tested& kind : runnable_backends()) {
+          const Serves expected = should_serve(kind, spec);
+          if (expected == Serves::no) continue;
+          SCOPED_TRACE(to_string(kind) + " " + to_string(in.a) + " x " + to_string(in.b) + " layout " +
+                       std::to_string(layout) + (accumulate ? " accumulate" : "") + " (seed 4242)");
+          Buffer c = c0;
+          take_f16_saturations();  // from zero
+          if (!run_on(kind, engine, spec, a.data(), b.data(), c.data(), accumulate ? bias.data() : nullptr)) {
+            if (expected == Serves::yes) ADD_FAILURE() << "refused a spec it serves";
+            continue;
+          }
+          if (const std::unique_ptr<GemmBackend> be = make_backend(kind, spec); be != nullptr) {
+            if (std::string(be->implementation()).find("swapped") != std::string::npos) ++swapped_runs;
+          }
+          EXPECT_EQ(take_f16_saturations(), want_saturated);
+          EXPECT_EQ(take_f16_saturations(), 0) << "the call resets the count";
+          int bad = 0;
+          for (std::int64_t i = 0; i < m && bad < 5; ++i) {
+            for (std::int64_t j = 0; j < n && bad < 5; ++j) {
+              const std::uint16_t got = c.b16[c.index(i, j)];
+              const std::uint16_t w = want[c0.index(i, j)];
+              // A NaN's sign and payload are the arithmetic's; NaN it must be.
+              const bool is_nan = (w & 0x7fffU) > 0x7c00U;
+              if (is_nan ? (got & 0x7fffU) <= 0x7c00U : got != w) {
+                ++bad;
+                ADD_FAILURE() << "C(" << i << "," << j << ") = 0x" << std::hex << got << ", want 0x" << w;
+              }
+              if ((got & 0x7fffU) == 0x7c00U) ADD_FAILURE() << "C(" << i << "," << j << ") is an infinity";
+            }
+          }
+        }
+      }
+    }
+  }
+  if (avx512_fma_usable() || avx2_gemm_usable()) EXPECT_GT(swapped_runs, 0) << "no run took the swapped store";
+}
+
+// A GEMM with an f16 operand goes to ours: oneDNN refuses f16 anywhere (A,
+// B, C or bias: its f16 matmul needs AVX512-FP16), cleanly (Error
+// unsupported, no primitive), and the default list gives an f16 A or B to
+// avx512fma on an AVX-512 CPU, to avx2 on an AVX2 one; the bf16 and f32
+// GEMMs keep the backends they had.
+TEST(GemmTester, F16GemmsGoToOursAndOneDnnRefusesThem) {
+  const GemmEngine engine;
+  const auto spec_of = [](DType a, DType b, DType c, DType bias) {
+    GemmSpec spec;
+    spec.a = {a, 64, 256, 256, 1};
+    spec.b = {b, 256, 96, 1, 256};
+    spec.c = {c, 64, 96, 96, 1};
+    spec.has_bias = true;
+    spec.bias_dtype = bias;
+    return spec;
+  };
+  const GemmSpec f16_specs[] = {spec_of(DType::f16, DType::f16, DType::f32, DType::f32),
+                                spec_of(DType::f32, DType::f16, DType::f16, DType::f32),
+                                spec_of(DType::f16, DType::f32, DType::f32, DType::f16),
+                                spec_of(DType::bf16, DType::bf16, DType::f16, DType::f32),
+                                spec_of(DType::f32, DType::f32, DType::f32, DType::f16)};
+  for (const GemmSpec& spec : f16_specs) {
+    SCOPED_TRACE(std::string(to_string(spec.a.dtype)) + " x " + to_string(spec.b.dtype) + " -> " +
+                 to_string(spec.c.dtype) + " + " + to_string(spec.bias_dtype) + " bias");
+    try {
+      const Gemm g(engine, spec, GemmBackendKind::onednn);
+      ADD_FAILURE() << "onednn served an f16 spec: " << g.implementation();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::unsupported) << e.what();
+      EXPECT_NE(std::string(e.what()).find("f16"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(detail::onednn_scratchpad_bytes(engine, spec), Error);
+    if (forced_gemm_backend() != nullptr) continue;  // GRPO_GEMM picks, not the default list
+    const Gemm g(engine, spec);
+    EXPECT_NE(g.backend(), GemmBackendKind::onednn) << g.implementation();
+    EXPECT_EQ(gemm_sizes(engine, spec).backend, g.backend());
+    if (spec.a.dtype == DType::f16 || spec.b.dtype == DType::f16) {
+      if (avx512_fma_usable()) {
+        EXPECT_EQ(g.backend(), GemmBackendKind::avx512_fma) << g.implementation();
+      } else if (avx2_gemm_usable()) {
+        EXPECT_EQ(g.backend(), GemmBackendKind::avx2) << g.implementation();
+      }
+    }
+  }
+  if (forced_gemm_backend() != nullptr) GTEST_SKIP() << "GRPO_GEMM is set: the default list was not checked";
+  // Unchanged by f16: on an AMD CPU with AVX512-BF16 (no AMX) the bf16 GEMMs
+  // stay with avx512bf16, and on any AVX-512 CPU the f32 ones with oneDNN.
+  const GemmSpec bf16 = spec_of(DType::bf16, DType::bf16, DType::f32, DType::f32);
+  if (avx512_bf16_usable() && !amx_usable() && !cpu_features().intel) {
+    EXPECT_EQ(Gemm(engine, bf16).backend(), GemmBackendKind::avx512_bf16);
+  }
+  const GemmSpec f32 = spec_of(DType::f32, DType::f32, DType::f32, DType::f32);
+  if (avx512_fma_usable()) EXPECT_EQ(Gemm(engine, f32).backend(), GemmBackendKind::onednn);
 }
 
 TEST(GemmTester, SaysWhichBackendsThisCpuSkips) {

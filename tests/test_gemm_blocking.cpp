@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/gemm_blocking.hpp"
 
@@ -162,15 +163,26 @@ TEST(GemmBlocking, ServesBf16WithOneContiguousDimension) {
   EXPECT_FALSE(serves(strided));
 }
 
-// serves_bf16_or_f32 (the avx2 backend's): f32 or bf16 A and B, with the
-// same contiguity rules as serves().
-TEST(GemmBlocking, ServesF32OrBf16WithOneContiguousDimension) {
-  GemmSpec mixed = spec_of(7, 9, 11, false, true);
-  mixed.a.dtype = DType::f32;
-  EXPECT_TRUE(serves_bf16_or_f32(mixed));
-  EXPECT_FALSE(serves(mixed));
-  mixed.b.row_stride = 2;  // B [9, 11] with neither stride 1
-  EXPECT_FALSE(serves_bf16_or_f32(mixed));
+// serves_widened (the avx2 backend's): A and B each f32, bf16 or f16, with
+// the same contiguity rules as serves(); serves_f16_mix (what the avx512fma
+// backend takes beside serves()'s): those with an f16 A or B.
+TEST(GemmBlocking, ServesWidenedDtypesWithOneContiguousDimension) {
+  const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
+  for (const DType a : dtypes) {
+    for (const DType b : dtypes) {
+      SCOPED_TRACE(std::string(to_string(a)) + " x " + to_string(b));
+      GemmSpec mixed = spec_of(7, 9, 11, false, true);
+      mixed.a.dtype = a;
+      mixed.b.dtype = b;
+      const bool f16 = a == DType::f16 || b == DType::f16;
+      EXPECT_TRUE(serves_widened(mixed));
+      EXPECT_EQ(serves_f16_mix(mixed), f16);
+      EXPECT_EQ(serves(mixed), a == DType::bf16 && b == DType::bf16);
+      mixed.b.row_stride = 2;  // B [9, 11] with neither stride 1
+      EXPECT_FALSE(serves_widened(mixed));
+      EXPECT_FALSE(serves_f16_mix(mixed));
+    }
+  }
 }
 
 }  // namespace

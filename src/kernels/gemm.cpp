@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace grpo::kernels {
@@ -16,15 +17,19 @@ const char* forced_gemm_backend() {
 
 namespace {
 
+// take_f16_saturations()'s count: a thread's own, as our backends run on the
+// calling thread and a driver takes it on the thread that ran the GEMM.
+thread_local std::int64_t f16_saturations = 0;
+
 // The backends a Gemm of the default list, or of GRPO_GEMM, tries in order:
 // the table's default list; or the forced backend, then onednn, then
 // reference (amx heads the default list: forcing it keeps the list).
-std::vector<const GemmBackendEntry*> candidates() {
+std::vector<const GemmBackendEntry*> candidates(const GemmSpec& spec) {
   std::vector<const GemmBackendEntry*> out;
   const char* forced = forced_gemm_backend();
   if (forced == nullptr || std::string_view(forced) == "amx") {
     for (const GemmBackendEntry& e : gemm_backends()) {
-      if (e.in_default_list()) out.push_back(&e);
+      if (e.in_default_list(spec)) out.push_back(&e);
     }
     return out;
   }
@@ -43,8 +48,12 @@ std::vector<const GemmBackendEntry*> candidates() {
 
 }  // namespace
 
+std::int64_t take_f16_saturations() { return std::exchange(f16_saturations, 0); }
+
+void detail::add_f16_saturations(std::int64_t n) { f16_saturations += n; }
+
 GemmTraits gemm_traits(const GemmSpec& spec) {
-  for (const GemmBackendEntry* e : candidates()) {
+  for (const GemmBackendEntry* e : candidates(spec)) {
     if (e->fixed_traits != nullptr) return e->fixed_traits();
     const std::unique_ptr<GemmBackend> b = e->make(nullptr, spec, nullptr);  // ours are cheap to build
     if (b != nullptr) return b->traits();
@@ -53,7 +62,7 @@ GemmTraits gemm_traits(const GemmSpec& spec) {
 }
 
 GemmSizes gemm_sizes(const GemmEngine& engine, const GemmSpec& spec) {
-  for (const GemmBackendEntry* e : candidates()) {
+  for (const GemmBackendEntry* e : candidates(spec)) {
     if (e->kind == GemmBackendKind::onednn) {
       try {
         const std::size_t bytes = detail::onednn_scratchpad_bytes(engine, spec);
@@ -72,7 +81,7 @@ GemmSizes gemm_sizes(const GemmEngine& engine, const GemmSpec& spec) {
 }
 
 Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec) : spec_(spec) {
-  for (const GemmBackendEntry* e : candidates()) {
+  for (const GemmBackendEntry* e : candidates(spec)) {
     backend_ = e->make(&engine, spec, nullptr);
     if (backend_ != nullptr) return;
   }
@@ -85,8 +94,9 @@ Gemm::Gemm(const GemmEngine& engine, const GemmSpec& spec, GemmBackendKind backe
   if (backend_ != nullptr) return;
   if (why_not.empty()) {
     const char* cpu = e.unusable();
-    why_not = std::string("the ") + e.name + " backend cannot serve this GEMM: " +
-              (cpu == nullptr ? "it takes bf16 A and B with one contiguous dimension each" : cpu);
+    why_not =
+        std::string("the ") + e.name + " backend cannot serve this GEMM: " +
+        (cpu == nullptr ? "it does not take these dtypes or strides (gemm_backend.hpp says which it takes)" : cpu);
   }
   throw Error("gemm", why_not, ErrorKind::unsupported);
 }

@@ -125,6 +125,21 @@ GemmSizes gemm_sizes(const GemmEngine& engine, const GemmSpec& spec);
 // it (a plan sizes its schedule by them before creating its GEMMs).
 GemmTraits gemm_traits(const GemmSpec& spec);
 
+// The f16 C entries (GemmSpec::c.dtype f16) the GEMMs run on the calling
+// thread saturated since the last call: values that would round to an fp16
+// infinity, written as +-65504 (f16.hpp's float_to_f16_saturated; a NaN stays
+// NaN and is not counted). Reset to 0 by the call. Per thread because our
+// backends run on the calling thread (onednn serves no f16); a driver takes
+// it right after each run() of a GEMM with an f16 C and adds it to what it
+// reports.
+std::int64_t take_f16_saturations();
+
+namespace detail {
+// Adds n to the calling thread's count (the backends' epilogues, on the rare
+// path where a store saturated).
+void add_f16_saturations(std::int64_t n);
+}  // namespace detail
+
 // The backend GRPO_GEMM names (a name of GRPO_GEMM_BACKENDS,
 // gemm_backend.hpp), or null for the default list. Read when a plan builds
 // its GEMMs: a plan keeps the backends it was built with.

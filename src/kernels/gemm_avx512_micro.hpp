@@ -17,9 +17,11 @@
 //
 // avx512fma: f32 FMAs, 32 per 4 loads of Y and 16 broadcasts of X, on X and
 // Y widened to f32 as they are packed (exact: a bf16 is the top half of an
-// f32, and a product of two is exact in f32). The default on Intel CPUs
+// f32, and a product of two is exact in f32; an f16 is an f32 too, f32
+// operands beside f16 ones are packed as they are). The default on Intel CPUs
 // with AVX-512 where AMX does not serve: their vdpbf16ps runs at half the
-// FLOP rate of their FMAs, or they have none (gemm_dispatch.cpp). Its bits differ from
+// FLOP rate of their FMAs, or they have none (gemm_registry.cpp); and for
+// an f16 A or B on every AVX-512 CPU. Its bits differ from
 // avx512bf16's (vdpbf16ps adds a pair's two products before the
 // accumulator; here each product goes to the accumulator in turn).
 //

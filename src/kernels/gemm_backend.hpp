@@ -23,37 +23,43 @@ class GemmEngine;
 // The one list of GEMM backends, in the default list's priority order:
 //   amx        our AMX-BF16 microkernels (gemm_amx.cpp): bf16 A and B, when the
 //              CPU has AMX-BF16 + AVX512-BF16 and Linux grants the tile state
-//   avx2       our f32 FMA microkernels over the same blocked GEMM, bf16
-//              widened as it is packed (gemm_avx2.cpp): bf16 or f32 on CPUs
-//              with AVX2 and no AVX-512, where oneDNN 2.6 has no bf16 matmul
-//              and its f32 one is not batch-invariant; elsewhere only when
-//              forced
-//   avx512fma  the blocked GEMM in f32 FMAs on bf16 widened as it is packed
-//              (gemm_avx512_fma.cpp): bf16 A and B on Intel CPUs with
-//              AVX-512 where amx does not serve (avx512_fma_is_default),
-//              elsewhere only when forced
+//   avx2       our f32 FMA microkernels over the same blocked GEMM, bf16 and
+//              f16 widened as they are packed (gemm_avx2.cpp): A and B each
+//              f32, bf16 or f16 on CPUs with AVX2, FMA and F16C and no
+//              AVX-512, where oneDNN 2.6 has no bf16 or f16 matmul and its
+//              f32 one is not batch-invariant; elsewhere only when forced
+//   avx512fma  the blocked GEMM in f32 FMAs on bf16 or f16 widened as it is
+//              packed (gemm_avx512_fma.cpp): bf16 A and B on Intel CPUs with
+//              AVX-512 where amx does not serve, and A and B each f32, bf16
+//              or f16 with at least one f16 on every AVX-512 CPU (no other
+//              backend of ours takes f16, and oneDNN 2.6 needs AVX512-FP16
+//              for it) (avx512_fma_is_default); elsewhere only when forced
 //   avx512bf16 our vdpbf16ps microkernels (gemm_avx512_bf16.cpp): bf16 A
 //              and B on CPUs with AVX512-BF16 where amx does not serve
-//   onednn     oneDNN's matmul (gemm_onednn.cpp)
+//   onednn     oneDNN's matmul (gemm_onednn.cpp): no f16 anywhere (A, B, C
+//              or bias)
 //   reference  plain loops in f32, k ascending (gemm_reference.cpp): any spec,
 //              slow; the last resort (a spec oneDNN cannot create on this CPU
 //              lands here) and a comparison point for the tests
+// Every backend of ours writes C in f32, bf16 or f16 (an f16 C saturating at
+// +-65504, counted: gemm.hpp's take_f16_saturations) and takes a bias in
+// any of them.
 // A row is X(kind, name, in_default_list, unusable, make, fixed_traits): the
 // GemmBackendKind enumerator, then GemmBackendEntry's columns (below). Here
 // the kinds alone are expanded (the enum); gemm_registry.cpp, where the
 // gates and makers the other columns name are defined, expands whole rows
 // into the table (gemm_backends()) and says why each row is where it is.
 // Adding a backend is adding its row.
-#define GRPO_GEMM_BACKENDS(X)                                                                       \
-  X(amx, "amx", amx_usable, amx_reason, (gated<amx_usable, detail::make_amx_gemm_on_cpu>), nullptr) \
-  X(avx2, "avx2", avx2_gemm_is_default, (unless<avx2_gemm_usable, kNoAvx2>),                        \
-    (gated<avx2_gemm_usable, detail::make_avx2_gemm_on_cpu>), nullptr)                              \
-  X(avx512_fma, "avx512fma", avx512_fma_is_default, (unless<avx512_fma_usable, kNoAvx512>),         \
-    (gated<avx512_fma_usable, detail::make_avx512_fma_gemm_on_cpu>), nullptr)                       \
-  X(avx512_bf16, "avx512bf16", avx512_bf16_usable, (unless<avx512_bf16_usable, kNoAvx512Bf16>),     \
-    (gated<avx512_bf16_usable, detail::make_avx512_bf16_gemm_on_cpu>), nullptr)                     \
-  X(onednn, "onednn", always, no_reason, onednn, onednn_traits)                                     \
-  X(reference, "reference", always, no_reason, reference, nullptr)
+#define GRPO_GEMM_BACKENDS(X)                                                                                 \
+  X(amx, "amx", any_spec<amx_usable>, amx_reason, (gated<amx_usable, detail::make_amx_gemm_on_cpu>), nullptr) \
+  X(avx2, "avx2", any_spec<avx2_gemm_is_default>, (unless<avx2_gemm_usable, kNoAvx2>),                        \
+    (gated<avx2_gemm_usable, detail::make_avx2_gemm_on_cpu>), nullptr)                                        \
+  X(avx512_fma, "avx512fma", avx512_fma_is_default, (unless<avx512_fma_usable, kNoAvx512>),                   \
+    (gated<avx512_fma_usable, detail::make_avx512_fma_gemm_on_cpu>), nullptr)                                 \
+  X(avx512_bf16, "avx512bf16", any_spec<avx512_bf16_usable>, (unless<avx512_bf16_usable, kNoAvx512Bf16>),     \
+    (gated<avx512_bf16_usable, detail::make_avx512_bf16_gemm_on_cpu>), nullptr)                               \
+  X(onednn, "onednn", any_spec<always>, no_reason, onednn, onednn_traits)                                     \
+  X(reference, "reference", any_spec<always>, no_reason, reference, nullptr)
 
 #define GRPO_GEMM_KIND(kind, ...) kind,
 enum class GemmBackendKind : std::uint8_t { GRPO_GEMM_BACKENDS(GRPO_GEMM_KIND) };
@@ -127,8 +133,9 @@ class GemmBackend {
 struct GemmBackendEntry {
   GemmBackendKind kind;
   const char* name;  // GRPO_GEMM's, to_string's, the tools'
-  // In the default list on this CPU (and usable).
-  bool (*in_default_list)();
+  // In the default list on this CPU (and usable) for spec (a backend may
+  // lead the list for some dtypes alone: avx512fma).
+  bool (*in_default_list)(const GemmSpec& spec);
   // Null when the CPU (and the OS) has what the backend needs, else why not.
   const char* (*unusable)();
   // Null when the backend does not serve spec on this CPU; why_not (may be
@@ -169,13 +176,15 @@ bool amx_usable();
 const char* amx_unusable_reason();
 // The CPU has AVX-512F/BW/DQ/VL and AVX512-BF16.
 bool avx512_bf16_usable();
-// The CPU has AVX-512F/BW/DQ/VL (the avx512fma backend's needs).
+// The CPU has AVX-512F/BW/DQ/VL (the avx512fma backend's needs: its f16
+// conversions are AVX-512F's).
 bool avx512_fma_usable();
 // ... and is an Intel CPU: its vdpbf16ps runs at half its FMA's FLOP rate,
 // or it has none, so the avx512fma backend comes before avx512bf16 (and
-// oneDNN) in the default list.
-bool avx512_fma_is_default();
-// The CPU (and the OS) has AVX2 and FMA.
+// oneDNN) in the default list; or spec has an f16 A or B, which no other
+// backend but the reference loops takes on an AVX-512 CPU.
+bool avx512_fma_is_default(const GemmSpec& spec);
+// The CPU (and the OS) has AVX2, FMA and F16C.
 bool avx2_gemm_usable();
 // ... and no AVX-512: oneDNN 2.6 has no bf16 matmul there, so the avx2
 // backend is in the default list.

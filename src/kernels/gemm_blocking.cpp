@@ -101,12 +101,34 @@ std::size_t scratch_bytes_with_packed(const GemmSpec& spec, const Blocking& b) {
   return spec.shared == SharedOperand::none ? b.scratch_bytes : b.scratch_bytes - b.y_bytes;
 }
 
-bool serves_bf16_or_f32(const GemmSpec& s) {
-  const auto one_dim_contiguous = [](const GemmOperand& o) { return o.col_stride == 1 || o.row_stride == 1; };
+namespace {
+
+bool one_dim_contiguous(const GemmOperand& o) { return o.col_stride == 1 || o.row_stride == 1; }
+
+// The strides and extents every micro takes, whatever the dtypes.
+bool served_layout(const GemmSpec& s) {
   return s.c.col_stride == 1 && one_dim_contiguous(s.a) && one_dim_contiguous(s.b) && s.a.rows > 0 && s.a.cols > 0 &&
          s.b.cols > 0;
 }
 
-bool serves(const GemmSpec& s) { return s.a.dtype == DType::bf16 && s.b.dtype == DType::bf16 && serves_bf16_or_f32(s); }
+// A dtype the packers widen to f32 (f32 itself copied).
+bool widened(DType d) {
+  switch (d) {
+    case DType::f32:
+    case DType::bf16:
+    case DType::f16: return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+bool serves_widened(const GemmSpec& s) { return widened(s.a.dtype) && widened(s.b.dtype) && served_layout(s); }
+
+bool serves_f16_mix(const GemmSpec& s) {
+  return (s.a.dtype == DType::f16 || s.b.dtype == DType::f16) && serves_widened(s);
+}
+
+bool serves(const GemmSpec& s) { return s.a.dtype == DType::bf16 && s.b.dtype == DType::bf16 && served_layout(s); }
 
 }  // namespace grpo::kernels::blocked

@@ -107,8 +107,8 @@ class EpilogueTarget {
   std::int64_t mx_ = 0, ny_ = 0;  // X's rows, Y's columns
 };
 
-// spec: A and B with one contiguous dimension each (serves(), or f32 ones
-// for a micro that packs f32 sources).
+// spec: A and B with one contiguous dimension each (serves(), or f16 and
+// f32 ones for a micro that widens as it packs: serves_widened()).
 Blocking plan_blocking(const GemmSpec& spec, const MicroShape& micro);
 
 // Y whole, every (k block, column block) in run()'s order: what
@@ -119,7 +119,12 @@ std::size_t scratch_bytes_with_packed(const GemmSpec& spec, const Blocking& b);
 
 // bf16 A and B, each with one contiguous dimension, C's rows contiguous.
 bool serves(const GemmSpec& spec);
-// The same with A and B each bf16 or f32 (a micro that widens as it packs).
-bool serves_bf16_or_f32(const GemmSpec& spec);
+// The same with A and B each f32, bf16 or f16 (a micro that widens to f32 as
+// it packs: the avx2 backend's).
+bool serves_widened(const GemmSpec& spec);
+// serves_widened with at least one of A and B f16: the specs the avx512fma
+// backend takes beside serves()'s (f32 A and B stay with oneDNN, whose bits
+// the f32 models were checked with).
+bool serves_f16_mix(const GemmSpec& spec);
 
 }  // namespace grpo::kernels::blocked

@@ -1,7 +1,9 @@
 // The blocked GEMM's epilogue (gemm_blocked.hpp): finished accumulators into
-// C, transposed back when the product ran swapped, + bias, + C when
-// accumulating, rounded to bf16 (nearest even) for a bf16 C; rows and columns
-// past C's edges dropped. A StagedTiles micro's tiles come through store(),
+// C, transposed back when the product ran swapped, + bias (f32, bf16 or f16),
+// + C when accumulating, rounded to bf16 (nearest even) for a bf16 C, to f16
+// (nearest even, saturating at +-65504 and counted: f16.hpp's
+// float_to_f16_saturated, bit for bit) for an f16 C; rows and columns past
+// C's edges dropped. A StagedTiles micro's tiles come through store(),
 // a DirectGroups micro's row groups through store_group() (from registers:
 // docs/benchmarks.md, "Finished groups straight to C").
 //
@@ -17,6 +19,7 @@
 #include <cstring>
 
 #include "kernels/bf16_avx512.hpp"
+#include "kernels/f16.hpp"
 #include "kernels/gemm_blocking.hpp"
 #include "kernels/gemm_lanes_avx512.hpp"
 
@@ -115,7 +118,30 @@ class Avx512Epilogue : EpilogueTarget {
   __m512 bias_at(const void* bias, std::int64_t c0, __mmask16 cmask) const {
     if (spec_.bias_dtype == DType::f32) return _mm512_maskz_loadu_ps(cmask, static_cast<const float*>(bias) + c0);
     const __m256i h = _mm256_maskz_loadu_epi16(cmask, static_cast<const std::uint16_t*>(bias) + c0);
+    if (spec_.bias_dtype == DType::f16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+
+  // 16 f32 -> f16 as float_to_f16_saturated: rounded to nearest even
+  // (vcvtps2ph), but +-65504 where that would give an infinity, and a NaN as
+  // the quiet NaN sign | 0x7e00 whatever its payload. The lanes under cmask
+  // that saturated are counted (take_f16_saturations). One compare finds
+  // both cases (|v| >= 65520, or unordered); only a store that has one pays
+  // for the clamp, the NaN fix and the count.
+  static __m256i to_f16_saturated(__m512 v, __mmask16 cmask) {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    // 65520 = 65504 + half an f16 ulp there: the first magnitude that rounds to infinity.
+    const __mmask16 odd = _mm512_mask_cmp_ps_mask(cmask, _mm512_abs_ps(v), _mm512_set1_ps(65520.0F), _CMP_NLT_UQ);
+    if (odd == 0) return _mm512_cvtps_ph(v, kRound);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    detail::add_f16_saturations(std::popcount(static_cast<unsigned>(odd & ~nan)));
+    // min and max return their second operand when either is NaN: v's NaN
+    // stays. Clamping to 65504 equals rounding first for 65504 <= |v| < 65520.
+    v = _mm512_max_ps(_mm512_set1_ps(-kF16Max), _mm512_min_ps(_mm512_set1_ps(kF16Max), v));
+    const __m256i h = _mm512_cvtps_ph(v, kRound);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 16), _mm512_set1_epi32(0x8000));
+    const __m256i quiet = _mm512_cvtepi32_epi16(_mm512_or_si512(sign, _mm512_set1_epi32(0x7e00)));
+    return _mm256_mask_mov_epi16(h, nan, quiet);
   }
 
   // 16 f32 -> bf16, rounded to nearest even: vcvtneps2bf16 where the unit
@@ -131,7 +157,8 @@ class Avx512Epilogue : EpilogueTarget {
   }
 
   // C[r][c0 + j] (+)= v[j] + bv[j] for the columns under cmask (bv only with
-  // a bias); rounded to bf16 (nearest even) for a bf16 C.
+  // a bias); rounded to bf16 (nearest even) for a bf16 C, to f16 (saturating)
+  // for an f16 one.
   void put(__m512 v, std::int64_t r, std::int64_t c0, __mmask16 cmask, __m512 bv, void* c) const {
     if (spec_.has_bias) v = _mm512_add_ps(v, bv);
     const GemmOperand& co = spec_.c;
@@ -140,6 +167,10 @@ class Avx512Epilogue : EpilogueTarget {
       float* dst = static_cast<float*>(c) + at;
       if (spec_.accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(cmask, dst), v);
       _mm512_mask_storeu_ps(dst, cmask, v);
+    } else if (co.dtype == DType::f16) {
+      std::uint16_t* dst = static_cast<std::uint16_t*>(c) + at;
+      if (spec_.accumulate) v = _mm512_add_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(cmask, dst)), v);
+      _mm256_mask_storeu_epi16(dst, cmask, to_f16_saturated(v, cmask));
     } else {
       std::uint16_t* dst = static_cast<std::uint16_t*>(c) + at;
       if (spec_.accumulate) {

@@ -26,7 +26,23 @@ namespace {
 using dnnl::memory;
 
 memory::data_type to_dnnl(DType dtype) {
-  return dtype == DType::f32 ? memory::data_type::f32 : memory::data_type::bf16;
+  switch (dtype) {
+    case DType::f32: return memory::data_type::f32;
+    case DType::bf16: return memory::data_type::bf16;
+    case DType::f16: return memory::data_type::f16;  // never reached: refusal() refused it
+  }
+  return memory::data_type::undef;
+}
+
+// Why this backend does not take spec, or null. oneDNN 2.6's f16 matmul
+// needs AVX512-FP16 (and the avx512fma and avx2 backends serve f16 on every
+// CPU with AVX-512 or AVX2): refused wherever f16 appears, so no CPU ever
+// runs an f16 GEMM whose bits depend on whether it has AVX512-FP16.
+const char* refusal(const GemmSpec& spec) {
+  const bool f16 = spec.a.dtype == DType::f16 || spec.b.dtype == DType::f16 || spec.c.dtype == DType::f16 ||
+                   (spec.has_bias && spec.bias_dtype == DType::f16);
+  return f16 ? "the onednn backend takes no f16 operand, C or bias (oneDNN 2.6's f16 matmul needs AVX512-FP16)"
+             : nullptr;
 }
 
 memory::desc describe(const GemmOperand& op) {
@@ -173,6 +189,10 @@ const dnnl::engine& GemmEngine::get() const { return *engine_; }
 
 std::unique_ptr<GemmBackend> detail::make_onednn_gemm(const GemmEngine& engine, const GemmSpec& spec,
                                                       std::string* why_not) {
+  if (const char* refused = refusal(spec); refused != nullptr) {
+    if (why_not != nullptr) *why_not = refused;
+    return nullptr;
+  }
   try {
     return std::make_unique<OneDnnGemm>(engine.get(), spec);
   } catch (const dnnl::error& e) {
@@ -185,6 +205,7 @@ std::unique_ptr<GemmBackend> detail::make_onednn_gemm(const GemmEngine& engine, 
 std::size_t detail::onednn_scratchpad_bytes(const GemmEngine& engine, const GemmSpec& spec) {
   // The primitive descriptor alone (no primitive, no JIT): what a planner
   // needs to size the workspace.
+  if (const char* refused = refusal(spec); refused != nullptr) throw Error("gemm", refused, ErrorKind::unsupported);
   OmpThreadsScope scope(spec.threads);
   try {
     return matmul_pd(engine.get(), spec).scratchpad_desc().get_size();

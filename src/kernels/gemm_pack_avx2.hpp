@@ -3,12 +3,12 @@
 // XRowGroups<rows, F32> (per group of rows, each (k, k + 1) pair's two f32 per
 // row) and Y blocks as YVnni<F32> (per 16 columns, [kb32][16] f32: each VNNI
 // row of 16 pairs is its 16 k values, then its 16 k + 1 values), from bf16
-// sources, widened as they are read (exact: a bf16 is the top half of an
-// f32), or from f32 ones. Every packed block is zero-padded to whole panels
-// and k steps. Tested alone against the layouts written as index arithmetic
+// or f16 sources, widened as they are read (exact: a bf16 is the top half of
+// an f32, and every f16 is an f32: vcvtph2ps), or from f32 ones. Every
+// packed block is zero-padded to whole panels and k steps. Tested alone against the layouts written as index arithmetic
 // (tests/test_gemm_packing.cpp, through tests/gemm_pack_hooks_avx2.cpp).
 //
-// Only for translation units compiled with AVX2 and FMA; in an unnamed
+// Only for translation units compiled with AVX2, FMA and F16C; in an unnamed
 // namespace (one copy per such unit).
 #pragma once
 
@@ -24,7 +24,20 @@
 namespace grpo::kernels::blocked {
 namespace {
 
-// An operand's elements as f32: bf16 widened, f32 as they are.
+// An f16 element: its own type, as a std::uint16_t here is a bf16.
+struct F16 {
+  std::uint16_t bits;
+};
+
+// An operand's elements as f32: bf16 and f16 widened, f32 as they are.
+inline float load1(const F16* p) { return _cvtsh_ss(p->bits); }
+inline __m256 load8(const F16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// 6 elements as f32 in lanes 0-5, zeros in 6 and 7; reads nothing past them.
+inline __m256 load6(const F16* p) {
+  std::int32_t last = 0;  // elements 4 and 5
+  std::memcpy(&last, p + 4, sizeof(last));
+  return _mm256_cvtph_ps(_mm_insert_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), last, 2));
+}
 inline float load1(const std::uint16_t* p) {
   const std::uint32_t bits = static_cast<std::uint32_t>(*p) << 16;
   float v = 0.0F;
@@ -94,10 +107,10 @@ class Avx2Packer {
   void pack_x(const void* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb, std::int64_t kb32,
               std::uint16_t* out) const {
     auto* f = reinterpret_cast<float*>(out);
-    if (x_.dtype == DType::bf16) {
-      pack_x_as(static_cast<const std::uint16_t*>(x), m0, rows, k0, kb, kb32, f);
-    } else {
-      pack_x_as(static_cast<const float*>(x), m0, rows, k0, kb, kb32, f);
+    switch (x_.dtype) {
+      case DType::bf16: pack_x_as(static_cast<const std::uint16_t*>(x), m0, rows, k0, kb, kb32, f); return;
+      case DType::f16: pack_x_as(static_cast<const F16*>(x), m0, rows, k0, kb, kb32, f); return;
+      case DType::f32: pack_x_as(static_cast<const float*>(x), m0, rows, k0, kb, kb32, f); return;
     }
   }
 
@@ -106,10 +119,10 @@ class Avx2Packer {
   void pack_y(const void* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0, std::int64_t nb,
               std::int64_t nb32, std::uint16_t* out) const {
     auto* f = reinterpret_cast<float*>(out);
-    if (y_.dtype == DType::bf16) {
-      pack_y_as(static_cast<const std::uint16_t*>(y), k0, kb, kb32, n0, nb, nb32, f);
-    } else {
-      pack_y_as(static_cast<const float*>(y), k0, kb, kb32, n0, nb, nb32, f);
+    switch (y_.dtype) {
+      case DType::bf16: pack_y_as(static_cast<const std::uint16_t*>(y), k0, kb, kb32, n0, nb, nb32, f); return;
+      case DType::f16: pack_y_as(static_cast<const F16*>(y), k0, kb, kb32, n0, nb, nb32, f); return;
+      case DType::f32: pack_y_as(static_cast<const float*>(y), k0, kb, kb32, n0, nb, nb32, f); return;
     }
   }
 

@@ -1,8 +1,12 @@
 // The blocked GEMM's AVX-512 packing (gemm_blocked.hpp), chosen by the
-// micro's declared layouts (gemm_micro.hpp), for bf16 sources: X panels of 32 rows as XTiles or
-// XRowGroups, Y blocks as YVnni; bf16, or widened to f32 after packing.
+// micro's declared layouts (gemm_micro.hpp): X panels of 32 rows as XTiles or
+// XRowGroups, Y blocks as YVnni. bf16 sources are packed as bf16, or for an
+// F32 layout widened to f32 after packing; f16 sources (F32 layouts alone)
+// are packed as 16-bit pairs the same way and widened with vcvtph2ps; f32
+// sources (F32 layouts alone: an f32 operand beside an f16 one) are written
+// into the same f32 layouts directly. Each operand by its own View's dtype.
 // Every packed block is zero-padded to whole panels and k steps. Tested alone
-// against plain loops by the GEMM tester (tests/gemm_amx_emulated.cpp).
+// against the layouts' index arithmetic (tests/test_gemm_packing.cpp).
 //
 // Only for translation units compiled with AVX-512F/BW/DQ/VL; in an unnamed
 // namespace (one copy per such unit).
@@ -32,10 +36,45 @@ inline void interleave_pairs(__m512i r0, __m512i r1, __m512i& lo, __m512i& hi) {
   hi = _mm512_permutex2var_epi16(r0, hi_idx, r1);
 }
 
-// Packs X (the strides x) and Y (y) of one orientation (gemm_blocking.hpp)
-// into XLayout panels and YLayout blocks.
+// The mask of the first n lanes, for an n that may be 0 or negative (a k
+// step of 16 past a short k block's end).
+__mmask16 mask16_from(std::int64_t n) { return n <= 0 ? __mmask16{0} : mask16(n); }
+
+// An n x n transpose in registers (8 u64 lanes of __m512d, or 16 f32):
+// log2(n) perfect shuffles, each interleaving the lanes of r[i] and
+// r[i + n / 2] into t[2 i] (their first halves) and t[2 i + 1].
+template <int kN, class V, class Interleave>
+void transpose_square(V (&r)[kN], const Interleave& interleave) {
+  for (int round = 1; round < kN; round *= 2) {
+    V t[kN];
+    for (int i = 0; i < kN / 2; ++i) interleave(r[i], r[i + kN / 2], t[2 * i], t[2 * i + 1]);
+    for (int i = 0; i < kN; ++i) r[i] = t[i];
+  }
+}
+inline void transpose8_u64(__m512d (&r)[8]) {
+  const __m512i lo = _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11);
+  const __m512i hi = _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15);
+  transpose_square<8>(r, [&](__m512d a, __m512d b, __m512d& l, __m512d& h) {
+    l = _mm512_permutex2var_pd(a, lo, b);
+    h = _mm512_permutex2var_pd(a, hi, b);
+  });
+}
+inline void transpose16_ps(__m512 (&r)[16]) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  transpose_square<16>(r, [&](__m512 a, __m512 b, __m512& l, __m512& h) {
+    l = _mm512_permutex2var_ps(a, lo, b);
+    h = _mm512_permutex2var_ps(a, hi, b);
+  });
+}
+
+// Packs X (the strides and dtype x) and Y (y) of one orientation
+// (gemm_blocking.hpp) into XLayout panels and YLayout blocks.
 template <class XLayout, class YLayout>
 class Avx512Packer {
+  static constexpr bool kXF32 = std::is_same_v<typename XLayout::Elem, F32>;
+  static constexpr bool kYF32 = std::is_same_v<typename YLayout::Elem, F32>;
+
  public:
   Avx512Packer(View x, View y) : x_(x), y_(y), x_kcontig_(x.cs == 1) {}
 
@@ -44,13 +83,26 @@ class Avx512Packer {
   static std::int64_t panel_at(std::int64_t r, std::int64_t kk, std::int64_t kb32) {
     return (r / kPanel) * kPanel * kb32 + kk * kPanel + (r % kPanel) * kKStep;
   }
-  // x: X's bf16 elements (serves() took bf16 A and B).
+  // src: X's elements, of x_.dtype: bf16 for a Bf16 layout (serves() took
+  // bf16 A and B); bf16, f16 or f32 for an F32 one.
   void pack_x(const void* src, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb, std::int64_t kb32,
               std::uint16_t* out) const {
     const auto* x = static_cast<const std::uint16_t*>(src);
     if constexpr (!std::is_same_v<XLayout, XTiles>) {
+      if constexpr (kXF32) {
+        if (x_.dtype == DType::f32) {
+          pack_x_groups_f32(static_cast<const float*>(src), m0, rows, k0, kb, kb32, reinterpret_cast<float*>(out));
+          return;
+        }
+      }
       pack_x_groups(x, m0, rows, k0, kb, kb32, out);
-      if constexpr (std::is_same_v<typename XLayout::Elem, F32>) widen_pairs(out, kPanel * kb32 / 2);
+      if constexpr (kXF32) {
+        if (x_.dtype == DType::f16) {
+          widen_f16_pairs(out, kPanel * kb32 / 2);
+        } else {
+          widen_pairs(out, kPanel * kb32 / 2);
+        }
+      }
       return;
     }
     const std::int64_t rows32 = round_up(rows, kPanel);
@@ -186,6 +238,70 @@ class Avx512Packer {
     }
   }
 
+  // widen_pairs for f16 pairs: each pair's k value is already first, so the
+  // 32 halves of 16 pairs convert in place order (exact: every f16 is an f32).
+  static void widen_f16_pairs(std::uint16_t* out, std::int64_t n) {
+    const auto* pairs = reinterpret_cast<const std::uint32_t*>(out);
+    auto* f = reinterpret_cast<float*>(out);
+    for (std::int64_t i = n - 16; i >= 0; i -= 16) {
+      const __m512i v = _mm512_load_si512(pairs + i);
+      _mm512_store_ps(f + 2 * i, _mm512_cvtph_ps(_mm512_castsi512_si256(v)));
+      _mm512_store_ps(f + 2 * i + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
+    }
+  }
+
+  // pack_x for XRowGroups<8, F32> from f32 X: per group of 8 rows,
+  // [kb32 / 2 k pairs][8 rows][2] f32, zero-padded.
+  void pack_x_groups_f32(const float* x, std::int64_t m0, std::int64_t rows, std::int64_t k0, std::int64_t kb,
+                         std::int64_t kb32, float* out) const {
+    constexpr std::int64_t kG = XLayout::kGroupRows;
+    static_assert(kG == 8, "the f32 group packing transposes 8 rows");
+    if (x_kcontig_) {
+      // Per group and 16 k: a row's (k, k + 1) pair is one u64, so 8 rows
+      // of 8 pairs -> 8 pairs of 8 rows is an 8 x 8 u64 transpose.
+      for (std::int64_t g = 0; g < kPanel; g += kG) {
+        float* og = out + g * kb32;
+        if (x_.rs > kb) {  // the next group's rows, as pack_x_groups does
+          for (std::int64_t r = g + kG; r < std::min(rows, g + 2 * kG); ++r) prefetch_f32_row(x, m0 + r, k0, kb);
+        }
+        for (std::int64_t kk = 0; kk < kb32; kk += kTile) {
+          const __mmask16 kmask = mask16_from(kb - kk);
+          __m512d v[kG];
+          for (std::int64_t r = 0; r < kG; ++r) {
+            v[r] = g + r < rows ? _mm512_castps_pd(_mm512_maskz_loadu_ps(kmask, x + (m0 + g + r) * x_.rs + k0 + kk))
+                                : _mm512_setzero_pd();
+          }
+          transpose8_u64(v);
+          for (std::int64_t j = 0; j < kG; ++j) {
+            _mm512_store_pd(reinterpret_cast<double*>(og + (kk + 2 * j) * kG), v[j]);
+          }
+        }
+      }
+      return;
+    }
+    // Columns contiguous (x_.rs == 1): per k pair, the panel's 32 rows at k
+    // and at k + 1 interleaved, 8 rows' pairs (16 f32) to each group.
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    const __mmask16 rmask[2] = {mask16_from(rows), mask16_from(rows - kTile)};
+    for (std::int64_t k = 0; k < kb32; k += 2) {
+      for (std::int64_t h = 0; h < 2; ++h) {  // rows 16 h .. 16 h + 15: groups 2 h and 2 h + 1
+        const float* at = x + m0 + h * kTile + (k0 + k) * x_.cs;
+        const __m512 r0 = k < kb ? _mm512_maskz_loadu_ps(rmask[h], at) : _mm512_setzero_ps();
+        const __m512 r1 = k + 1 < kb ? _mm512_maskz_loadu_ps(rmask[h], at + x_.cs) : _mm512_setzero_ps();
+        float* o = out + 2 * h * kG * kb32 + k * kG;
+        _mm512_store_ps(o, _mm512_permutex2var_ps(r0, lo_idx, r1));
+        _mm512_store_ps(o + kG * kb32, _mm512_permutex2var_ps(r0, hi_idx, r1));
+      }
+    }
+  }
+
+  // X row `row`'s k [k0, k0 + kb) of f32 (K-contiguous) into L2.
+  void prefetch_f32_row(const float* x, std::int64_t row, std::int64_t k0, std::int64_t kb) const {
+    const auto* at = reinterpret_cast<const char*>(x + row * x_.rs + k0);
+    for (std::int64_t b = 0; b < kb * 4; b += 64) prefetch_l2(at + b);
+  }
+
   // X row `row`'s k [k0, k0 + kb) (K-contiguous) into L1, or L2 when kIntoL2.
   template <bool kIntoL2 = false>
   void prefetch_row(const std::uint16_t* x, std::int64_t row, std::int64_t k0, std::int64_t kb) const {
@@ -201,10 +317,65 @@ class Avx512Packer {
 
   // Y k [k0, k0 + kb) x columns [n0, n0 + nb) -> VNNI tiles: for each 16
   // columns t, kb32 / 2 rows of 16 (k, k + 1) pairs; zero-padded.
+  // y: Y's elements, of y_.dtype (as pack_x's).
   void pack_y(const void* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0, std::int64_t nb,
               std::int64_t nb32, std::uint16_t* out) const {
+    if constexpr (kYF32) {
+      if (y_.dtype == DType::f32) {
+        pack_y_f32(static_cast<const float*>(y), k0, kb, kb32, n0, nb, nb32, reinterpret_cast<float*>(out));
+        return;
+      }
+    }
     pack_y_vnni(static_cast<const std::uint16_t*>(y), k0, kb, kb32, n0, nb, nb32, out);
-    if constexpr (std::is_same_v<typename YLayout::Elem, F32>) widen_rows(out, nb32 * kb32 / 2);
+    if constexpr (kYF32) {
+      if (y_.dtype == DType::f16) {
+        widen_f16_rows(out, nb32 * kb32 / 2);
+      } else {
+        widen_rows(out, nb32 * kb32 / 2);
+      }
+    }
+  }
+  // widen_rows for f16 pairs: the 32 halves of a row of 16 pairs put in
+  // order k, k, ..., k + 1, k + 1, ... (one vpermw), then converted.
+  static void widen_f16_rows(std::uint16_t* out, std::int64_t n) {
+    const auto* pairs = reinterpret_cast<const std::uint32_t*>(out);
+    auto* f = reinterpret_cast<float*>(out);
+    const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,  //
+                                           30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (std::int64_t i = n - 16; i >= 0; i -= 16) {
+      const __m512i v = _mm512_permutexvar_epi16(split, _mm512_loadu_si512(pairs + i));
+      _mm512_storeu_ps(f + 2 * i, _mm512_cvtph_ps(_mm512_castsi512_si256(v)));
+      _mm512_storeu_ps(f + 2 * i + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)));
+    }
+  }
+  // pack_y for YVnni<F32> from f32 Y: per 16 columns, [kb32][16] f32 (a
+  // VNNI row's 16 k values, then its 16 k + 1 values, are rows k and k + 1).
+  void pack_y_f32(const float* y, std::int64_t k0, std::int64_t kb, std::int64_t kb32, std::int64_t n0, std::int64_t nb,
+                  std::int64_t nb32, float* out) const {
+    if (y_.cs == 1) {  // rows (k) N-contiguous: copies of 16 columns
+      for (std::int64_t k = 0; k < kb32; ++k) {
+        for (std::int64_t nn = 0; nn < nb32; nn += kTile) {
+          const __m512 row = k < kb ? _mm512_maskz_loadu_ps(mask16_from(nb - nn), y + (k0 + k) * y_.rs + n0 + nn)
+                                    : _mm512_setzero_ps();
+          _mm512_storeu_ps(out + nn * kb32 + k * kTile, row);
+        }
+      }
+      return;
+    }
+    // Columns K-contiguous (y_.rs == 1): a 16 x 16 transpose per 16 columns
+    // x 16 k.
+    for (std::int64_t nn = 0; nn < nb32; nn += kTile) {
+      float* t = out + nn * kb32;
+      for (std::int64_t kk = 0; kk < kb32; kk += kTile) {
+        const __mmask16 kmask = mask16_from(kb - kk);
+        __m512 v[kTile];
+        for (std::int64_t j = 0; j < kTile; ++j) {
+          v[j] = nn + j < nb ? _mm512_maskz_loadu_ps(kmask, y + (n0 + nn + j) * y_.cs + k0 + kk) : _mm512_setzero_ps();
+        }
+        transpose16_ps(v);
+        for (std::int64_t i = 0; i < kTile; ++i) _mm512_storeu_ps(t + (kk + i) * kTile, v[i]);
+      }
+    }
   }
   // n VNNI u32 at out (rows of 16 (k, k + 1) pairs, n a multiple of 16) ->
   // 2 n f32 in place: each row of 16 pairs becomes the 16 k values, then the

@@ -1,11 +1,12 @@
 // The reference GEMM backend: plain loops, f32 products summed in f32 with k
-// ascending, then bias, then the accumulated C; bf16 C rounded to nearest
-// even. Serves every spec; slow (no blocking): the last entry of the
-// backend list, and what the GEMM tester runs beside the fast backends.
+// ascending, then bias, then the accumulated C; a bf16 C rounded to nearest
+// even, an f16 C too, saturating at +-65504 (counted: take_f16_saturations).
+// Serves every spec; slow (no blocking): the last entry of the backend list,
+// and what the GEMM tester runs beside the fast backends.
 #include <cstdint>
-#include <cstring>
 
 #include "kernels/bf16.hpp"
+#include "kernels/f16.hpp"
 #include "kernels/gemm.hpp"
 #include "kernels/gemm_backend.hpp"
 
@@ -13,11 +14,12 @@ namespace grpo::kernels {
 namespace {
 
 float load(const void* p, DType dtype, std::int64_t at) {
-  if (dtype == DType::f32) return static_cast<const float*>(p)[at];
-  const std::uint32_t bits = static_cast<std::uint32_t>(static_cast<const std::uint16_t*>(p)[at]) << 16;
-  float v = 0.0F;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
+  switch (dtype) {
+    case DType::f32: return static_cast<const float*>(p)[at];
+    case DType::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(p)[at]);
+    case DType::f16: return f16_to_float(static_cast<const std::uint16_t*>(p)[at]);
+  }
+  return 0.0F;
 }
 
 std::uint16_t to_bf16(float v) { return float_to_bf16<Bf16Nan::canonical>(v); }
@@ -35,6 +37,7 @@ class ReferenceGemm final : public GemmBackend {
     const GemmOperand& ao = spec_.a;
     const GemmOperand& bo = spec_.b;
     const GemmOperand& co = spec_.c;
+    std::int64_t saturated = 0;  // f16 C entries written as +-65504
     for (std::int64_t i = 0; i < co.rows; ++i) {
       for (std::int64_t j = 0; j < co.cols; ++j) {
         float sum = 0.0F;
@@ -47,11 +50,14 @@ class ReferenceGemm final : public GemmBackend {
         if (spec_.accumulate) sum += load(c, co.dtype, at);
         if (co.dtype == DType::f32) {
           static_cast<float*>(c)[at] = sum;
+        } else if (co.dtype == DType::f16) {
+          static_cast<std::uint16_t*>(c)[at] = float_to_f16_saturated(sum, &saturated);
         } else {
           static_cast<std::uint16_t*>(c)[at] = to_bf16(sum);
         }
       }
     }
+    if (saturated != 0) detail::add_f16_saturations(saturated);
   }
 
  private:

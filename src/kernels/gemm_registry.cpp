@@ -20,17 +20,22 @@ const char* amx_unusable_reason() { return amx_state().reason; }
 bool avx512_bf16_usable() { return cpu_features().avx512_bf16; }
 bool avx512_fma_usable() { return cpu_features().avx512; }
 
-bool avx512_fma_is_default() {
+bool avx512_fma_is_default(const GemmSpec& spec) {
   // Intel's cores run vdpbf16ps zmm at a quarter of their f32 FMA
   // instruction rate, half its FLOP rate: on a Xeon of model 207 (Emerald
   // Rapids) without AMX, one thread measured 92.6-103 GFLOP/s of vdpbf16ps
   // against 191-207 of FMA. AMD's Zen 4 and Zen 5 run it at twice the FMA's
   // FLOPs. Intel's AVX-512 CPUs without AVX512-BF16 (Skylake to Ice Lake)
-  // had oneDNN 2.6 here.
-  return cpu_features().avx512 && cpu_features().intel;
+  // had oneDNN 2.6 here. An f16 A or B: amx and avx512bf16 take bf16 alone
+  // and oneDNN no f16 (gemm_onednn.cpp), so here on any AVX-512 CPU; an AMD
+  // CPU's bf16 GEMMs keep avx512bf16.
+  const bool f16 = spec.a.dtype == DType::f16 || spec.b.dtype == DType::f16;
+  return cpu_features().avx512 && (cpu_features().intel || f16);
 }
 
-bool avx2_gemm_usable() { return cpu_features().avx2 && cpu_features().fma; }
+// F16C for the f16 operands' and C's conversions (vcvtph2ps, vcvtps2ph):
+// every CPU with AVX2 has it.
+bool avx2_gemm_usable() { return cpu_features().avx2 && cpu_features().fma && cpu_features().f16c; }
 
 bool avx2_gemm_is_default() { return avx2_gemm_usable() && !(cpu_features().cpuid_avx512f && cpu_features().os_zmm); }
 
@@ -40,6 +45,12 @@ namespace {
 template <bool (*kUsable)(), std::unique_ptr<GemmBackend> (*kMake)(const GemmSpec&)>
 std::unique_ptr<GemmBackend> gated(const GemmEngine* /*engine*/, const GemmSpec& spec, std::string* /*why_not*/) {
   return kUsable() ? kMake(spec) : nullptr;
+}
+
+// A default-list gate of the CPU alone, whatever the spec.
+template <bool (*kGate)()>
+bool any_spec(const GemmSpec& /*spec*/) {
+  return kGate();
 }
 
 bool always() { return true; }
@@ -52,7 +63,7 @@ const char* amx_reason() { return amx_usable() ? nullptr : amx_unusable_reason()
 
 constexpr char kNoAvx512Bf16[] = "the CPU has no AVX512-BF16";
 constexpr char kNoAvx512[] = "the CPU has no AVX-512F/BW/DQ/VL";
-constexpr char kNoAvx2[] = "the CPU has no AVX2 and FMA";
+constexpr char kNoAvx2[] = "the CPU has no AVX2, FMA and F16C";
 
 std::unique_ptr<GemmBackend> onednn(const GemmEngine* engine, const GemmSpec& spec, std::string* why_not) {
   return detail::make_onednn_gemm(*engine, spec, why_not);
@@ -68,12 +79,14 @@ GemmTraits onednn_traits() { return {.m_independent = false}; }
 // (avx2_gemm_is_default); on Intel CPUs with AVX-512, f32 FMAs on widened
 // bf16 (avx512_fma_is_default: Xeon model 207 without AMX, one thread, the
 // step's three GEMMs at 151-165 GFLOP/s against vdpbf16ps's 92-100) before
-// avx512bf16; avx512bf16 for bf16 A and B on an AVX512-BF16 CPU without AMX:
-// faster than oneDNN 2.6 on a Zen 4 at the headline and at T=512
-// (gemm_avx512_bf16.cpp's header, docs/benchmarks.md), and with bf16
-// gradients oneDNN's gemm:jit asked a scratchpad the size of the dW tile in
-// f32, which left the workspace budget one tile slot: the step ran on one
-// thread (9.17 s against 4.36 s); then oneDNN, then the reference loops.
+// avx512bf16, and on every AVX-512 CPU for an f16 A or B, which amx,
+// avx512bf16 and oneDNN do not take; avx512bf16 for bf16 A and B on an
+// AVX512-BF16 CPU without AMX: faster than oneDNN 2.6 on a Zen 4 at the
+// headline and at T=512 (gemm_avx512_bf16.cpp's header, docs/benchmarks.md),
+// and with bf16 gradients oneDNN's gemm:jit asked a scratchpad the size of
+// the dW tile in f32, which left the workspace budget one tile slot: the
+// step ran on one thread (9.17 s against 4.36 s); then oneDNN, then the
+// reference loops.
 #define GRPO_GEMM_ROW(kind, name, in_default_list, unusable, make, fixed_traits) \
   {GemmBackendKind::kind, name, in_default_list, unusable, make, fixed_traits},
 constexpr GemmBackendEntry kBackends[] = {GRPO_GEMM_BACKENDS(GRPO_GEMM_ROW)};
