@@ -53,7 +53,7 @@ LmHeadStepStats LmHeadStep::step_stats() const {
   s.dlogits_s = clocks.dlogits.seconds();
   s.dweight_gemm_s = clocks.dweight.seconds();
   s.dhidden_gemm_s = clocks.dhidden.seconds();
-  s.f16_saturated += gemm_f16_saturated.load(std::memory_order_relaxed);
+  s.f16_saturated += StepState::gemm_f16_saturated.load(std::memory_order_relaxed);
   return s;
 }
 

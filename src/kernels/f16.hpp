@@ -33,7 +33,7 @@ inline float f16_to_float(std::uint16_t h) {
 
 // Round to nearest even; past the range an infinity (as vcvtps2ph).
 inline std::uint16_t float_to_f16(float f) {
-  std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  auto x = std::bit_cast<std::uint32_t>(f);
   const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000U);
   x &= 0x7fffffffU;
   if (x >= 0x7f800000U) return sign | (x > 0x7f800000U ? 0x7e00U : 0x7c00U);  // NaN (quiet) / inf
