@@ -160,7 +160,7 @@ def _spawn(size, scenario, dtype, shards=None, run=None):
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(size)]
 
 
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 
 
 def _single(dtype):

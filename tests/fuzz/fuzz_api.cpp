@@ -33,6 +33,7 @@
 
 #include "grpo/baseline.hpp"
 #include "grpo/grpo.hpp"
+#include "kernels/f16.hpp"
 
 namespace {
 
@@ -96,6 +97,18 @@ std::uint16_t to_bf16(float f) {
 
 float from_bf16(std::uint16_t v) { return std::bit_cast<float>(static_cast<std::uint32_t>(v) << 16); }
 
+// A 16-bit element of dtype (bf16 or f16) and back.
+std::uint16_t to_16(DType dtype, float f) { return dtype == DType::f16 ? grpo::kernels::float_to_f16(f) : to_bf16(f); }
+float from_16(DType dtype, std::uint16_t v) {
+  return dtype == DType::f16 ? grpo::kernels::f16_to_float(v) : from_bf16(v);
+}
+
+// One of the three dtypes: bf16 or f16 one time in four each.
+DType pick_dtype(FuzzedDataProvider& fdp) {
+  const int i = fdp.ConsumeIntegralInRange<int>(0, 7);
+  return i < 2 ? DType::bf16 : i < 4 ? DType::f16 : DType::f32;
+}
+
 // One byte-addressed buffer. Sized with slack so that views with a larger ld
 // or an extra row still fall inside memory the harness owns: an out-of-bounds
 // report from ASan is then the library's, not the harness's.
@@ -151,7 +164,7 @@ struct Matrix {
     rows = r;
     cols = c;
     ld = stride;
-    const std::size_t elem = type == DType::bf16 ? 2 : 4;
+    const std::size_t elem = type == DType::f32 ? 4 : 2;
     storage.resize(static_cast<std::size_t>((r + 1) * (std::max(c, stride) + 4)) * 4);
     const std::size_t count = storage.size() / elem;
     for (std::size_t i = 0; i < count; ++i) {
@@ -159,8 +172,8 @@ struct Matrix {
       // for them (one hostile element in about 64).
       const bool h = hostile && fdp.ConsumeIntegralInRange<int>(0, 63) == 0;
       const float v = fdp.remaining_bytes() > 0 ? pick_value(fdp, scale, h) : 0.25F;
-      if (type == DType::bf16) {
-        const std::uint16_t b = to_bf16(v);
+      if (type != DType::f32) {
+        const std::uint16_t b = to_16(type, v);
         std::memcpy(storage.data() + 2 * i, &b, 2);
       } else {
         std::memcpy(storage.data() + 4 * i, &v, 4);
@@ -171,10 +184,10 @@ struct Matrix {
 };
 
 float load(const std::byte* base, DType dtype, std::size_t i) {
-  if (dtype == DType::bf16) {
+  if (dtype == DType::bf16 || dtype == DType::f16) {
     std::uint16_t v;
     std::memcpy(&v, base + 2 * i, 2);
-    return from_bf16(v);
+    return from_16(dtype, v);
   }
   float v;
   std::memcpy(&v, base + 4 * i, 4);
@@ -387,8 +400,9 @@ void run_one(FuzzedDataProvider& fdp) {
   p.vocab = fdp.ConsumeIntegralInRange<std::int64_t>(1, 40);
   p.hidden = fdp.ConsumeIntegralInRange<std::int64_t>(1, 12);
   const grpo::LossConfig config = make_config(fdp, p.rows, p.seq_len);
-  const DType dtype = pick_enum<DType>(fdp, 2);
-  const DType data_dtype = dtype == DType::bf16 ? DType::bf16 : DType::f32;  // storage of an invalid tag
+  const DType dtype = pick_enum<DType>(fdp, 3);
+  const bool known = dtype == DType::bf16 || dtype == DType::f16 || dtype == DType::f32;
+  const DType data_dtype = known ? dtype : DType::f32;  // storage of an invalid tag
   const bool hostile = fdp.ConsumeIntegralInRange<int>(0, 3) == 0;
   const int max_threads = fdp.ConsumeIntegralInRange<int>(-1, 3);
   const bool is_logits = p.entry == Entry::logits_plan || p.entry == Entry::logits_baseline;
@@ -416,8 +430,8 @@ void run_one(FuzzedDataProvider& fdp) {
       const std::int64_t banned = fdp.ConsumeIntegralInRange<std::int64_t>(0, p.vocab - 1);
       for (std::int64_t r = 0; r < p.rows; ++r) {
         const std::size_t at = static_cast<std::size_t>(r * ld + banned);
-        if (data_dtype == DType::bf16) {
-          const std::uint16_t v = to_bf16(-kInf);
+        if (data_dtype != DType::f32) {
+          const std::uint16_t v = to_16(data_dtype, -kInf);
           std::memcpy(p.logits.storage.data() + 2 * at, &v, 2);
         } else {
           const float v = -kInf;
@@ -489,7 +503,7 @@ void run_one(FuzzedDataProvider& fdp) {
   shape.dtype = dtype;
   shape.layout = pick_enum<grpo::WeightLayout>(fdp, 2);
   shape.has_bias = fdp.ConsumeBool();
-  shape.bias_dtype = fdp.ConsumeIntegralInRange<int>(0, 3) == 0 ? DType::bf16 : DType::f32;
+  shape.bias_dtype = pick_dtype(fdp);
   const bool vocab_major = shape.layout != grpo::WeightLayout::hidden_major;
   const std::int64_t w_rows = vocab_major ? p.vocab : p.hidden;
   const std::int64_t w_cols = vocab_major ? p.hidden : p.vocab;
@@ -511,8 +525,8 @@ void run_one(FuzzedDataProvider& fdp) {
     for (std::int64_t v = 0; v <= p.vocab; ++v) {
       // Banned tokens (-inf) are legal in a bias.
       const float x = fdp.ConsumeIntegralInRange<int>(0, 7) == 0 ? -kInf : pick_value(fdp, 1.0F, hostile);
-      if (shape.bias_dtype == DType::bf16) {
-        const std::uint16_t b = to_bf16(x);
+      if (shape.bias_dtype != DType::f32) {
+        const std::uint16_t b = to_16(shape.bias_dtype, x);
         std::memcpy(p.bias_storage.data() + 2 * v, &b, 2);
       } else {
         std::memcpy(p.bias_storage.data() + 4 * v, &x, 4);
@@ -523,8 +537,8 @@ void run_one(FuzzedDataProvider& fdp) {
   fill_batch(fdp, p);
 
   const bool forward_only = fdp.ConsumeIntegralInRange<int>(0, 3) == 0;
-  const DType dweight_dtype = fdp.ConsumeIntegralInRange<int>(0, 3) == 0 ? DType::bf16 : DType::f32;
-  const DType dhidden_dtype = fdp.ConsumeIntegralInRange<int>(0, 3) == 0 ? DType::bf16 : DType::f32;
+  const DType dweight_dtype = pick_dtype(fdp);
+  const DType dhidden_dtype = pick_dtype(fdp);
   const bool accumulate = fdp.ConsumeBool();
   grpo::LmHeadOutputs out{tokens, {}, {}, {}, &p.metrics};
   if (!forward_only || fdp.ConsumeIntegralInRange<int>(0, 15) == 0) {
