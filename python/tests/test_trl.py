@@ -66,18 +66,20 @@ def one_pass(trainer, inputs):
 
 @pytest.mark.parametrize("path,precision,temperature", [
     ("fused", "bf16", 1.0), ("fused", "bf16", 0.7), ("fused", "f32", 1.0), ("fused", "f32", 0.7),
-    ("head", "bf16", 0.7), ("head", "f32", 1.0), ("fused", "f16", 1.0), ("head", "f16", 0.7)])
+    ("head", "bf16", 0.7), ("head", "f32", 1.0), ("fused", "f16", 1.0), ("head", "f16", 0.7),
+    ("fused", "f16amp", 0.7)])
 def test_patched_trainer_matches_trl(path, temperature, precision, record):
     """precision bf16: GRPOConfig's default (bf16=True: CPU autocast to bfloat16, the head's operands cast to
     bf16, TRL's logit tiles rounded to bf16); f32: bf16=False; f16: an fp16 model (model_init_kwargs dtype
     float16, no autocast: the backbone, hidden states, lm_head and its gradients in float16, TRL's logit tiles
-    float16). path fused: patch_grpo_trainer's default (the policy's loss from lm_head_grpo_loss); head:
+    float16); f16amp: fp16=True (CPU autocast to float16: the head's operands cast to float16, TRL's logit tiles
+    float16, float32 parameters and gradients). path fused: patch_grpo_trainer's default (the policy's loss from lm_head_grpo_loss); head:
     fused_loss=False (TRL's loss on fused_log_probs)."""
     bf16 = precision == "bf16"
-    f16 = precision == "f16"
-    trainer = tiny_trainer(temperature=temperature, bf16=bf16,
-                           **({"model_init_kwargs": {"dtype": "float16"}} if f16 else {}))
-    if f16:
+    f16 = precision in ("f16", "f16amp")
+    extra = {"model_init_kwargs": {"dtype": "float16"}} if precision == "f16" else {"fp16": True} if f16 else {}
+    trainer = tiny_trainer(temperature=temperature, bf16=bf16, **extra)
+    if precision == "f16":
         assert trainer.model.lm_head.weight.dtype == torch.float16
     batch = next(iter(trainer.get_train_dataloader()))
     inputs = trainer._generate_and_score_completions(batch)
