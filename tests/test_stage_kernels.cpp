@@ -620,6 +620,19 @@ TEST_P(StageKernelsTest, Conversions) {
       ASSERT_NE(got & 0x7fffU, 0x7c00U) << "an f16 infinity at i=" << i;
     }
     EXPECT_EQ(saturated, want_saturated);
+    // And back: every f16 (NaN payloads included) widened exactly.
+    Guarded wide(n_, 4, place);
+    k_->f16_to_f32(g.as<std::uint16_t>(), wide.as<float>(), n_);
+    EXPECT_TRUE(wide.outside_untouched());
+    for (std::int64_t i = 0; i < n_; ++i) {
+      const float want = f16_to_float(g.as<std::uint16_t>()[i]);
+      const float got = wide.as<float>()[i];
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(got)) << "i=" << i;
+      } else {
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(got), std::bit_cast<std::uint32_t>(want)) << "i=" << i;
+      }
+    }
   }
 }
 

@@ -12,7 +12,6 @@
 #include "driver/lm_head_plan.hpp"
 #include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
-#include "kernels/f16.hpp"
 
 namespace grpo::detail {
 namespace {
@@ -219,8 +218,7 @@ std::int64_t ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrix
           } else if (m.dtype == DType::bf16) {
             k.bf16_to_f32(reinterpret_cast<const std::uint16_t*>(src), dst + off, run);
           } else {
-            const auto* h = reinterpret_cast<const std::uint16_t*>(src);
-            for (std::int64_t i = 0; i < run; ++i) dst[off + i] = kernels::f16_to_float(h[i]);
+            k.f16_to_f32(reinterpret_cast<const std::uint16_t*>(src), dst + off, run);
           }
         });
       },

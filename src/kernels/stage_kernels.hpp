@@ -110,6 +110,8 @@ struct StageKernels {
   // would round to an infinity (f16.hpp's float_to_f16_saturated, bit for
   // bit); returns how many saturated.
   std::int64_t (*f32_to_f16_saturated)(const float* in, std::uint16_t* out, std::int64_t n);
+  // f16 widened to f32 (exact).
+  void (*f16_to_f32)(const std::uint16_t* in, float* out, std::int64_t n);
 };
 
 // Segment length of row_stats over long rows: 2048 f32 = 8 KiB stays in L1

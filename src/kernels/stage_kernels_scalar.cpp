@@ -198,6 +198,10 @@ std::int64_t f32_to_f16_saturated_scalar(const float* in, std::uint16_t* out, st
   return saturated;
 }
 
+void f16_to_f32_scalar(const std::uint16_t* in, float* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) out[i] = f16_to_float(in[i]);
+}
+
 void bf16_to_f32_scalar(const std::uint16_t* in, float* out, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(in[i]);
 }
@@ -247,7 +251,8 @@ const StageKernels& scalar_table() {
                                   max_abs_scalar,
                                   f32_to_bf16_scalar,
                                   bf16_to_f32_scalar,
-                                  f32_to_f16_saturated_scalar};
+                                  f32_to_f16_saturated_scalar,
+                                  f16_to_f32_scalar};
   return k;
 }
 

@@ -413,6 +413,12 @@ std::int64_t f32_to_f16_saturated_simd(const float* in, std::uint16_t* out, std:
   return saturated;
 }
 
+void f16_to_f32_simd(const std::uint16_t* in, float* out, std::int64_t n) {
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store<Elem::f32>(out, i, load<Elem::f16>(in, i));
+  if (i < n) store_tail<Elem::f32>(out, i, n - i, load_tail<Elem::f16>(in, i, n - i, 0.0F));
+}
+
 void bf16_to_f32_simd(const std::uint16_t* in, float* out, std::int64_t n) {
   std::int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) store<Elem::f32>(out, i, load<Elem::bf16>(in, i));
@@ -435,7 +441,8 @@ const StageKernels& simd_table() {
                                   max_abs_simd,
                                   f32_to_bf16_simd,
                                   bf16_to_f32_simd,
-                                  f32_to_f16_saturated_simd};
+                                  f32_to_f16_saturated_simd,
+                                  f16_to_f32_simd};
   return k;
 }
 
