@@ -18,7 +18,7 @@ import grpo
 import grpo.torch as gt
 from reference import make_case
 
-DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 
 
 class DropIn(torch.nn.Module):
