@@ -838,7 +838,19 @@ TEST(StageKernelMaxAbs, MatchesReferenceAndFlagsNonFinite) {
         want_b = std::max(want_b, std::fabs(bf16_to_float(b[i])));
       }
       EXPECT_EQ(k->max_abs(b.data(), Elem::bf16, n), want_b);
+      std::vector<std::uint16_t> f(n);
+      float want_f = 0.0F;
+      for (std::int64_t i = 0; i < n; ++i) {
+        f[i] = float_to_f16(x[i]);
+        want_f = std::max(want_f, std::fabs(f16_to_float(f[i])));
+      }
+      EXPECT_EQ(k->max_abs(f.data(), Elem::f16, n), want_f);
       if (n == 0) continue;
+      for (const std::uint16_t bad : {std::uint16_t{0x7c00}, std::uint16_t{0xfc00}, std::uint16_t{0x7e00}}) {
+        std::vector<std::uint16_t> g = f;
+        g[n - 1] = bad;
+        EXPECT_EQ(k->max_abs(g.data(), Elem::f16, n), kInf) << "f16 bits " << bad;
+      }
       for (float bad : {kInf, -kInf, std::numeric_limits<float>::quiet_NaN()}) {
         for (std::int64_t at : {std::int64_t{0}, n - 1}) {
           std::vector<float> y = x;

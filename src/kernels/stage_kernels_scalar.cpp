@@ -176,10 +176,11 @@ bool no_nan_or_pos_inf_scalar(const void* data, Elem type, std::int64_t n) {
 // T=512 step on a CPU without AVX-512 when it went element by element)
 // gives both max |x| and whether anything was special.
 float max_abs_scalar(const void* data, Elem type, std::int64_t n) {
-  if (type == Elem::bf16) {
+  if (type != Elem::f32) {  // bf16 or f16: the same order on the bits, their own infinity
     const auto* p = static_cast<const std::uint16_t*>(data);
     std::uint16_t m = 0;
     for (std::int64_t i = 0; i < n; ++i) m = std::max<std::uint16_t>(m, p[i] & 0x7fffU);
+    if (type == Elem::f16) return m >= 0x7c00U ? std::numeric_limits<float>::infinity() : f16_to_float(m);
     return m >= 0x7f80U ? std::numeric_limits<float>::infinity() : bf16_to_float(m);
   }
   const auto* p = static_cast<const float*>(data);
