@@ -27,12 +27,8 @@ void validate_lm_head_shape(const LmHeadShape& s) {
   validate_positive(s.hidden, "shape.hidden");
   validate_positive(s.vocab, "shape.vocab");
   if (s.vocab > (std::int64_t{1} << 31) - 1) throw Error("shape.vocab", "exceeds the int32 id range");
-  if (s.dtype != DType::f32 && s.dtype != DType::bf16 && s.dtype != DType::f16) {
-    throw Error("shape.dtype", "must be f32, bf16 or f16");
-  }
-  if (s.has_bias && s.bias_dtype != DType::f32 && s.bias_dtype != DType::bf16 && s.bias_dtype != DType::f16) {
-    throw Error("shape.bias_dtype", "must be f32, bf16 or f16");
-  }
+  if (!known_dtype(s.dtype)) throw Error("shape.dtype", "must be f32, bf16 or f16");
+  if (s.has_bias && !known_dtype(s.bias_dtype)) throw Error("shape.bias_dtype", "must be f32, bf16 or f16");
   if (s.layout != WeightLayout::vocab_major && s.layout != WeightLayout::hidden_major) {
     throw Error("shape.layout", "unknown weight layout");
   }
@@ -84,9 +80,8 @@ void validate_grad_dtypes(const LmHeadShape& s, DType dweight, DType dhidden) {
                 "f16 gradients need f16 inputs (shape.dtype is " + std::string(to_string(s.dtype)) + ")",
                 ErrorKind::unsupported);
   }
-  const auto known = [](DType d) { return d == DType::f32 || d == DType::bf16 || d == DType::f16; };
-  if (!known(dweight)) throw Error("options.dweight_dtype", "must be f32, bf16 or f16");
-  if (!known(dhidden)) throw Error("options.dhidden_dtype", "must be f32, bf16 or f16");
+  if (!known_dtype(dweight)) throw Error("options.dweight_dtype", "must be f32, bf16 or f16");
+  if (!known_dtype(dhidden)) throw Error("options.dhidden_dtype", "must be f32, bf16 or f16");
 }
 
 void validate_head_options(const LmHeadShape& shape, const LmHeadOptions& options) {

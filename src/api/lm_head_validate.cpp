@@ -85,9 +85,7 @@ void validate_lm_head_operands(const LmHeadCallSpec& spec, const LmHeadInputs& i
     if (in.bias.size != s.vocab) {
       throw Error("bias", "has " + std::to_string(in.bias.size) + " elements, expected " + std::to_string(s.vocab));
     }
-    if (in.bias.dtype != DType::f32 && in.bias.dtype != DType::bf16 && in.bias.dtype != DType::f16) {
-      throw Error("bias", "must be f32, bf16 or f16");
-    }
+    if (!known_dtype(in.bias.dtype)) throw Error("bias", "must be f32, bf16 or f16");
     if (in.bias.dtype != spec.bias_dtype) throw Error("bias", "dtype differs from the plan's bias dtype");
   } else if (!in.bias.empty()) {
     throw Error("bias", "was given but the plan was built without has_bias");

@@ -38,7 +38,7 @@ void check_matrix_common(const void* data, DType dtype, std::int64_t rows, std::
   if (want_dtype && dtype != *want_dtype) {
     throw Error(name, std::string("has dtype ") + to_string(dtype) + ", expected " + to_string(*want_dtype));
   }
-  if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16) throw Error(name, "has an unknown dtype");
+  if (!known_dtype(dtype)) throw Error(name, "has an unknown dtype");
   if (reinterpret_cast<std::uintptr_t>(data) % size_of(dtype) != 0) {
     throw Error(name, "data is not aligned to its element size");
   }

@@ -25,6 +25,9 @@ void validate_config(const LossConfig& config);
 void refuse_baseline_features(const LossConfig& config);
 void validate_positive(std::int64_t value, const char* name);
 
+// A dtype of the enum (f32, bf16 or f16): what every dtype argument must be.
+inline bool known_dtype(DType d) { return d == DType::f32 || d == DType::bf16 || d == DType::f16; }
+
 // a * b for shape arithmetic, or Error(name, ...) when it overflows int64.
 std::int64_t checked_mul(std::int64_t a, std::int64_t b, const char* name);
 
