@@ -55,8 +55,9 @@ inline void expect_head_matches_oracle(const HeadCase& c, const HeadProblem& p, 
     // x = z' scale moves by at most s scale |z error| (dz'/dz <= s).
     b.tol_logp[t] = 8.0 * kEpsF32 * (xmax + std::sqrt(static_cast<double>(v))) +
                     2.0 * scale * static_cast<double>(s.config.logit_scale) * tol_z;
-    // The oracle's coefficients: a = |dLoss/dlogp| / tau, b = |dLoss/dEnt| dx/dz'.
-    const double abs_a = std::abs(want.head.dloss_dlogp[t]) / tau;
+    // The oracle's coefficients: a = |dLoss/dlogp| / tau (its parts summed
+    // without cancellation, dloss_dlogp_scale), b = |dLoss/dEnt| dx/dz'.
+    const double abs_a = want.head.dloss_dlogp_scale[t] / tau;
     const double abs_b = std::abs(want.head.dloss_dentropy[t]) * scale;
     sum_abs_c += abs_a * tau;
     entropy_loss_tol +=

@@ -124,8 +124,10 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
   // dlogits: dz = a (onehot - p). p carries logp's error relatively (|dp| <= p tol);
   // a = c / tau carries r's (relative tol) and f32 rounding, so
   // |dz error| <= |a| (3 tol + 4 eps) (+ 2^-8 |dz| when stored as bf16: RNE to 8 bits is
-  // 2^-9 relative, doubled for the f32 error under it). |a| is recovered from the oracle row:
-  // sum_v |dz_v| = 2 |a| (1 - p_y).
+  // 2^-9 relative, doubled for the f32 error under it). |a| is the oracle's
+  // dloss_dlogp_scale / tau: |c| with its policy and KL parts summed without
+  // cancellation and the KL part's own slope in logp added, which |c| misses
+  // when the two parts cancel.
   // vespo: phi_i carries the logp errors of the whole sequence (amp, see
   // coefficient_amplification), and the loss moves by |c_t logp_t| amp tol.
   // With the entropy bonus, softcap or scale the row is the general one of
@@ -134,7 +136,7 @@ TEST_P(LogitsVsOracle, MatchesOracle) {
   double sum_abs_a = 0.0, phi_loss_tol = 0.0, entropy_loss_tol = 0.0;
   const double out_rel = c.dtype == DType::bf16 ? 1.0 / 256.0 : 0.0;
   for (std::int64_t r = 0; r < n; ++r) {
-    const double a = std::abs(want.dloss_dlogp[r]) / tau;
+    const double a = want.dloss_dlogp_scale[r] / tau;  // |c| without cancellation between its parts
     const double b = std::abs(want.dloss_dentropy[r]) * scale;
     sum_abs_a += a;
     entropy_loss_tol += std::abs(want.dloss_dentropy[r]) * tol_entropy;

@@ -175,11 +175,7 @@ void expect_packed_equals_padded(const PackedCase& pc, std::int64_t token_block,
     std::memcpy(mapped.dhidden.data() + from * dh_row, got.dhidden.data() + static_cast<std::size_t>(r) * dh_row,
                 dh_row);
   }
-  // With a KL term the harness's coefficient bound (dz_error_bound: |a| times
-  // the logp error) misses a coefficient whose policy and KL parts cancel: the
-  // padded call itself exceeds it on this draw (dapo_kl, a 0.7% error on a
-  // dhidden entry of 2.5e-8). The bitwise comparison above is the claim there.
-  if (c.spec.config.beta == 0.0F) expect_head_matches_oracle(c, padded, mapped);
+  expect_head_matches_oracle(c, padded, mapped);
 }
 
 TEST_P(PackedEqualsPadded, OneBlockBitwise) { expect_packed_equals_padded(GetParam(), 4096, DType::f32); }

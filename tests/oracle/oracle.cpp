@@ -253,16 +253,21 @@ Forward forward(const Problem& pb) {
   return f;
 }
 
-// c_t = dLoss/dlogp_t by the chain rule through both paths of l_t.
-std::vector<double> logp_coefficients(const Problem& pb, const Forward& f) {
+// c_t = dLoss/dlogp_t by the chain rule through both paths of l_t; with
+// magnitudes, every term's absolute value instead (TokenTerms::d_q_abs,
+// d_logp_abs): a bound on |c_t| that no cancellation shrinks.
+std::vector<double> logp_coefficients(const Problem& pb, const Forward& f, bool magnitudes) {
   const std::int64_t n = pb.batch * pb.seq_len;
+  const auto d_logp = [&](std::int64_t t) { return magnitudes ? f.terms[t].d_logp_abs : f.terms[t].d_logp; };
+  const auto d_q = [&](std::int64_t t) { return magnitudes ? f.terms[t].d_q_abs : f.terms[t].d_q; };
+  const auto dq_dlogp = [&](std::int64_t t) { return magnitudes ? std::abs(f.dq_dlogp[t]) : f.dq_dlogp[t]; };
   std::vector<double> c(static_cast<std::size_t>(n), 0.0);
   for (std::int64_t t = 0; t < n; ++t) {
-    if (f.valid[t]) c[t] = f.weight[t] * f.terms[t].d_logp;
+    if (f.valid[t]) c[t] = f.weight[t] * d_logp(t);
   }
   if (pb.config.importance_sampling_level == IsLevel::token) {
     for (std::int64_t t = 0; t < n; ++t) {
-      if (f.valid[t]) c[t] += f.weight[t] * f.terms[t].d_q * f.dq_dlogp[t];
+      if (f.valid[t]) c[t] += f.weight[t] * d_q(t) * dq_dlogp(t);
     }
   } else {
     // q_i is shared by the sequence: every token's dl/dq flows back to every
@@ -270,12 +275,15 @@ std::vector<double> logp_coefficients(const Problem& pb, const Forward& f) {
     for (std::int64_t i = 0; i < pb.batch; ++i) {
       double d_loss_d_q = 0.0;
       for (std::int64_t u = i * pb.seq_len; u < (i + 1) * pb.seq_len; ++u) {
-        if (f.valid[u]) d_loss_d_q += f.weight[u] * f.terms[u].d_q;
+        if (f.valid[u]) d_loss_d_q += f.weight[u] * d_q(u);
       }
       for (std::int64_t t = i * pb.seq_len; t < (i + 1) * pb.seq_len; ++t) {
-        if (f.valid[t]) c[t] += f.dq_dlogp[t] * d_loss_d_q;
+        if (f.valid[t]) c[t] += dq_dlogp(t) * d_loss_d_q;
       }
     }
+  }
+  if (magnitudes) {
+    for (double& x : c) x = std::abs(x);
   }
   return c;
 }
@@ -312,10 +320,11 @@ Result evaluate(const Problem& pb) {
   // dlogp_t/dz'_v = ([v == y_t] - p_v) / tau in both temperature conventions;
   // dEnt_t/dz'_v = -p_v (x_v - E_p[x]) dx/dz' (1/tau, or 1 under
   // temperature_on_logp); then dz'/dz of the logit transform.
-  const std::vector<double> c = logp_coefficients(pb, f);
+  const std::vector<double> c = logp_coefficients(pb, f, false);
   const double tau = pb.config.temperature;
   const double dx_dz = pb.config.temperature_on_logp ? 1.0 : 1.0 / tau;
   res.dloss_dlogp = c;
+  res.dloss_dlogp_scale = logp_coefficients(pb, f, true);
   res.dloss_dentropy = f.entropy_weight;
   res.dlogits.assign(un * static_cast<std::size_t>(pb.vocab), 0.0);
   for (std::int64_t t = 0; t < n; ++t) {

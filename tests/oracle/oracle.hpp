@@ -37,6 +37,11 @@ struct Result {
   // The coefficients behind dlogits (for error bounds in tests): dLoss/dlogp_t
   // and dLoss/dEnt_t (the entropy bonus), 0 on masked rows.
   std::vector<double> dloss_dlogp;
+  // >= |dloss_dlogp|: its parts (policy, KL, each token's share of a
+  // sequence's ratio) summed without cancellation, the KL part's own slope in
+  // logp included. A float path's error in c_t scales with this, not with
+  // |c_t|, which a policy part and a KL part of opposite sign can shrink.
+  std::vector<double> dloss_dlogp_scale;
   std::vector<double> dloss_dentropy;
   double clip_ratio_low = 0.0;
   double clip_ratio_high = 0.0;

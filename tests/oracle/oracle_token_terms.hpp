@@ -21,6 +21,11 @@ struct TokenTerms {
   double d_q = 0.0;     // dl_t / dq, q the clamped log ratio (r = exp(q))
   double d_logp = 0.0;  // dl_t / dlogp_t through the paths that bypass q
   double kl = 0.0;      // the KL term added (k3, times r under bias correction; 0 when beta == 0)
+  // |d_q| and |d_logp| with their parts (policy, KL) summed without
+  // cancellation, and the KL part's own slope in logp added: what a float
+  // path's error in the coefficient scales with (error bounds in tests).
+  double d_q_abs = 0.0;
+  double d_logp_abs = 0.0;
 };
 
 struct TokenInputs {
@@ -57,6 +62,7 @@ inline double vespo_phi(const LossConfig& config, double log_w_sum, double advan
 struct KlValue {
   double value = 0.0;
   double d_logp = 0.0;
+  double d2_logp = 0.0;  // |d(d_logp)/dlogp|
 };
 
 inline KlValue kl_estimate(const LossConfig& config, double logp, double ref_logp) {
@@ -71,20 +77,23 @@ inline KlValue kl_estimate(const LossConfig& config, double logp, double ref_log
   KlValue kl;
   switch (config.kl_estimator) {
     case KlEstimator::k1:
-    case KlEstimator::k1_plus: kl = {d, 1.0}; break;
+    case KlEstimator::k1_plus: kl = {d, 1.0, 0.0}; break;
     case KlEstimator::abs:
-    case KlEstimator::abs_plus: kl = {std::abs(d), d > 0.0 ? 1.0 : (d < 0.0 ? -1.0 : 0.0)}; break;
-    case KlEstimator::k2: kl = {0.5 * d * d, d}; break;
+    case KlEstimator::abs_plus: kl = {std::abs(d), d > 0.0 ? 1.0 : (d < 0.0 ? -1.0 : 0.0), 0.0}; break;
+    case KlEstimator::k2: kl = {0.5 * d * d, d, 1.0}; break;
     case KlEstimator::k3:
     case KlEstimator::k3_plus:
       // e^-d + d - 1; expm1 keeps the tiny values near d = 0 exact instead of
       // cancelling 1 - 1 (truth should not carry the float path's rounding).
-      kl = {std::expm1(-d) + d, -std::expm1(-d)};
+      kl = {std::expm1(-d) + d, -std::expm1(-d), std::exp(-d)};
       break;
   }
   const KlEstimator e = config.kl_estimator;
-  if (e == KlEstimator::k1_plus || e == KlEstimator::abs_plus || e == KlEstimator::k3_plus) kl.d_logp = d;
-  if (!inside) kl.d_logp = 0.0;
+  if (e == KlEstimator::k1_plus || e == KlEstimator::abs_plus || e == KlEstimator::k3_plus) {
+    kl.d_logp = d;
+    kl.d2_logp = 1.0;
+  }
+  if (!inside) kl.d_logp = kl.d2_logp = 0.0;
   return kl;
 }
 
@@ -153,8 +162,11 @@ inline TokenTerms token_terms(const LossConfig& config, const TokenInputs& in) {
   out.loss *= factor;
   out.d_q *= factor;
   out.d_logp *= factor;
+  out.d_q_abs = std::abs(out.d_q);
+  out.d_logp_abs = std::abs(out.d_logp);
   const double beta = config.beta;
   if (beta == 0.0) return out;
+  const double beta_abs = std::abs(beta);
 
   // No clamp (TRL, Liger) unless config.kl_clamp asks for verl's.
   const KlValue kl = kl_estimate(config, in.logp, in.ref_logp);
@@ -167,9 +179,13 @@ inline TokenTerms token_terms(const LossConfig& config, const TokenInputs& in) {
     out.loss += beta * out.kl;
     out.d_q += beta * out.kl;
     out.d_logp += beta * kl.d_logp * r;
+    // d(KL r)/dq = KL r moves with q by KL r again; KL' r by (KL'' + KL') r.
+    out.d_q_abs += 2.0 * beta_abs * std::abs(out.kl);
+    out.d_logp_abs += beta_abs * r * (2.0 * std::abs(kl.d_logp) + kl.d2_logp);
   } else {
     out.loss += beta * out.kl;
     out.d_logp += beta * kl.d_logp;
+    out.d_logp_abs += beta_abs * (std::abs(kl.d_logp) + kl.d2_logp);
   }
   return out;
 }
