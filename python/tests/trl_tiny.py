@@ -49,8 +49,9 @@ def length_reward(completions, **kwargs):
 
 
 def tiny_trainer(temperature: float = 1.0, beta: float = 0.04, max_steps: int = 2, seed: int = 0, trainer_class=None,
-                 model: dict | None = None, **config):
-    """model: tiny_model_dir's keywords (bias, config fields); trainer_class: a GRPOTrainer subclass."""
+                 model: dict | None = None, peft_config=None, **config):
+    """model: tiny_model_dir's keywords (bias, config fields); trainer_class: a GRPOTrainer subclass; peft_config:
+    the trainer's (a peft LoraConfig: TRL wraps the policy in a PeftModel)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -62,7 +63,7 @@ def tiny_trainer(temperature: float = 1.0, beta: float = 0.04, max_steps: int = 
                       disable_tqdm=True, **config)
     return (trainer_class or GRPOTrainer)(model=path, reward_funcs=length_reward, args=args,
                                           train_dataset=Dataset.from_dict({"prompt": prompts}),
-                                          processing_class=tiny_tokenizer())
+                                          processing_class=tiny_tokenizer(), peft_config=peft_config)
 
 
 def logp_bound(trainer, model, input_ids, attention_mask, logits_to_keep, logits_round=0.0, dtype=None):
