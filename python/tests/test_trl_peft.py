@@ -57,14 +57,21 @@ def one_pass(trainer, inputs):
 @pytest.mark.parametrize("path", ["fused", "head"])
 @pytest.mark.parametrize("precision", ["bf16", "f32"])
 @pytest.mark.parametrize("train_head", [False, True], ids=["lora", "lora+head"])
-def test_lora_trainer_matches_trl(path, precision, train_head, record):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "checkpointing"])
+def test_lora_trainer_matches_trl(path, precision, train_head, checkpointing, record):
     bf16 = precision == "bf16"
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
                       task_type="CAUSAL_LM", modules_to_save=["lm_head"] if train_head else None)
-    trainer = tiny_trainer(bf16=bf16, beta=0.04, num_iterations=2, peft_config=lora)
+    trainer = tiny_trainer(bf16=bf16, beta=0.04, num_iterations=2, peft_config=lora,
+                           gradient_checkpointing=checkpointing)
     model = trainer.model
     assert trainer.ref_model is None and hasattr(model, "disable_adapter")
     assert model.get_base_model().lm_head.weight.requires_grad == train_head
+    if checkpointing:  # as Trainer.train() does before its first step
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    assert model.get_base_model().is_gradient_checkpointing == checkpointing
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch here
     model.train()
     nudge_adapters(model, seed=1)
@@ -89,7 +96,7 @@ def test_lora_trainer_matches_trl(path, precision, train_head, record):
     with model.disable_adapter():
         e_ref, _ = logp_bound(*args)
         e2_ref = e_ref + logp_bound(*args, logits_round=round_)[0]
-    tag = f"trainer {'lora+head' if train_head else 'lora'} {path} {precision}"
+    tag = f"trainer {'lora+head' if train_head else 'lora'}{' ckpt' if checkpointing else ''} {path} {precision}"
     for name, tol in (("logps", e2), ("ref_logps", e2_ref)):
         diff = (ours[name].double() - theirs[name].double()).abs()
         record(tag, name, ours[name], theirs[name])
