@@ -67,18 +67,23 @@ def one_pass(trainer, inputs):
 @pytest.mark.parametrize("path,precision,temperature", [
     ("fused", "bf16", 1.0), ("fused", "bf16", 0.7), ("fused", "f32", 1.0), ("fused", "f32", 0.7),
     ("head", "bf16", 0.7), ("head", "f32", 1.0), ("fused", "f16", 1.0), ("head", "f16", 0.7),
-    ("fused", "f16amp", 0.7)])
+    ("fused", "f16amp", 0.7), ("fused", "bf16+tied", 1.0), ("fused", "f32+tied", 0.7), ("head", "f32+tied", 1.0)])
 def test_patched_trainer_matches_trl(path, temperature, precision, record):
     """precision bf16: GRPOConfig's default (bf16=True: CPU autocast to bfloat16, the head's operands cast to
     bf16, TRL's logit tiles rounded to bf16); f32: bf16=False; f16: an fp16 model (model_init_kwargs dtype
     float16, no autocast: the backbone, hidden states, lm_head and its gradients in float16, TRL's logit tiles
     float16); f16amp: fp16=True (CPU autocast to float16: the head's operands cast to float16, TRL's logit tiles
     float16, float32 parameters and gradients). path fused: patch_grpo_trainer's default (the policy's loss from lm_head_grpo_loss); head:
-    fused_loss=False (TRL's loss on fused_log_probs)."""
+    fused_loss=False (TRL's loss on fused_log_probs). "+tied": lm_head.weight is the input embedding's
+    (tie_word_embeddings, as Qwen2.5-0.5B to 3B): the head's dW and the embedding's gradient add up in one .grad."""
+    tied = precision.endswith("+tied")
+    precision = precision.removesuffix("+tied")
     bf16 = precision == "bf16"
     f16 = precision in ("f16", "f16amp")
     extra = {"model_init_kwargs": {"dtype": "float16"}} if precision == "f16" else {"fp16": True} if f16 else {}
-    trainer = tiny_trainer(temperature=temperature, bf16=bf16, **extra)
+    trainer = tiny_trainer(temperature=temperature, bf16=bf16, model={"tied": tied}, **extra)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"  # named_parameters names a tied one once
+    assert (trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight) == tied
     if precision == "f16":
         assert trainer.model.lm_head.weight.dtype == torch.float16
     batch = next(iter(trainer.get_train_dataloader()))
@@ -98,7 +103,7 @@ def test_patched_trainer_matches_trl(path, temperature, precision, record):
     e, xmax = logp_bound(*args, dtype=operands)
     # Both heads err: grpo's f32 logits, TRL's (rounded to bf16 under autocast, to fp16 for an fp16 model).
     e2 = e + logp_bound(*args, logits_round=UBF if bf16 else U16 if f16 else 0.0, dtype=operands)[0]
-    tag = f"trainer {path} {precision} T={temperature:g}"
+    tag = f"trainer {path} {precision}{'+tied' if tied else ''} T={temperature:g}"
     for name, tol in (("logps", e2), ("ref_logps", e2), ("entropy", e2 * (2.0 + xmax))):
         diff = (ours[name].double() - theirs[name].double()).abs()
         record(tag, name, ours[name], theirs[name])
@@ -107,7 +112,7 @@ def test_patched_trainer_matches_trl(path, temperature, precision, record):
     loss_tol = 2.0 * float((c * 2.0 * e2).sum()) + 64 * U32 * abs(float(theirs["loss"]))
     record(tag, "loss", ours["loss"], theirs["loss"])
     assert abs(float(ours["loss"]) - float(theirs["loss"])) <= loss_tol
-    assert ours["grads"].keys() == theirs["grads"].keys() and "lm_head.weight" in ours["grads"]
+    assert ours["grads"].keys() == theirs["grads"].keys() and head in ours["grads"]
     v = trainer.model.lm_head.weight.shape[0]
     # bf16: grpo rounds dlogits to bf16 and so does TRL (its tile); the backbone's
     # backward runs in bf16 under autocast: a few bf16 roundings more.
@@ -115,7 +120,7 @@ def test_patched_trainer_matches_trl(path, temperature, precision, record):
     budget = 8 * float(e2.max()) + (8 * UBF if bf16 else 8 * U16 if f16 else 64 * U32 * v)
     for name, g in theirs["grads"].items():
         rel = float((ours["grads"][name].double() - g.double()).abs().max()) / max(float(g.abs().max()), 1e-30)
-        record(tag, "grad " + (name if name == "lm_head.weight" else "backbone (worst)"),
+        record(tag, "grad " + (name if name == head else "backbone (worst)"),
                abs_diff=rel * float(g.abs().max()), rel=rel)
         assert rel <= budget, f"{name}: {rel:.3g} > {budget:.3g}"
 

@@ -21,10 +21,12 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def tiny_model_dir(seed: int = 0, hidden: int = 32, bias: bool = False, moe: bool = False, **config_fields) -> str:
+def tiny_model_dir(seed: int = 0, hidden: int = 32, bias: bool = False, moe: bool = False, tied: bool = False,
+                   **config_fields) -> str:
     """A saved random tiny Qwen2 (and its tokenizer): TRL loads the policy and the reference from it.
 
     moe: a tiny Mixtral instead (4 experts, 2 per token: TRL adds its router's load-balancing loss).
+    tied: lm_head.weight is the input embedding's (tie_word_embeddings, as Qwen2.5-0.5B to 3B have it).
     config_fields: extra config entries (final_logit_softcapping, logit_scale: read by TRL's fused head only).
     """
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -34,7 +36,7 @@ def tiny_model_dir(seed: int = 0, hidden: int = 32, bias: bool = False, moe: boo
     extra = dict(num_local_experts=4, num_experts_per_tok=2) if moe else {}
     config = config_class(vocab_size=len(WORDS), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
-                          eos_token_id=1, bos_token_id=1, tie_word_embeddings=False, **extra, **config_fields)
+                          eos_token_id=1, bos_token_id=1, tie_word_embeddings=tied, **extra, **config_fields)
     model = model_class(config)
     if bias:  # Qwen2's lm_head has no bias; give it one to exercise the bias path
         model.lm_head.bias = torch.nn.Parameter(0.3 * torch.randn(len(WORDS)))
