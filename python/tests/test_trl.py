@@ -67,7 +67,8 @@ def one_pass(trainer, inputs):
 @pytest.mark.parametrize("path,precision,temperature", [
     ("fused", "bf16", 1.0), ("fused", "bf16", 0.7), ("fused", "f32", 1.0), ("fused", "f32", 0.7),
     ("head", "bf16", 0.7), ("head", "f32", 1.0), ("fused", "f16", 1.0), ("head", "f16", 0.7),
-    ("fused", "f16amp", 0.7), ("fused", "bf16+tied", 1.0), ("fused", "f32+tied", 0.7), ("head", "f32+tied", 1.0)])
+    ("fused", "f16amp", 0.7), ("fused", "bf16+tied", 1.0), ("fused", "f32+tied", 0.7), ("head", "f32+tied", 1.0),
+    ("fused", "bf16+fp32head", 0.7), ("head", "bf16+fp32head", 1.0)])
 def test_patched_trainer_matches_trl(path, temperature, precision, record):
     """precision bf16: GRPOConfig's default (bf16=True: CPU autocast to bfloat16, the head's operands cast to
     bf16, TRL's logit tiles rounded to bf16); f32: bf16=False; f16: an fp16 model (model_init_kwargs dtype
@@ -75,12 +76,17 @@ def test_patched_trainer_matches_trl(path, temperature, precision, record):
     float16); f16amp: fp16=True (CPU autocast to float16: the head's operands cast to float16, TRL's logit tiles
     float16, float32 parameters and gradients). path fused: patch_grpo_trainer's default (the policy's loss from lm_head_grpo_loss); head:
     fused_loss=False (TRL's loss on fused_log_probs). "+tied": lm_head.weight is the input embedding's
-    (tie_word_embeddings, as Qwen2.5-0.5B to 3B): the head's dW and the embedding's gradient add up in one .grad."""
+    (tie_word_embeddings, as Qwen2.5-0.5B to 3B): the head's dW and the embedding's gradient add up in one .grad.
+    "+fp32head": cast_lm_head_to_fp32=True (ScaleRL's recipe: under bf16 autocast the head runs in float32, its
+    weight float32, outside autocast), so both heads' logits are float32: the float32 bound, not bf16's."""
     tied = precision.endswith("+tied")
-    precision = precision.removesuffix("+tied")
+    fp32head = precision.endswith("+fp32head")
+    precision = precision.removesuffix("+tied").removesuffix("+fp32head")
     bf16 = precision == "bf16"
     f16 = precision in ("f16", "f16amp")
     extra = {"model_init_kwargs": {"dtype": "float16"}} if precision == "f16" else {"fp16": True} if f16 else {}
+    if fp32head:
+        extra["cast_lm_head_to_fp32"] = True
     trainer = tiny_trainer(temperature=temperature, bf16=bf16, model={"tied": tied}, **extra)
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"  # named_parameters names a tied one once
     assert (trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight) == tied
@@ -99,11 +105,12 @@ def test_patched_trainer_matches_trl(path, temperature, precision, record):
     assert ("lm_head_loss" in kinds) == (path == "fused") and "lm_head_log_prob" in kinds, kinds
 
     args = (trainer, trainer.model, theirs["input_ids"], theirs["attention_mask"], theirs["keep"])
-    operands = torch.float16 if f16 else None
+    operands = torch.float16 if f16 else torch.float32 if fp32head else None
     e, xmax = logp_bound(*args, dtype=operands)
     # Both heads err: grpo's f32 logits, TRL's (rounded to bf16 under autocast, to fp16 for an fp16 model).
-    e2 = e + logp_bound(*args, logits_round=UBF if bf16 else U16 if f16 else 0.0, dtype=operands)[0]
-    tag = f"trainer {path} {precision}{'+tied' if tied else ''} T={temperature:g}"
+    head_round = 0.0 if fp32head else UBF if bf16 else U16 if f16 else 0.0
+    e2 = e + logp_bound(*args, logits_round=head_round, dtype=operands)[0]
+    tag = f"trainer {path} {precision}{'+tied' if tied else ''}{'+fp32head' if fp32head else ''} T={temperature:g}"
     for name, tol in (("logps", e2), ("ref_logps", e2), ("entropy", e2 * (2.0 + xmax))):
         diff = (ours[name].double() - theirs[name].double()).abs()
         record(tag, name, ours[name], theirs[name])
