@@ -191,12 +191,7 @@ void DenseBackward::zero_dweight() const {
 std::int64_t DenseBackward::write_dhidden_row(std::int64_t row, const float* src) const {
   auto* dst = static_cast<std::byte*>(out.dhidden.data) +
               static_cast<std::size_t>(row * out.dhidden.ld) * size_of(out.dhidden.dtype);
-  switch (out.dhidden.dtype) {
-    case DType::f32: std::memcpy(dst, src, static_cast<std::size_t>(p.shape.hidden) * sizeof(float)); return 0;
-    case DType::bf16: k.f32_to_bf16(src, reinterpret_cast<std::uint16_t*>(dst), p.shape.hidden); return 0;
-    case DType::f16: return k.f32_to_f16_saturated(src, reinterpret_cast<std::uint16_t*>(dst), p.shape.hidden);
-  }
-  return 0;
+  return store_f32_as(k, src, dst, out.dhidden.dtype, p.shape.hidden);
 }
 
 void DenseBackward::zero_dhidden_row(std::int64_t row) const {

@@ -117,10 +117,7 @@ void run_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, const LmHea
   if (backward) step.finish_tail();
   if (backward && !dweight_written) step.zero_dweight();  // every row inactive, overwrite mode
   const std::int64_t summed_saturated = exchange.end(outputs, acc);
-  if (outputs.stats != nullptr) {
-    *outputs.stats = step.step_stats();
-    outputs.stats->f16_saturated += summed_saturated;
-  }
+  if (outputs.stats != nullptr) *outputs.stats = step.step_stats(summed_saturated);
 }
 
 }  // namespace

@@ -46,14 +46,14 @@ LmHeadStep::LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, c
   if (plan.filter) filter_.emplace(*this, dense_);
 }
 
-LmHeadStepStats LmHeadStep::step_stats() const {
+LmHeadStepStats LmHeadStep::step_stats(std::int64_t summed_saturated) const {
   LmHeadStepStats s = counters;
   s.forward_gemm_s = clocks.forward_gemm.seconds();
   s.forward_stage_s = clocks.forward_stage.seconds();
   s.dlogits_s = clocks.dlogits.seconds();
   s.dweight_gemm_s = clocks.dweight.seconds();
   s.dhidden_gemm_s = clocks.dhidden.seconds();
-  s.f16_saturated += StepState::gemm_f16_saturated.load(std::memory_order_relaxed);
+  s.f16_saturated += StepState::gemm_f16_saturated.load(std::memory_order_relaxed) + summed_saturated;
   return s;
 }
 

@@ -33,8 +33,9 @@ class LmHeadStep : public StepState, public StepPart {
   LmHeadStep(const LmHeadPlanData& plan, const LmHeadInputs& inputs, const LmHeadOutputs& outputs, std::byte* workspace,
              StepExchange& call_exchange);
 
-  // counters with the phase times filled in.
-  LmHeadStepStats step_stats() const;
+  // counters with the phase times filled in; summed_saturated: the f16 dW
+  // entries the data group's sum saturated (StepExchange::end), 0 without one.
+  LmHeadStepStats step_stats(std::int64_t summed_saturated = 0) const;
 
   // Logits, statistics, LSE, logp and entropy of rows [b0, b0 + nb) (ForwardPass::block).
   void forward(std::int64_t b0, std::int64_t nb, bool keep) { forward_.block(b0, nb, keep); }

@@ -69,10 +69,7 @@ void backward_blocks(const LmHeadPlanData& p, const LmHeadInputs& inputs, std::s
   step.finish_tail();
   if (!dweight_written) step.zero_dweight();                    // every row inactive, overwrite mode
   const std::int64_t summed_saturated = exchange.end(outputs);  // a data group's dW and dbias summed
-  if (outputs.stats != nullptr) {
-    *outputs.stats = step.step_stats();
-    outputs.stats->f16_saturated += summed_saturated;
-  }
+  if (outputs.stats != nullptr) *outputs.stats = step.step_stats(summed_saturated);
 }
 
 }  // namespace

@@ -36,6 +36,27 @@ inline float element_at(const void* data, DType dtype, std::int64_t i) {
   return 0.0F;
 }
 
+// n values of dtype at src, widened to f32 at dst (exact).
+inline void load_as_f32(const kernels::StageKernels& k, const void* src, DType dtype, float* dst, std::int64_t n) {
+  switch (dtype) {
+    case DType::f32: std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float)); return;
+    case DType::bf16: k.bf16_to_f32(static_cast<const std::uint16_t*>(src), dst, n); return;
+    case DType::f16: k.f16_to_f32(static_cast<const std::uint16_t*>(src), dst, n); return;
+  }
+}
+
+// n f32 values stored at dst as dtype: copied, rounded to bf16, or rounded
+// to f16 saturating at +-65504. Returns the f16 entries that saturated.
+inline std::int64_t store_f32_as(const kernels::StageKernels& k, const float* src, void* dst, DType dtype,
+                                 std::int64_t n) {
+  switch (dtype) {
+    case DType::f32: std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float)); return 0;
+    case DType::bf16: k.f32_to_bf16(src, static_cast<std::uint16_t*>(dst), n); return 0;
+    case DType::f16: return k.f32_to_f16_saturated(src, static_cast<std::uint16_t*>(dst), n);
+  }
+  return 0;
+}
+
 // x = z' * scale is what the softmax sees; logp = (x_y - LSE(x)) * post;
 // dlogits = c * grad_scale * (onehot - p) (= c / tau in both conventions).
 // The entropy is that of softmax(x), so dEnt/dz' = scale * dEnt/dx: 1/tau by

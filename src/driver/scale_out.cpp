@@ -12,6 +12,7 @@
 #include "driver/lm_head_plan.hpp"
 #include "driver/loss_accumulator.hpp"
 #include "driver/parallel.hpp"
+#include "driver/row_math.hpp"
 
 namespace grpo::detail {
 namespace {
@@ -213,24 +214,12 @@ std::int64_t ScaleOutPlan::sum_in_rank_order(const Group& group, const MutMatrix
       group, m.rows * m.cols, direct, send, recv, threads,
       [&](std::int64_t at, std::int64_t n, float* dst) {
         for_runs(at, n, [&](std::byte* src, std::int64_t off, std::int64_t run) {
-          if (m.dtype == DType::f32) {
-            std::memcpy(dst + off, src, static_cast<std::size_t>(run) * sizeof(float));
-          } else if (m.dtype == DType::bf16) {
-            k.bf16_to_f32(reinterpret_cast<const std::uint16_t*>(src), dst + off, run);
-          } else {
-            k.f16_to_f32(reinterpret_cast<const std::uint16_t*>(src), dst + off, run);
-          }
+          load_as_f32(k, src, m.dtype, dst + off, run);
         });
       },
       [&](std::int64_t at, std::int64_t n, const float* src) {
         for_runs(at, n, [&](std::byte* dst, std::int64_t off, std::int64_t run) {
-          if (m.dtype == DType::f32) {
-            std::memcpy(dst, src + off, static_cast<std::size_t>(run) * sizeof(float));
-          } else if (m.dtype == DType::bf16) {
-            k.f32_to_bf16(src + off, reinterpret_cast<std::uint16_t*>(dst), run);
-          } else {
-            saturated += k.f32_to_f16_saturated(src + off, reinterpret_cast<std::uint16_t*>(dst), run);
-          }
+          saturated += store_f32_as(k, src + off, dst, m.dtype, run);
         });
       });
   return saturated.load();
