@@ -26,42 +26,7 @@ pytest.importorskip("transformers")
 import grpo  # noqa: E402
 from grpo.integrations.trl import is_patched, patch_grpo_trainer  # noqa: E402
 from reference import U16, U32, UBF  # noqa: E402
-from trl_tiny import logp_bound, tiny_trainer  # noqa: E402
-
-
-def one_pass(trainer, inputs):
-    """Policy and reference logps / entropies, the loss, dLoss/dlogp and every gradient, on `inputs`."""
-    model = trainer.model
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    keep = inputs["completion_ids"].size(1)
-    with torch.no_grad():
-        logps, ents, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, keep,
-                                                                    compute_entropy=True)
-        ref_logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, input_ids, attention_mask,
-                                                                     keep)
-    captured = {}
-    original = trainer._get_per_token_logps_and_entropies
-
-    def spy(*args, **kwargs):
-        lp, ent, aux = original(*args, **kwargs)
-        if lp.requires_grad:  # TRL's loss on a head's log-probs (grpo's fused loss hands back placeholders)
-            lp.retain_grad()
-            captured["logps"] = lp
-        return lp, ent, aux
-
-    trainer._get_per_token_logps_and_entropies = spy
-    try:
-        model.zero_grad(set_to_none=True)
-        loss = trainer.compute_loss(model, inputs)
-        loss.backward()
-    finally:
-        del trainer._get_per_token_logps_and_entropies
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    c = captured["logps"].grad if "logps" in captured else None
-    return dict(logps=logps, entropy=ents, ref_logps=ref_logps, loss=loss.detach(), c=c,
-                grads=grads, input_ids=input_ids, attention_mask=attention_mask, keep=keep)
+from trl_tiny import logp_bound, one_pass, tiny_trainer  # noqa: E402
 
 
 @pytest.mark.parametrize("path,precision,temperature", [

@@ -1,6 +1,7 @@
 """A tiny TRL 1.16 GRPOTrainer on CPU built in code (no downloads): Qwen2 with a 64-token vocabulary.
 
-Also logp_bound: the per-token error bound of a head's log-probs on such a trainer's batch.
+Also one_pass: a trainer's log-probs, loss and gradients on one batch; logp_bound: the per-token error bound
+of a head's log-probs on such a trainer's batch.
 """
 
 from __future__ import annotations
@@ -66,6 +67,48 @@ def tiny_trainer(temperature: float = 1.0, beta: float = 0.04, max_steps: int = 
     return (trainer_class or GRPOTrainer)(model=path, reward_funcs=length_reward, args=args,
                                           train_dataset=Dataset.from_dict({"prompt": prompts}),
                                           processing_class=tiny_tokenizer(), peft_config=peft_config)
+
+
+def one_pass(trainer, inputs):
+    """Policy and reference logps / entropies, the loss, dLoss/dlogp and every gradient, on `inputs`.
+
+    The reference is trainer.ref_model, or without one (a PEFT policy) the policy with its adapter disabled, as
+    TRL computes it."""
+    model = trainer.model
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    keep = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        logps, ents, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, keep,
+                                                                    compute_entropy=True)
+        if trainer.ref_model is not None:
+            ref_logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, input_ids,
+                                                                         attention_mask, keep)
+        else:
+            with model.disable_adapter():
+                ref_logps, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention_mask, keep)
+    captured = {}
+    original = trainer._get_per_token_logps_and_entropies
+
+    def spy(*args, **kwargs):
+        lp, ent, aux = original(*args, **kwargs)
+        if lp.requires_grad:  # TRL's loss on a head's log-probs (grpo's fused loss hands back placeholders)
+            lp.retain_grad()
+            captured["logps"] = lp
+        return lp, ent, aux
+
+    trainer._get_per_token_logps_and_entropies = spy
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+    finally:
+        del trainer._get_per_token_logps_and_entropies
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    c = captured["logps"].grad if "logps" in captured else None
+    return dict(logps=logps, entropy=ents, ref_logps=ref_logps, loss=loss.detach(), c=c,
+                grads=grads, input_ids=input_ids, attention_mask=attention_mask, keep=keep)
 
 
 def logp_bound(trainer, model, input_ids, attention_mask, logits_to_keep, logits_round=0.0, dtype=None):
